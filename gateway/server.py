@@ -1,0 +1,84 @@
+"""The gateway's gRPC surface: thin methods over gateway.pipeline.Pipeline."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from stagemesh import logs, serve
+from stagemesh.rpc import ServiceHost, servicer_method
+from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
+from gateway.pipeline import DenoisingStep, Pipeline, StageStarted
+from gateway.stages import StageClient
+
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+
+
+def _event_proto(event: object) -> gateway_pb2.GenerateResponse:
+    if isinstance(event, StageStarted):
+        return gateway_pb2.GenerateResponse(
+            stage_started=gateway_pb2.StageStarted(stage_id=event.stage_id, kind=event.kind))
+    if isinstance(event, DenoisingStep):
+        return gateway_pb2.GenerateResponse(denoising_step=gateway_pb2.DenoisingStep(
+            stage_id=event.stage_id, step=event.step, total=event.total))
+    assert isinstance(event, generation_pb2.GenerationResult)
+    return gateway_pb2.GenerateResponse(result=event)
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    def __init__(self, pipeline: Pipeline):
+        self._pipeline = pipeline
+
+    def _start(self, request, context):
+        return logs.current_request_id(), self._pipeline.resolve(request.params)
+
+    @servicer_method
+    async def Generate(self, request: gateway_pb2.GenerateRequest, context):
+        request_id, params = self._start(request, context)
+        async for event in self._pipeline.generate(request_id, params, context.time_remaining()):
+            yield _event_proto(event)
+
+    @servicer_method
+    async def GenerateUnary(self, request: gateway_pb2.GenerateUnaryRequest, context):
+        request_id, params = self._start(request, context)
+        async for event in self._pipeline.generate(request_id, params, context.time_remaining()):
+            if isinstance(event, generation_pb2.GenerationResult):
+                return gateway_pb2.GenerateUnaryResponse(result=event)
+        raise AssertionError("pipeline ended without a result")
+
+    @servicer_method
+    async def ListStages(self, request, context) -> gateway_pb2.ListStagesResponse:
+        return gateway_pb2.ListStagesResponse(stages=await self._pipeline.list_stages())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default: 0)")
+    parser.add_argument(
+        "--stage", action="append", default=[], metavar="ADDRESSES",
+        help="a stage's address, in pipeline order; repeat per stage. Replicas: comma-separated "
+             "addresses or one dns:///name:port target (balanced by gRPC round_robin)")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="largest request accepted; larger ones get RESOURCE_EXHAUSTED (default: 4 MiB)")
+    parser.add_argument("--ready-file", default=None, help="write {'address', 'pid'} as JSON here once bound")
+    parser.add_argument("--log-level", default="info", help="log level (default: 'info')")
+
+
+async def serve_gateway(args: argparse.Namespace) -> None:
+    if not args.stage:
+        raise SystemExit("stagemesh gateway: give at least one --stage ADDRESS")
+    stages = [StageClient(i, [a.strip() for a in spec.split(",") if a.strip()]) for i, spec in enumerate(args.stage)]
+    pipeline = Pipeline(stages)
+    host = ServiceHost(args.host, args.port, [SERVICE_NAME], max_receive_bytes=args.max_request_bytes)
+    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(pipeline), host.server)
+
+    async def close() -> None:
+        await asyncio.gather(*(s.close() for s in stages))
+
+    await serve.run(host, ready_file=args.ready_file, load=pipeline.wait_until_ready, close=close)
+
+
+def main(args: argparse.Namespace) -> None:
+    logs.configure("gateway", args.log_level)
+    serve.main("gateway", serve_gateway(args))

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv (once) with the pinned CPU torch wheel first, then stagemesh and its test extra.
+# Sourced by scripts/up and scripts/test, so each works on a fresh machine.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${STAGEMESH_VENV:-$ROOT/.venv}"
+STAMP="$VENV/.stagemesh-installed"
+if [[ ! -f "$STAMP" || "$ROOT/pyproject.toml" -nt "$STAMP" ]]; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  # An unpinned torch would pull a multi-GB CUDA build; the CPU wheel is enough here.
+  "$VENV/bin/python" -m pip install -q "torch==${STAGEMESH_TORCH_VERSION:-2.13.0}"
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
+  touch "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"

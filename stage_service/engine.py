@@ -1,0 +1,207 @@
+"""Admission, batching of compatible requests, dispatch to free workers, restart of dead ones.
+
+Runs on the service's event loop; all blocking work happens in the executor's processes or
+in threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+import torch
+
+from stagemesh import errors, logs
+from stagemesh.params import Params
+from stage_service.executor import Executor
+
+log = logs.get_logger("stagemesh.engine")
+
+RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+
+
+@dataclass(frozen=True)
+class ProgressEvent:
+    step: int
+    total: int
+
+
+@dataclass(frozen=True)
+class OutputsEvent:
+    outputs: dict[str, torch.Tensor]
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    params: Params
+    inputs: dict[str, torch.Tensor]
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    batch: "_Batch | None" = None
+    done: bool = False
+    abandoned: bool = False
+
+    def work_item(self) -> dict[str, Any]:
+        p = self.params
+        return dict(request_id=self.request_id, prompt=p.prompt, width=p.width, height=p.height,
+                    num_inference_steps=p.num_inference_steps, guidance_scale=p.guidance_scale,
+                    seed=p.seed, inputs=self.inputs)
+
+
+@dataclass(eq=False)
+class _Batch:
+    rank: int
+    requests: list[_Request]
+    rpc_id: str = ""
+
+
+class Engine:
+    def __init__(self, executor: Executor, kind: str, workers: int, max_batch_size: int, max_queue: int,
+                 on_health: Callable[[bool], Any] | None = None):
+        self._executor = executor
+        self._kind = kind
+        self._max_batch = max(1, max_batch_size)
+        self._max_queue = max_queue
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._free_ranks: set[int] = set(range(workers))
+        self._dead_ranks: set[int] = set()
+        self._workers = workers
+        self._wake = asyncio.Event()
+        self._scheduler: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_health = on_health
+        self._tasks: set[asyncio.Task] = set()
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._scheduler = asyncio.create_task(self._schedule(), name="engine-scheduler")
+
+    async def close(self) -> None:
+        for task in [self._scheduler, *self._tasks]:
+            if task is not None:
+                task.cancel()
+        for r in self._waiting:
+            r.events.put_nowait(errors.Unavailable("stage is shutting down"))
+        self._waiting.clear()
+
+    @property
+    def serving(self) -> bool:
+        return len(self._dead_ranks) < self._workers
+
+    # public -----------------------------------------------------------------------------------
+    async def run(self, request_id: str, params: Params, inputs: dict[str, torch.Tensor]) -> AsyncIterator[Any]:
+        """Admit one request; yield ProgressEvents then one OutputsEvent. Cancelling the
+        consumer frees the request's place in the queue or in its batch."""
+        if len(self._waiting) >= self._max_queue:
+            raise errors.ResourceExhausted(f"stage queue is full ({self._max_queue} waiting); retry later")
+        if not self.serving:
+            raise errors.Unavailable("no worker of this stage is running")
+        req = _Request(request_id, params, inputs)
+        self._waiting.append(req)
+        self._wake.set()
+        try:
+            while True:
+                event = await req.events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                yield event
+                if isinstance(event, OutputsEvent):
+                    return
+        finally:
+            req.done = True
+            self._abandon(req)
+
+    # scheduling -------------------------------------------------------------------------------
+    def _compatible(self, a: Params, b: Params) -> bool:
+        return self._kind != "diffusion" or a.batch_key() == b.batch_key()
+
+    def _take_batch(self) -> list[_Request]:
+        head = self._waiting.popleft()
+        batch, rest = [head], collections.deque()
+        while self._waiting:
+            r = self._waiting.popleft()
+            if len(batch) < self._max_batch and self._compatible(head.params, r.params):
+                batch.append(r)
+            else:
+                rest.append(r)
+        self._waiting = rest
+        return batch
+
+    async def _schedule(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._waiting and self._free_ranks:
+                self._dispatch(self._free_ranks.pop(), self._take_batch())
+
+    def _dispatch(self, rank: int, requests: list[_Request]) -> None:
+        batch = _Batch(rank, requests)
+        for r in requests:
+            r.batch = batch
+        loop = self._loop
+
+        def on_progress(step: int, total: int) -> None:  # pump thread
+            loop.call_soon_threadsafe(self._fan_out, batch, ProgressEvent(step, total))
+
+        batch.rpc_id, fut = self._executor.submit(rank, [r.work_item() for r in requests], on_progress)
+        asyncio.wrap_future(fut).add_done_callback(lambda f: self._finished(batch, f))
+        log.debug("batch dispatched", rank=rank, size=len(requests), rpc_id=batch.rpc_id)
+
+    def _fan_out(self, batch: _Batch, event: Any) -> None:
+        for r in batch.requests:
+            if not r.done:
+                r.events.put_nowait(event)
+
+    def _finished(self, batch: _Batch, fut: asyncio.Future) -> None:
+        if batch.rank not in self._dead_ranks:
+            self._free_ranks.add(batch.rank)
+            self._wake.set()
+        exc = fut.exception() if not fut.cancelled() else errors.Cancelled("cancelled")
+        if exc is not None:
+            self._fan_out(batch, exc)
+            return
+        for r, outputs in zip(batch.requests, fut.result()):
+            if not r.done:
+                r.events.put_nowait(OutputsEvent(outputs))
+
+    def _abandon(self, req: _Request) -> None:
+        if req in self._waiting:
+            self._waiting.remove(req)
+            return
+        batch = req.batch
+        if batch is not None and all(r.done for r in batch.requests):
+            # Nobody waits for this batch any more: stop the worker between steps.
+            self._executor.cancel(batch.rank, batch.rpc_id)
+
+    # worker death -----------------------------------------------------------------------------
+    def worker_died(self, rank: int, reason: str) -> None:
+        """Called from the executor's pump thread."""
+        self._loop.call_soon_threadsafe(self._begin_restart, rank, reason)
+
+    def _begin_restart(self, rank: int, reason: str) -> None:
+        self._dead_ranks.add(rank)
+        self._free_ranks.discard(rank)
+        if not self.serving and self._on_health is not None:
+            self._on_health(False)
+        task = asyncio.create_task(self._restart(rank))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _restart(self, rank: int) -> None:
+        for attempt, delay in enumerate(RESTART_BACKOFF_S, start=1):
+            try:
+                await asyncio.to_thread(self._executor.restart, rank)
+            except errors.StagemeshError as exc:
+                log.error("worker restart failed", rank=rank, attempt=attempt, error=str(exc))
+                await asyncio.sleep(delay)
+                continue
+            self._dead_ranks.discard(rank)
+            self._free_ranks.add(rank)
+            self._wake.set()
+            log.info("worker restarted", rank=rank, attempt=attempt)
+            if self._on_health is not None:
+                self._on_health(True)
+            return
+        log.error("worker stays down after repeated restart failures", rank=rank)

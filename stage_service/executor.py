@@ -1,0 +1,209 @@
+"""Worker processes, their queues, one result pump per worker, and futures per RPC."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from stage_service import ipc, protocol, worker
+from stagemesh import errors, logs
+
+log = logs.get_logger("stagemesh.executor")
+
+PUMP_POLL_S = 0.1
+READY_TIMEOUT_S = 600.0
+JOIN_TIMEOUT_S = 10.0
+
+ProgressFn = Callable[[int, int], None]
+DeathFn = Callable[[int, str], None]
+
+
+def resolve_future(fut: cf.Future, *, result: Any = None, exc: BaseException | None = None) -> None:
+    """Settle a future unless someone cancelled or settled it first; never raises."""
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except cf.InvalidStateError:
+        pass
+
+
+@dataclass
+class _Pending:
+    future: cf.Future
+    on_progress: ProgressFn | None
+
+
+@dataclass
+class _Worker:
+    spec: protocol.WorkerSpec
+    process: mp.Process
+    requests: Any
+    results: Any
+    pending: dict[str, _Pending] = field(default_factory=dict)
+    pump: threading.Thread | None = None
+    ready: protocol.Ready | None = None
+    stopping: bool = False
+
+
+class Executor:
+    def __init__(self, stage_id: int, kind: str, model_dir: str, device: str, workers: int,
+                 threads: int = 0, on_death: DeathFn | None = None):
+        self.stage_name = f"stage {stage_id} ({kind})"
+        self._specs = [
+            protocol.WorkerSpec(rank, stage_id, kind, str(model_dir), device, os.getpid(), threads)
+            for rank in range(workers)
+        ]
+        self._ctx = mp.get_context("spawn")
+        self._workers: dict[int, _Worker] = {}
+        self._lock = threading.Lock()
+        self._on_death = on_death
+        self._closed = False
+
+    # life cycle -----------------------------------------------------------------------------
+    def start(self, timeout_s: float = READY_TIMEOUT_S) -> list[protocol.Ready]:
+        """Start every worker and wait until each has loaded its model (blocking)."""
+        for spec in self._specs:
+            self._spawn(spec)
+        return [self._await_ready(rank, timeout_s) for rank in sorted(self._workers)]
+
+    def restart(self, rank: int, timeout_s: float = READY_TIMEOUT_S) -> protocol.Ready:
+        old = self._workers.get(rank)
+        if old is not None:
+            self._stop_worker(old, graceful=False)
+        self._spawn(self._specs[rank])
+        return self._await_ready(rank, timeout_s)
+
+    def shutdown(self) -> None:
+        self._closed = True
+        for w in list(self._workers.values()):
+            self._stop_worker(w, graceful=True)
+        self._workers.clear()
+
+    def ready_info(self) -> list[protocol.Ready]:
+        return [w.ready for w in self._workers.values() if w.ready is not None]
+
+    # requests -------------------------------------------------------------------------------
+    def submit(self, rank: int, items: list[dict[str, Any]], on_progress: ProgressFn | None = None) -> tuple[str, cf.Future]:
+        rpc_id = uuid.uuid4().hex
+        fut: cf.Future = cf.Future()
+        w = self._workers.get(rank)
+        if w is None or not w.process.is_alive() or self._closed:
+            resolve_future(fut, exc=errors.Unavailable(f"{self.stage_name} worker {rank} is not running"))
+            return rpc_id, fut
+        packed = [{**item, "inputs": ipc.pack(item["inputs"])} for item in items]
+        with self._lock:
+            w.pending[rpc_id] = _Pending(fut, on_progress)
+        w.requests.put(protocol.Execute(rpc_id, packed))
+        return rpc_id, fut
+
+    def cancel(self, rank: int, rpc_id: str) -> None:
+        w = self._workers.get(rank)
+        if w is not None and w.process.is_alive():
+            w.requests.put(protocol.Cancel(rpc_id))
+
+    # internals ------------------------------------------------------------------------------
+    def _spawn(self, spec: protocol.WorkerSpec) -> None:
+        requests, results = self._ctx.Queue(), self._ctx.Queue()
+        process = self._ctx.Process(
+            target=worker.main, args=(spec, requests, results), name=f"stagemesh-worker-{spec.stage_id}-{spec.rank}",
+            daemon=True,
+        )
+        process.start()
+        self._workers[spec.rank] = _Worker(spec, process, requests, results)
+        log.info("worker started", rank=spec.rank, pid=process.pid)
+
+    def _await_ready(self, rank: int, timeout_s: float) -> protocol.Ready:
+        w = self._workers[rank]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                msg = w.results.get(timeout=PUMP_POLL_S)
+            except queue.Empty:
+                if not w.process.is_alive():
+                    raise errors.Unavailable(f"{self.stage_name} worker {rank} exited while loading "
+                                             f"(exit code {w.process.exitcode})") from None
+                if time.monotonic() > deadline:
+                    raise errors.Unavailable(f"{self.stage_name} worker {rank} not ready after {timeout_s:.0f} s") from None
+                continue
+            if isinstance(msg, protocol.LoadFailed):
+                raise errors.Unavailable(f"{self.stage_name} worker {rank} failed to load: {msg.message}")
+            if isinstance(msg, protocol.Ready):
+                w.ready = msg
+                w.pump = threading.Thread(target=self._pump, args=(w,), name=f"result-pump-{rank}", daemon=True)
+                w.pump.start()
+                log.info("worker ready", rank=rank, device=msg.device)
+                return msg
+
+    def _pump(self, w: _Worker) -> None:
+        """The only reader of a worker's result queue."""
+        while True:
+            try:
+                msg = w.results.get(timeout=PUMP_POLL_S)
+            except queue.Empty:
+                if w.process.is_alive():
+                    continue
+                self._worker_died(w)
+                return
+            except (EOFError, OSError, ValueError):
+                return  # queue closed by shutdown
+            self._dispatch(w, msg)
+
+    def _dispatch(self, w: _Worker, msg: Any) -> None:
+        if isinstance(msg, protocol.Progress):
+            with self._lock:
+                pending = w.pending.get(msg.rpc_id)
+            if pending is not None and pending.on_progress is not None:
+                pending.on_progress(msg.step, msg.total)
+            return
+        with self._lock:
+            pending = w.pending.pop(getattr(msg, "rpc_id", ""), None)
+        if pending is None:
+            return
+        if isinstance(msg, protocol.Result):
+            resolve_future(pending.future, result=[ipc.unpack(o) for o in msg.outputs])
+        elif isinstance(msg, protocol.Failure):
+            exc = errors.Cancelled(msg.message) if msg.cancelled else errors.StagemeshError(
+                f"{self.stage_name} failed: {msg.message}")
+            resolve_future(pending.future, exc=exc)
+
+    def _worker_died(self, w: _Worker) -> None:
+        if self._closed or w.stopping:
+            return
+        reason = f"{self.stage_name} worker {w.spec.rank} died (exit code {w.process.exitcode})"
+        log.error("worker died", rank=w.spec.rank, exitcode=w.process.exitcode)
+        self._fail_pending(w, errors.Unavailable(reason))
+        if self._on_death is not None:
+            self._on_death(w.spec.rank, reason)
+
+    def _fail_pending(self, w: _Worker, exc: BaseException) -> None:
+        with self._lock:
+            pending, w.pending = w.pending, {}
+        for p in pending.values():
+            resolve_future(p.future, exc=exc)
+
+    def _stop_worker(self, w: _Worker, graceful: bool) -> None:
+        w.stopping = True
+        if graceful and w.process.is_alive():
+            try:
+                w.requests.put(protocol.Shutdown())
+            except (OSError, ValueError):
+                pass
+            w.process.join(JOIN_TIMEOUT_S)
+        if w.process.is_alive():
+            w.process.kill()
+            w.process.join(JOIN_TIMEOUT_S)
+        self._fail_pending(w, errors.Unavailable(f"{self.stage_name} executor shut down"))
+        for q in (w.requests, w.results):
+            q.cancel_join_thread()  # a dead reader must not block our exit
+            q.close()
+        if w.pump is not None and w.pump is not threading.current_thread():
+            w.pump.join(JOIN_TIMEOUT_S)

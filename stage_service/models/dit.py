@@ -1,0 +1,235 @@
+"""Stage 1: a DiT denoiser (flow matching) with a small latent-to-RGB decoder."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import DiTConfig
+
+TIME_FREQ_DIM = 256
+Progress = Callable[[int, int], None]
+
+
+def timestep_embedding(t: torch.Tensor, dim: int = TIME_FREQ_DIM) -> torch.Tensor:
+    """Sin/cos code of t in [0, 1] (scaled to 0..1000 so low frequencies still move)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device) / half)
+    args = (t.float() * 1000.0)[:, None] * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def _sincos(pos: torch.Tensor, dim: int) -> torch.Tensor:
+    half = dim // 2
+    freqs = 1.0 / 10000.0 ** (torch.arange(half, device=pos.device) / half)
+    args = pos.float()[:, None] * freqs[None]
+    return torch.cat([torch.sin(args), torch.cos(args)], dim=-1)
+
+
+def pos_embed_2d(grid_h: int, grid_w: int, dim: int, device: torch.device) -> torch.Tensor:
+    """Fixed 2-D position code [grid_h * grid_w, dim]; computed per call so any size works."""
+    ys, xs = torch.meshgrid(torch.arange(grid_h, device=device),
+                            torch.arange(grid_w, device=device), indexing="ij")
+    return torch.cat([_sincos(ys.flatten(), dim // 2), _sincos(xs.flatten(), dim // 2)], dim=-1)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+class Attention(nn.Module):
+    """Multi-head attention; self-attention when no context is given."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(hidden, hidden)
+        self.kv = nn.Linear(hidden, 2 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        b, n, d = t.shape
+        return t.view(b, n, self.heads, d // self.heads).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
+                key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        context = x if context is None else context
+        k, v = self.kv(context).chunk(2, dim=-1)
+        # key_mask [B, L] True = attend; broadcast over heads and queries.
+        mask = None if key_mask is None else key_mask[:, None, None, :]
+        out = F.scaled_dot_product_attention(
+            self._heads(self.q(x)), self._heads(k), self._heads(v), attn_mask=mask)
+        b, _, n, _ = out.shape
+        return self.proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, hidden: int, heads: int, mlp_hidden: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        self.attn = Attention(hidden, heads)
+        self.norm_cross = nn.LayerNorm(hidden, eps=1e-6)
+        self.cross_attn = Attention(hidden, heads)
+        self.norm2 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(hidden, mlp_hidden), nn.GELU(approximate="tanh"),
+                                 nn.Linear(mlp_hidden, hidden))
+        self.adaLN = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 6 * hidden))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor, context: torch.Tensor,
+                context_mask: torch.Tensor | None) -> torch.Tensor:
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN(c).chunk(6, dim=-1)
+        x = x + gate1[:, None] * self.attn(modulate(self.norm1(x), shift1, scale1))
+        x = x + self.cross_attn(self.norm_cross(x), context, context_mask)
+        return x + gate2[:, None] * self.mlp(modulate(self.norm2(x), shift2, scale2))
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, hidden: int, out_dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        self.adaLN = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden))
+        self.linear = nn.Linear(hidden, out_dim)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.adaLN(c).chunk(2, dim=-1)
+        return self.linear(modulate(self.norm(x), shift, scale))
+
+
+class DiT(nn.Module):
+    """Predicts the flow-matching velocity of latents [B, C, h, w] at time t."""
+
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__()
+        self.config = config
+        c, p, hid = config.latent_channels, config.patch_size, config.hidden_size
+        self.x_embed = nn.Linear(c * p * p, hid)
+        self.t_embed = nn.Sequential(nn.Linear(TIME_FREQ_DIM, hid), nn.SiLU(), nn.Linear(hid, hid))
+        self.cond_embed = nn.Sequential(nn.Linear(config.cond_dim, hid), nn.SiLU(),
+                                        nn.Linear(hid, hid))
+        # Unconditional tokens for classifier-free guidance.
+        self.null_cond = nn.Parameter(torch.zeros(1, config.cond_dim))
+        self.blocks = nn.ModuleList(
+            DiTBlock(hid, config.num_heads, config.mlp_hidden) for _ in range(config.depth))
+        self.final = FinalLayer(hid, c * p * p)
+
+    def _patchify(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        p = self.config.patch_size
+        x = x.view(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5)
+        return x.reshape(b, (h // p) * (w // p), c * p * p)
+
+    def _unpatchify(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        b = x.shape[0]
+        p, c = self.config.patch_size, self.config.latent_channels
+        x = x.view(b, h // p, w // p, c, p, p).permute(0, 3, 1, 4, 2, 5)
+        return x.reshape(b, c, h, w)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor,
+                cond_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, C, h, w], t [B] in [0, 1], cond [B, L, cond_dim], cond_mask [B, L] (True=valid)."""
+        _, _, h, w = x.shape
+        p = self.config.patch_size
+        if h % p or w % p:
+            raise ValueError(f"latent size {h}x{w} is not a multiple of patch_size {p}")
+        dtype = self.x_embed.weight.dtype
+        pos = pos_embed_2d(h // p, w // p, self.config.hidden_size, x.device).to(dtype)
+        tokens = self.x_embed(self._patchify(x.to(dtype))) + pos[None]
+        c = self.t_embed(timestep_embedding(t).to(dtype))
+        context = self.cond_embed(cond.to(dtype))
+        for block in self.blocks:
+            tokens = block(tokens, c, context, cond_mask)
+        return self._unpatchify(self.final(tokens, c), h, w)
+
+
+class LatentDecoder(nn.Module):
+    """Latents [B, C, h, w] -> RGB [B, 3, h*s, w*s] in [-1, 1], one 2x stage per factor of 2.
+
+    GroupNorm after each conv keeps activations at unit scale whatever the weight scale, so
+    the output still carries the latent's structure.
+    """
+
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__()
+        ch = config.decoder_channels
+        groups = math.gcd(ch, 8)
+        stages = config.vae_scale.bit_length() - 1
+        self.conv_in = nn.Conv2d(config.latent_channels, ch, 3, padding=1)
+        self.norm_in = nn.GroupNorm(groups, ch)
+        self.ups = nn.ModuleList(nn.Conv2d(ch, ch, 3, padding=1) for _ in range(stages))
+        self.norms = nn.ModuleList(nn.GroupNorm(groups, ch) for _ in range(stages))
+        self.conv_out = nn.Conv2d(ch, 3, 3, padding=1)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.norm_in(self.conv_in(z.to(self.conv_in.weight.dtype))))
+        for conv, norm in zip(self.ups, self.norms):
+            h = F.silu(norm(conv(F.interpolate(h, scale_factor=2, mode="nearest"))))
+        return torch.tanh(self.conv_out(h))
+
+
+def pad_conds(conds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack [L_i, D] tensors into zero-padded [B, L_max, D] plus a validity mask [B, L_max]."""
+    longest = max(c.shape[0] for c in conds)
+    out = conds[0].new_zeros(len(conds), longest, conds[0].shape[1])
+    mask = torch.zeros(len(conds), longest, dtype=torch.bool, device=conds[0].device)
+    for i, c in enumerate(conds):
+        out[i, : c.shape[0]] = c
+        mask[i, : c.shape[0]] = True
+    return out, mask
+
+
+def _check_sample_args(dit: DiT, conds: list[torch.Tensor], width: int, height: int,
+                       steps: int, seeds: list[int]) -> None:
+    cfg = dit.config
+    if not conds or len(conds) != len(seeds):
+        raise ValueError(f"need one seed per cond and at least one ({len(conds)} vs {len(seeds)})")
+    for c in conds:
+        if c.dim() != 2 or c.shape[0] < 1 or c.shape[1] != cfg.cond_dim:
+            raise ValueError(f"cond must be [L>=1, {cfg.cond_dim}], got {tuple(c.shape)}")
+    m = cfg.pixel_multiple
+    if width <= 0 or height <= 0 or width % m or height % m:
+        raise ValueError(f"width and height must be positive multiples of {m}, "
+                         f"got {width}x{height}")
+    if steps < 1:
+        raise ValueError(f"num_inference_steps must be >= 1, got {steps}")
+
+
+def initial_noise(dit: DiT, width: int, height: int, seeds: list[int]) -> torch.Tensor:
+    """Per-request CPU noise, so results do not depend on batch mates or on the device."""
+    cfg = dit.config
+    shape = (cfg.latent_channels, height // cfg.vae_scale, width // cfg.vae_scale)
+    noise = [torch.randn(shape, generator=torch.Generator(device="cpu").manual_seed(s))
+             for s in seeds]
+    return torch.stack(noise)
+
+
+def sample(dit: DiT, decoder: LatentDecoder, conds: list[torch.Tensor], width: int,
+           height: int, num_inference_steps: int, guidance_scale: float, seeds: list[int],
+           progress: Progress | None = None) -> torch.Tensor:
+    """Euler flow-matching sampler; returns images [B, height, width, 3] float32 in [0, 1]."""
+    _check_sample_args(dit, conds, width, height, num_inference_steps, seeds)
+    device, dtype = dit.null_cond.device, dit.null_cond.dtype
+    guided = guidance_scale != 1.0
+    with torch.inference_mode():
+        rows = [c.to(device=device, dtype=dtype) for c in conds]
+        if guided:
+            rows += [dit.null_cond] * len(conds)
+        cond, mask = pad_conds(rows)
+        # Latents stay float32 so the Euler sum does not drift in low precision.
+        x = initial_noise(dit, width, height, seeds).to(device)
+        n = num_inference_steps
+        for i in range(n):
+            t, t_next = 1.0 - i / n, 1.0 - (i + 1) / n
+            x_in = torch.cat([x, x]) if guided else x
+            v = dit(x_in, torch.full((x_in.shape[0],), t, device=device), cond, mask).float()
+            if guided:
+                v_c, v_u = v.chunk(2)
+                v = v_u + guidance_scale * (v_c - v_u)
+            x = x + (t_next - t) * v
+            if progress is not None:
+                progress(i + 1, n)
+        rgb = decoder(x).float()
+        return ((rgb + 1.0) / 2.0).clamp(0.0, 1.0).permute(0, 2, 3, 1)

@@ -1,0 +1,131 @@
+"""What a worker process drives: one runner per stage kind, batch in, CPU tensors out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .dit import sample
+from .weights import load_dit, load_lm, read_config
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class WorkItem:
+    request_id: str
+    prompt: str
+    width: int
+    height: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+    # diffusion: {"hidden_states": Tensor[L, cond_dim]} from the AR stage
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().to("cpu").contiguous()
+    # Inference-mode tensors reject in-place use later (e.g. share_memory_); hand out plain ones.
+    return t.clone() if t.is_inference() else t
+
+
+class ArRunner:
+    """Stage 0: prompt -> LM hidden states (prompt tokens + greedily decoded tokens)."""
+
+    kind = "ar"
+
+    def __init__(self, model_dir: Path, device: str = "cpu") -> None:
+        self.model_dir = Path(model_dir)
+        self.device = device
+        self.config = read_config(self.model_dir)
+        self.lm = load_lm(self.model_dir, device)
+
+    def run(self, batch: list[WorkItem], progress: Progress | None = None
+            ) -> list[dict[str, torch.Tensor]]:
+        """One output per item, in order. `progress(k, len(batch))` follows each item and may
+        raise to abort the rest of the batch."""
+        outputs = []
+        for i, item in enumerate(batch):
+            outputs.append({"hidden_states": _to_host(self.lm.encode_prompt(item.prompt))})
+            if progress is not None:
+                progress(i + 1, len(batch))
+        return outputs
+
+    def limits(self) -> dict:
+        lm = self.config.lm
+        return {"max_prompt_bytes": lm.max_prompt_tokens - 1,  # BOS takes one slot
+                "max_seq_len": lm.max_seq_len,
+                "decode_tokens": lm.decode_tokens,
+                "hidden_dim": lm.d_model}
+
+
+class DiffusionRunner:
+    """Stage 1: LM hidden states -> images [H, W, 3] float32 in [0, 1]."""
+
+    kind = "diffusion"
+
+    def __init__(self, model_dir: Path, device: str = "cpu") -> None:
+        self.model_dir = Path(model_dir)
+        self.device = device
+        self.config = read_config(self.model_dir)
+        self.dit, self.decoder = load_dit(self.model_dir, device)
+
+    def _cond(self, item: WorkItem) -> torch.Tensor:
+        cond = item.inputs.get("hidden_states")
+        d = self.config.dit.cond_dim
+        if cond is None:
+            raise ValueError(f"{item.request_id}: inputs lack 'hidden_states'")
+        if cond.dim() != 2 or cond.shape[0] < 1 or cond.shape[1] != d:
+            raise ValueError(f"{item.request_id}: hidden_states must be [L>=1, {d}], "
+                             f"got {tuple(cond.shape)}")
+        return cond
+
+    def run(self, batch: list[WorkItem], progress: Progress | None = None
+            ) -> list[dict[str, torch.Tensor]]:
+        """Sample the whole batch as one; every item must share shape, steps and guidance.
+
+        `progress(step, num_inference_steps)` follows each denoising step and may raise to
+        abort the batch.
+        """
+        if not batch:
+            return []
+        head = batch[0]
+        shared = (head.width, head.height, head.num_inference_steps, head.guidance_scale)
+        for item in batch[1:]:
+            mine = (item.width, item.height, item.num_inference_steps, item.guidance_scale)
+            if mine != shared:
+                raise ValueError(f"{item.request_id}: (width, height, steps, guidance) {mine} "
+                                 f"differs from the batch's {shared}")
+        images = sample(self.dit, self.decoder, [self._cond(i) for i in batch],
+                        width=head.width, height=head.height,
+                        num_inference_steps=head.num_inference_steps,
+                        guidance_scale=head.guidance_scale,
+                        seeds=[i.seed for i in batch], progress=progress)
+        return [{"image": _to_host(img)} for img in images]
+
+    def limits(self) -> dict:
+        dit = self.config.dit
+        return {"pixel_multiple": dit.pixel_multiple,
+                "cond_dim": dit.cond_dim,
+                "latent_channels": dit.latent_channels,
+                "vae_scale": dit.vae_scale}
+
+
+_RUNNERS: dict[str, type[ArRunner] | type[DiffusionRunner]] = {
+    ArRunner.kind: ArRunner,
+    DiffusionRunner.kind: DiffusionRunner,
+}
+
+
+def build_runner(kind: str, model_dir: Path, device: str = "cpu") -> ArRunner | DiffusionRunner:
+    """Load the runner for a stage kind from an existing model folder (see ensure_model_dir)."""
+    try:
+        cls = _RUNNERS[kind]
+    except KeyError:
+        raise ValueError(f"unknown runner kind {kind!r}; expected one of {sorted(_RUNNERS)}") \
+            from None
+    return cls(model_dir, device)

@@ -1,0 +1,98 @@
+"""The stage's gRPC surface: decode, validate, call the engine, encode. Nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+from stagemesh import codec, converters, logs, serve
+from stagemesh.params import Limits
+from stagemesh.rpc import ServiceHost, servicer_method
+from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+from stage_service.engine import Engine, OutputsEvent, ProgressEvent
+from stage_service.executor import Executor
+from stage_service.settings import StageSettings
+
+log = logs.get_logger("stagemesh.stage")
+
+SERVICE_NAME = stage_pb2.DESCRIPTOR.services_by_name["StageService"].full_name
+
+
+class StageServicer(stage_pb2_grpc.StageServiceServicer):
+    def __init__(self, settings: StageSettings, engine: Engine, executor: Executor):
+        self._settings = settings
+        self._engine = engine
+        self._executor = executor
+        self.limits: Limits = settings.limits()
+        self.ready = False
+
+    @servicer_method
+    async def Execute(self, request: stage_pb2.ExecuteRequest, context) -> Any:
+        request_id = logs.current_request_id()
+        params = converters.params_from_proto(request.params, self.limits)
+        inputs = {name: codec.from_proto(t, f"inputs[{name}]") for name, t in request.inputs.items()}
+        async for event in self._engine.run(request_id, params, inputs):
+            if isinstance(event, ProgressEvent):
+                yield stage_pb2.ExecuteResponse(progress=stage_pb2.StageProgress(step=event.step, total=event.total))
+            elif isinstance(event, OutputsEvent):
+                outputs = await asyncio.to_thread(
+                    lambda: {name: codec.to_proto(t) for name, t in event.outputs.items()})
+                yield stage_pb2.ExecuteResponse(outputs=stage_pb2.StageOutputs(outputs=outputs))
+
+    @servicer_method
+    async def DescribeStage(self, request, context) -> stage_pb2.DescribeStageResponse:
+        s, lim = self._settings, self.limits
+        ready = self._executor.ready_info()
+        return stage_pb2.DescribeStageResponse(
+            stage_id=s.stage_id,
+            kind=s.kind,
+            ready=self.ready and self._engine.serving,
+            limits=stage_pb2.StageLimits(
+                pixel_multiple=lim.pixel_multiple, max_pixels_side=lim.max_pixels_side,
+                max_inference_steps=lim.max_inference_steps, max_prompt_bytes=lim.max_prompt_bytes,
+                default_size=lim.default_size, default_inference_steps=lim.default_inference_steps,
+                default_guidance_scale=lim.default_guidance_scale, max_guidance_scale=lim.max_guidance_scale,
+            ),
+            device=ready[0].device if ready else s.device,
+            device_memory_bytes=sum(r.device_memory_bytes for r in ready),
+            workers=s.workers,
+            max_batch_size=s.max_batch_size,
+        )
+
+
+async def serve_stage(settings: StageSettings) -> None:
+    host = ServiceHost(settings.host, settings.port, [SERVICE_NAME])
+    loop = asyncio.get_running_loop()
+
+    def on_health(serving: bool) -> None:
+        loop.create_task(host.set_serving(serving))
+
+    executor = Executor(settings.stage_id, settings.kind, str(settings.resolved_model_dir()), settings.device,
+                        settings.workers, settings.threads, on_death=lambda r, why: engine.worker_died(r, why))
+    engine = Engine(executor, settings.kind, settings.workers, settings.max_batch_size, settings.max_queue, on_health)
+    servicer = StageServicer(settings, engine, executor)
+    stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, host.server)
+
+    async def load() -> None:
+        await asyncio.to_thread(settings.prepare_model_dir)
+        readies = await asyncio.to_thread(executor.start)
+        servicer.limits = settings.limits(readies[0].limits)
+        engine.start()
+        servicer.ready = True
+
+    async def close() -> None:
+        await engine.close()
+        await asyncio.to_thread(executor.shutdown)
+
+    await serve.run(host, ready_file=settings.ready_file, load=load, close=close)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    StageSettings.add_arguments(parser)
+
+
+def main(args: argparse.Namespace) -> None:
+    settings = StageSettings.from_args(args)
+    logs.configure(f"stage-{settings.stage_id}", args.log_level)
+    serve.main("stage service", serve_stage(settings))

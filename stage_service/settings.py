@@ -1,0 +1,120 @@
+"""Every option of one stage service: flags of `stagemesh stage`, keys of a [[stages]] table."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from stagemesh.params import Limits
+
+KINDS = ("ar", "diffusion")
+PRESETS = ("tiny", "flux-sized")
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    stage_id: int = 0
+    kind: str = "ar"
+    host: str = "127.0.0.1"
+    port: int = 0
+    workers: int = 1
+    device: str = "cpu"
+    threads: int = 0
+    model_dir: str = ""
+    model_preset: str = "tiny"
+    max_batch_size: int = 4
+    max_queue: int = 256
+    max_size: int = 1024
+    max_steps: int = 100
+    max_prompt_bytes: int = 2048
+    default_size: int = 256
+    default_steps: int = 8
+    default_guidance: float = 4.0
+    max_guidance: float = 30.0
+    ready_file: str | None = None
+
+    _HELP = {
+        "stage_id": "position of this stage in the pipeline (0 = first)",
+        "kind": "what the stage runs: 'ar' (the language model) or 'diffusion' (DiT + decoder)",
+        "host": "address to bind (loopback by default)",
+        "port": "port to bind; 0 picks a free one (see --ready-file)",
+        "workers": "worker processes (one per rank / GPU)",
+        "device": "torch device for the workers: 'cpu', 'cuda' (rank i uses cuda:i) or 'cuda:N'",
+        "threads": "torch CPU threads per worker; 0 keeps torch's default",
+        "model_dir": "model folder (config.json + safetensors); default: the embedded model's cache folder",
+        "model_preset": "dimensions used when the folder holds no weights yet: 'tiny' or 'flux-sized'",
+        "max_batch_size": "most compatible requests run together as one batch",
+        "max_queue": "requests waiting beyond this are refused with RESOURCE_EXHAUSTED",
+        "max_size": "largest width/height in pixels accepted",
+        "max_steps": "largest num_inference_steps accepted",
+        "max_prompt_bytes": "longest prompt accepted, in UTF-8 bytes",
+        "default_size": "width/height used when a request leaves them 0",
+        "default_steps": "num_inference_steps used when a request leaves it 0",
+        "default_guidance": "guidance_scale used when a request leaves it unset",
+        "max_guidance": "largest guidance_scale accepted",
+        "ready_file": "write {'address', 'pid'} as JSON here once the port is bound",
+    }
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kwargs: dict[str, Any] = {"default": f.default, "help": cls._HELP[f.name] + f" (default: {f.default!r})"}
+            if f.name == "kind":
+                kwargs["choices"] = KINDS
+            elif f.name == "model_preset":
+                kwargs["choices"] = PRESETS
+            if f.type in ("int", int):
+                kwargs["type"] = int
+            elif f.type in ("float", float):
+                kwargs["type"] = float
+            parser.add_argument(flag, **kwargs)
+        parser.add_argument("--log-level", default="info", help="log level (default: 'info')")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "StageSettings":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any]) -> "StageSettings":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown stage option(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+    def to_flags(self) -> list[str]:
+        out: list[str] = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and value != "":
+                out += ["--" + f.name.replace("_", "-"), str(value)]
+        return out
+
+    def resolved_model_dir(self) -> Path:
+        from stage_service.models.weights import default_model_dir
+
+        return Path(self.model_dir).expanduser() if self.model_dir else default_model_dir()
+
+    def prepare_model_dir(self) -> Path:
+        """Generate the embedded model's weights on first use (deterministic, no download)."""
+        from stage_service.models.config import PipelineConfig
+        from stage_service.models.weights import ensure_model_dir
+
+        config = PipelineConfig.tiny() if self.model_preset == "tiny" else PipelineConfig.flux_sized()
+        return ensure_model_dir(self.resolved_model_dir(), config)
+
+    def limits(self, runner_limits: dict[str, Any] | None = None) -> Limits:
+        runner_limits = runner_limits or {}
+        return Limits(
+            pixel_multiple=int(runner_limits.get("pixel_multiple", 16)),
+            max_pixels_side=self.max_size,
+            max_inference_steps=self.max_steps,
+            max_prompt_bytes=min(self.max_prompt_bytes, int(runner_limits.get("max_prompt_bytes", self.max_prompt_bytes))),
+            default_size=self.default_size,
+            default_inference_steps=self.default_steps,
+            default_guidance_scale=self.default_guidance,
+            max_guidance_scale=self.max_guidance,
+        )

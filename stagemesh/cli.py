@@ -1,0 +1,63 @@
+"""The `stagemesh` command: run a mesh or one service, or talk to a running gateway."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    from cache_service import server as cache_server
+    from gateway import server as gateway_server
+    from stage_service import server as stage_server
+    from stagemesh import client
+
+    parser = argparse.ArgumentParser(prog="stagemesh", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start cache, stages and gateway on this machine and supervise them")
+    up.add_argument("--config", default=None, help="mesh.toml (default: the embedded two-stage pipeline)")
+    up.add_argument("--log-level", default=None, help="overrides [mesh] log_level")
+
+    for name, module, text in (
+        ("gateway", gateway_server, "run the public gateway service alone"),
+        ("stage", stage_server, "run one stage service alone"),
+        ("cache", cache_server, "run the node-local cache service alone"),
+    ):
+        p = sub.add_parser(name, help=text)
+        module.add_arguments(p)
+        p.set_defaults(service_main=module.main)
+
+    for name, text in (("generate", "generate one image through a gateway"),
+                       ("status", "list the stages behind a gateway and their state")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--address", default=client.default_address(),
+                       help=f"gateway address (default: ${client.ADDRESS_ENV} or {client.DEFAULT_ADDRESS})")
+        p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds (default: 600)")
+        p.set_defaults(client_main=getattr(client, name))
+        if name == "generate":
+            p.add_argument("prompt", help="the text prompt")
+            p.add_argument("--size", type=int, default=None, help="width and height in pixels (default: the stage's)")
+            p.add_argument("--width", type=int, default=None, help="overrides --size for the width")
+            p.add_argument("--height", type=int, default=None, help="overrides --size for the height")
+            p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the stage's)")
+            p.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the stage's)")
+            p.add_argument("--seed", type=int, default=None, help="seed (default: random, printed)")
+            p.add_argument("-o", "--output", default="out.png", help="PNG file to write (default: out.png)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "up":
+        from stagemesh import launcher
+
+        return launcher.main(args.config, args.log_level)
+    if hasattr(args, "service_main"):
+        args.service_main(args)
+        return 0
+    return args.client_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

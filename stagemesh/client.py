@@ -1,0 +1,88 @@
+"""Client commands: `stagemesh generate` (with a progress bar) and `stagemesh status`."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import grpc
+from grpc_status import rpc_status
+from google.rpc import error_details_pb2
+
+from stagemesh import rpc
+from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
+
+ADDRESS_ENV = "STAGEMESH_ADDRESS"
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+_STATE_NAMES = {v.number: v.name.removeprefix("STAGE_STATE_").lower()
+                for v in gateway_pb2.StageState.DESCRIPTOR.values}
+
+
+def default_address() -> str:
+    return os.environ.get(ADDRESS_ENV, DEFAULT_ADDRESS)
+
+
+def describe_error(exc: grpc.RpcError) -> str:
+    """One readable line per problem, field violations included."""
+    lines = [f"{exc.code().name}: {exc.details()}"]
+    status = rpc_status.from_call(exc)
+    for detail in status.details if status else ():
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            lines = [f"{exc.code().name}:"] + [f"  {v.field}: {v.description}" for v in bad.field_violations]
+    return "\n".join(lines)
+
+
+def _progress_bar(step: int, total: int, width: int = 30) -> str:
+    filled = width * step // max(total, 1)
+    return f"\r  denoising [{'#' * filled}{'.' * (width - filled)}] {step}/{total}"
+
+
+def generate(args) -> int:
+    params = generation_pb2.GenerationParams(prompt=args.prompt, output_format=generation_pb2.OUTPUT_FORMAT_PNG)
+    for field, value in (("width", args.width if args.width is not None else args.size),
+                         ("height", args.height if args.height is not None else args.size),
+                         ("num_inference_steps", args.steps)):
+        if value is not None:
+            setattr(params, field, value)
+    if args.guidance is not None:
+        params.guidance_scale = args.guidance
+    if args.seed is not None:
+        params.seed = args.seed
+    with grpc.insecure_channel(args.address, options=rpc.channel_options()) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        try:
+            for event in stub.Generate(gateway_pb2.GenerateRequest(params=params), timeout=args.timeout):
+                which = event.WhichOneof("event")
+                if which == "stage_started":
+                    print(f"stage {event.stage_started.stage_id} ({event.stage_started.kind}) started",
+                          file=sys.stderr, flush=True)
+                elif which == "denoising_step":
+                    s = event.denoising_step
+                    print(_progress_bar(s.step, s.total), end="\n" if s.step == s.total else "",
+                          file=sys.stderr, flush=True)
+                else:
+                    result = event.result
+        except grpc.RpcError as exc:
+            print(describe_error(exc), file=sys.stderr)
+            return 1
+    Path(args.output).write_bytes(result.png)
+    print(f"wrote {args.output} ({result.width}x{result.height}, seed {result.seed}, request {result.request_id})")
+    return 0
+
+
+def status(args) -> int:
+    with grpc.insecure_channel(args.address) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        try:
+            reply = stub.ListStages(gateway_pb2.ListStagesRequest(), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(describe_error(exc), file=sys.stderr)
+            return 1
+    print(f"{'stage':>5}  {'kind':<10} {'state':<12} {'replicas':>8}  {'device':<8} {'device memory':>14}")
+    for s in reply.stages:
+        print(f"{s.stage_id:>5}  {s.kind:<10} {_STATE_NAMES.get(s.state, '?'):<12} {s.replicas:>8}  "
+              f"{s.device or '-':<8} {s.device_memory_bytes / 2**20:>11.1f} MiB")
+    return 0

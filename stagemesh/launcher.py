@@ -1,0 +1,85 @@
+"""`stagemesh up`: the whole mesh on one machine (cache service, stages in order, gateway)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from dataclasses import replace
+
+from stagemesh import logs
+from stagemesh.config import MeshConfig
+from stagemesh.supervisor import Child, StartFailed, Supervisor, service_argv
+
+log = logs.get_logger("stagemesh.up")
+
+
+def _children(config: MeshConfig, stage_addresses: list[str]) -> tuple[Child, list[Child], Child]:
+    level = ["--log-level", config.log_level]
+    cache = Child("cache", lambda port: service_argv(
+        "cache", "--host", config.host, "--port", str(port), "--root", config.cache.root, *level),
+        port=config.cache.port)
+    stages = [
+        Child(f"stage-{s.stage_id}", lambda port, s=s: service_argv(
+            "stage", *replace(s, port=port, ready_file=None).to_flags(), *level), port=s.port)
+        for s in config.stages
+    ]
+    gateway = Child("gateway", lambda port: service_argv(
+        "gateway", "--host", config.host, "--port", str(port),
+        "--max-request-bytes", str(config.gateway.max_request_bytes),
+        *[flag for a in stage_addresses for flag in ("--stage", a)], *level), port=config.gateway.port)
+    return cache, stages, gateway
+
+
+def banner(address: str) -> str:
+    return (
+        f"stagemesh: gateway serving on {address}\n"
+        f"  try: stagemesh generate 'a lighthouse at dusk' --address {address} -o out.png\n"
+        f"  or:  grpcurl -plaintext -d '{{\"params\": {{\"prompt\": \"a lighthouse\", \"width\": 256, "
+        f"\"height\": 256}}}}' {address} stagemesh.v1.GatewayService/GenerateUnary\n"
+        f"  Ctrl-C stops the mesh."
+    )
+
+
+async def up(config: MeshConfig) -> int:
+    supervisor = Supervisor(config.supervision)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    stage_addresses: list[str] = []
+    cache, stages, gateway = _children(config, stage_addresses)
+    try:
+        starting = asyncio.ensure_future(_start_all(supervisor, cache, stages, gateway, stage_addresses))
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if not starting.done():
+            starting.cancel()
+            return 0
+        address = starting.result()
+        print(banner(address), flush=True)
+        return await supervisor.watch(stop)
+    except StartFailed as exc:
+        print(f"stagemesh: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        await asyncio.to_thread(supervisor.stop_all)
+
+
+async def _start_all(supervisor: Supervisor, cache: Child, stages: list[Child], gateway: Child,
+                     stage_addresses: list[str]) -> str:
+    await supervisor.start(cache)
+    # Stages load their models in parallel; the gateway needs all their addresses.
+    stage_addresses.extend(await asyncio.gather(*(supervisor.start(s) for s in stages)))
+    return await supervisor.start(gateway)
+
+
+def main(config_path: str | None, log_level: str | None) -> int:
+    from stagemesh import config as mesh_config
+
+    config = mesh_config.load(config_path)
+    if log_level:
+        config = replace(config, log_level=log_level)
+    logs.configure("up", config.log_level)
+    return asyncio.run(up(config))

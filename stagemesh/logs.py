@@ -1,0 +1,56 @@
+"""structlog set-up: JSON lines for services, a console renderer on a TTY.
+
+Every line of a request carries its request_id, bound in a contextvar by the server layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import uuid
+from contextlib import contextmanager
+from typing import Iterator
+
+import structlog
+
+REQUEST_ID_HEADER = "x-request-id"
+
+
+def configure(service: str, level: str = "info") -> None:
+    renderer = (
+        structlog.dev.ConsoleRenderer()
+        if sys.stderr.isatty()
+        else structlog.processors.JSONRenderer()
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    structlog.contextvars.bind_contextvars(service=service)
+
+
+def get_logger(name: str):
+    return structlog.get_logger(name)
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def current_request_id() -> str:
+    """The id bound by the server layer for the request being handled."""
+    return str(structlog.contextvars.get_contextvars().get("request_id") or new_request_id())
+
+
+@contextmanager
+def bound_request(request_id: str) -> Iterator[None]:
+    with structlog.contextvars.bound_contextvars(request_id=request_id):
+        yield

@@ -1,0 +1,70 @@
+"""The life cycle every service shares: bind, announce, load, serve, stop on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import Any, Awaitable, Callable, Coroutine
+
+from stagemesh import errors, logs, readyfile
+from stagemesh.rpc import ServiceHost
+from stagemesh import procutil
+
+log = logs.get_logger("stagemesh.serve")
+
+STOP_GRACE_S = 5.0
+
+
+async def run(
+    host: ServiceHost,
+    *,
+    ready_file: str | None,
+    load: Callable[[], Awaitable[None]] | None = None,
+    close: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Serve until a stop signal. Health stays NOT_SERVING until `load` has finished."""
+    procutil.die_with_parent()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    await host.set_serving(False)
+    await host.server.start()
+    if ready_file:
+        readyfile.write(ready_file, host.address)
+    log.info("listening", address=host.address)
+    try:
+        if load is not None:
+            loader = asyncio.ensure_future(load())
+            stopper = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            if not loader.done():
+                loader.cancel()
+                await asyncio.gather(loader, return_exceptions=True)
+            else:
+                loader.result()
+        if not stop.is_set():
+            await host.set_serving(True)
+            log.info("serving", address=host.address)
+            await stop.wait()
+    finally:
+        log.info("stopping", address=host.address)
+        await host.set_serving(False)
+        await host.server.stop(STOP_GRACE_S)
+        if close is not None:
+            await close()
+        log.info("stopped")
+
+
+def main(service: str, coroutine: Coroutine[Any, Any, None]) -> None:
+    """Run a service to completion; a refused start (port taken, bad option) exits 1 with one log line."""
+    try:
+        asyncio.run(coroutine)
+        # Stopped cleanly: a second stop signal during interpreter teardown must not turn exit 0 into -15.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except errors.StagemeshError as exc:
+        log.error(f"{service} failed to start", reason=str(exc))
+        raise SystemExit(1) from None

@@ -1,0 +1,143 @@
+"""Start child services in order, wait until each is SERVING, restart the ones that die (with
+backoff, bounded), and stop them all in reverse order."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from stagemesh import logs, procutil, readyfile
+from stagemesh.config import SupervisionConfig
+
+log = logs.get_logger("stagemesh.supervisor")
+
+POLL_S = 0.2
+BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+class StartFailed(RuntimeError):
+    pass
+
+
+@dataclass(eq=False)
+class Child:
+    """One supervised service. `argv(port)` builds its command line for a given port."""
+
+    name: str
+    argv: Callable[[int], list[str]]
+    port: int = 0
+    address: str = ""
+    process: subprocess.Popen | None = None
+    restarts: collections.deque = field(default_factory=collections.deque)
+
+
+class Supervisor:
+    def __init__(self, settings: SupervisionConfig):
+        self._settings = settings
+        self._children: list[Child] = []
+        self._run_dir = Path(tempfile.mkdtemp(prefix="stagemesh-"))
+        self._stopping = False
+
+    async def start(self, child: Child) -> str:
+        """Start a child and return its address once grpc.health reports SERVING."""
+        self._children.append(child)
+        await self._launch(child)
+        return child.address
+
+    async def _launch(self, child: Child) -> None:
+        ready = self._run_dir / f"{child.name}.ready"
+        ready.unlink(missing_ok=True)
+        argv = [*child.argv(child.port), "--ready-file", str(ready)]
+        child.process = subprocess.Popen(argv, env=procutil.child_env(), stdin=subprocess.DEVNULL)
+        log.info("started", child=child.name, pid=child.process.pid)
+        deadline = time.monotonic() + self._settings.ready_timeout_s
+        while (info := readyfile.read(ready)) is None:
+            self._check_alive(child, deadline)
+            await asyncio.sleep(POLL_S / 4)
+        child.address = info["address"]
+        child.port = int(child.address.rsplit(":", 1)[1])  # a restart reuses the port its peers know
+        async with grpc.aio.insecure_channel(child.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                self._check_alive(child, deadline)
+                try:
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.aio.AioRpcError:
+                    pass
+                await asyncio.sleep(POLL_S)
+        log.info("serving", child=child.name, address=child.address)
+
+    def _check_alive(self, child: Child, deadline: float) -> None:
+        code = child.process.poll()
+        if code is not None:
+            raise StartFailed(f"{child.name} exited with code {code} before it was serving")
+        if time.monotonic() > deadline:
+            raise StartFailed(f"{child.name} not serving after {self._settings.ready_timeout_s:.0f} s")
+
+    async def watch(self, stop: asyncio.Event) -> int:
+        """Restart children that die until `stop` is set; 1 if one keeps dying, else 0."""
+        while not stop.is_set():
+            for child in self._children:
+                code = child.process.poll() if child.process else None
+                if code is not None and not stop.is_set():
+                    if not await self._restart(child, code):
+                        return 1
+            try:
+                await asyncio.wait_for(stop.wait(), POLL_S)
+            except asyncio.TimeoutError:
+                pass
+        return 0
+
+    async def _restart(self, child: Child, code: int) -> bool:
+        now = time.monotonic()
+        window = self._settings.restart_window_s
+        while child.restarts and now - child.restarts[0] > window:
+            child.restarts.popleft()
+        if len(child.restarts) >= self._settings.max_restarts:
+            log.error("giving up", child=child.name, restarts=len(child.restarts), window_s=window)
+            return False
+        delay = BACKOFF_S[min(len(child.restarts), len(BACKOFF_S) - 1)]
+        child.restarts.append(now)
+        log.warning("child exited; restarting", child=child.name, exit_code=code, delay_s=delay)
+        await asyncio.sleep(delay)
+        try:
+            await self._launch(child)
+        except StartFailed as exc:
+            log.error("restart failed", child=child.name, reason=str(exc))
+        return True
+
+    def stop_all(self) -> None:
+        """SIGTERM in reverse start order, SIGKILL what does not stop in time."""
+        for child in reversed(self._children):
+            proc = child.process
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(self._settings.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("did not stop in time; killing", child=child.name)
+                proc.kill()
+                proc.wait()
+            log.info("stopped", child=child.name, exit_code=proc.returncode)
+        for leftover in self._run_dir.glob("*"):
+            leftover.unlink(missing_ok=True)
+        self._run_dir.rmdir()
+
+
+def service_argv(command: str, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "stagemesh", command, *flags]
+

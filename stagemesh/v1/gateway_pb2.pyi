@@ -1,0 +1,102 @@
+from stagemesh.v1 import generation_pb2 as _generation_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StageState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STAGE_STATE_UNSPECIFIED: _ClassVar[StageState]
+    STAGE_STATE_SERVING: _ClassVar[StageState]
+    STAGE_STATE_LOADING: _ClassVar[StageState]
+    STAGE_STATE_UNAVAILABLE: _ClassVar[StageState]
+    STAGE_STATE_SLEEPING: _ClassVar[StageState]
+    STAGE_STATE_PAUSED: _ClassVar[StageState]
+STAGE_STATE_UNSPECIFIED: StageState
+STAGE_STATE_SERVING: StageState
+STAGE_STATE_LOADING: StageState
+STAGE_STATE_UNAVAILABLE: StageState
+STAGE_STATE_SLEEPING: StageState
+STAGE_STATE_PAUSED: StageState
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("params", "request_id")
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    params: _generation_pb2.GenerationParams
+    request_id: str
+    def __init__(self, params: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class StageStarted(_message.Message):
+    __slots__ = ("stage_id", "kind")
+    STAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    stage_id: int
+    kind: str
+    def __init__(self, stage_id: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
+
+class DenoisingStep(_message.Message):
+    __slots__ = ("stage_id", "step", "total")
+    STAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    stage_id: int
+    step: int
+    total: int
+    def __init__(self, stage_id: _Optional[int] = ..., step: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("stage_started", "denoising_step", "result")
+    STAGE_STARTED_FIELD_NUMBER: _ClassVar[int]
+    DENOISING_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    stage_started: StageStarted
+    denoising_step: DenoisingStep
+    result: _generation_pb2.GenerationResult
+    def __init__(self, stage_started: _Optional[_Union[StageStarted, _Mapping]] = ..., denoising_step: _Optional[_Union[DenoisingStep, _Mapping]] = ..., result: _Optional[_Union[_generation_pb2.GenerationResult, _Mapping]] = ...) -> None: ...
+
+class GenerateUnaryRequest(_message.Message):
+    __slots__ = ("params", "request_id")
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    params: _generation_pb2.GenerationParams
+    request_id: str
+    def __init__(self, params: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class GenerateUnaryResponse(_message.Message):
+    __slots__ = ("result",)
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    result: _generation_pb2.GenerationResult
+    def __init__(self, result: _Optional[_Union[_generation_pb2.GenerationResult, _Mapping]] = ...) -> None: ...
+
+class StageInfo(_message.Message):
+    __slots__ = ("stage_id", "kind", "replicas", "state", "sleep_level", "device_memory_bytes", "device")
+    STAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    stage_id: int
+    kind: str
+    replicas: int
+    state: StageState
+    sleep_level: int
+    device_memory_bytes: int
+    device: str
+    def __init__(self, stage_id: _Optional[int] = ..., kind: _Optional[str] = ..., replicas: _Optional[int] = ..., state: _Optional[_Union[StageState, str]] = ..., sleep_level: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class ListStagesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListStagesResponse(_message.Message):
+    __slots__ = ("stages",)
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    stages: _containers.RepeatedCompositeFieldContainer[StageInfo]
+    def __init__(self, stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,63 @@
+from stagemesh.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class OutputFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTPUT_FORMAT_UNSPECIFIED: _ClassVar[OutputFormat]
+    OUTPUT_FORMAT_PNG: _ClassVar[OutputFormat]
+    OUTPUT_FORMAT_TENSOR: _ClassVar[OutputFormat]
+OUTPUT_FORMAT_UNSPECIFIED: OutputFormat
+OUTPUT_FORMAT_PNG: OutputFormat
+OUTPUT_FORMAT_TENSOR: OutputFormat
+
+class GenerationParams(_message.Message):
+    __slots__ = ("prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "output_format")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    width: int
+    height: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+    output_format: OutputFormat
+    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ...) -> None: ...
+
+class GenerationResult(_message.Message):
+    __slots__ = ("request_id", "output_format", "width", "height", "seed", "png", "tensor", "stage_latency_ms")
+    class StageLatencyMsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    PNG_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    STAGE_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    output_format: OutputFormat
+    width: int
+    height: int
+    seed: int
+    png: bytes
+    tensor: _tensor_pb2.Tensor
+    stage_latency_ms: _containers.ScalarMap[str, float]
+    def __init__(self, request_id: _Optional[str] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ..., png: _Optional[bytes] = ..., tensor: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., stage_latency_ms: _Optional[_Mapping[str, float]] = ...) -> None: ...

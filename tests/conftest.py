@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+import pytest
+
+from tests.meshproc import Mesh, shm_entries, start_mesh, write_config
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("model") / "default-tiny")
+
+
+@pytest.fixture(scope="session")
+def mesh(tmp_path_factory, model_dir) -> Mesh:
+    """One real mesh (`stagemesh up`: cache, two stages, gateway) shared by the service tests."""
+    root = tmp_path_factory.mktemp("mesh")
+    config = write_config(root / "mesh.toml", model_dir)
+    shm_before = shm_entries()
+    running = start_mesh(config, root / "mesh.log")
+    yield running
+    assert running.stop() == 0, running.logs()[-3000:]
+    leaked = {e for e in shm_entries() - shm_before if "stagemesh" in e}
+    assert not leaked, f"shared-memory segments left behind: {leaked}"

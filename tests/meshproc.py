@@ -1,0 +1,141 @@
+"""Running a real `stagemesh up` in tests: start, read the gateway address, stop, check leftovers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from stagemesh import rpc
+from stagemesh.v1 import gateway_pb2_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 180.0
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (read from /proc, no psutil needed)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def listening_ports() -> set[int]:
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            if parts[3] == "0A":  # LISTEN
+                ports.add(int(parts[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+@dataclass
+class Mesh:
+    process: subprocess.Popen
+    address: str
+    log_path: Path
+    config_path: Path
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.address, options=rpc.channel_options())
+
+    def gateway(self, channel: grpc.Channel) -> gateway_pb2_grpc.GatewayServiceStub:
+        return gateway_pb2_grpc.GatewayServiceStub(channel)
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+
+def write_config(path: Path, model_dir: Path, extra_stage: str = "", cache_root: Path | None = None) -> Path:
+    cache_root = cache_root or path.parent / "cache-root"
+    path.write_text(f"""
+[mesh]
+log_level = "info"
+
+[gateway]
+port = 0
+
+[cache]
+root = "{cache_root}"
+
+[[stages]]
+kind = "ar"
+model_dir = "{model_dir}"
+threads = 1
+{extra_stage}
+
+[[stages]]
+kind = "diffusion"
+model_dir = "{model_dir}"
+threads = 1
+max_size = 512
+max_steps = 50
+max_prompt_bytes = 256
+{extra_stage}
+""")
+    return path
+
+
+def start_mesh(config_path: Path, log_path: Path) -> Mesh:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    log_file = open(log_path, "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "stagemesh", "up", "--config", str(config_path)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log_file, text=True,
+    )
+    log_file.close()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    address = None
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        if "gateway serving on" in line:
+            address = line.strip().rsplit(" ", 1)[1]
+            break
+    if address is None:
+        process.kill()
+        process.wait()
+        raise RuntimeError(f"mesh did not start; log:\n{log_path.read_text()[-4000:]}")
+    return Mesh(process, address, log_path, config_path)

@@ -1,0 +1,297 @@
+"""Embedded default pipeline: weights, LM, DiT sampler and runners (CPU, tiny config)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from stage_service.models import (
+    ArRunner, ByteTokenizer, DiffusionRunner, PipelineConfig, WorkItem, build_runner,
+    default_model_dir, ensure_model_dir, load_dit, load_lm, read_config, sample,
+)
+from stage_service.models.config import BOS_ID, DiTConfig, LMConfig
+from stage_service.models.dit import pad_conds
+from stage_service.models.weights import DIT_FILE, LM_FILE, build_dit, build_lm
+
+FILES = (LM_FILE, DIT_FILE, Path("config.json"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_model_dir(tmp_path_factory.mktemp("models") / "tiny", PipelineConfig.tiny())
+
+
+@pytest.fixture(scope="module")
+def lm(model_dir: Path):
+    return load_lm(model_dir)
+
+
+@pytest.fixture(scope="module")
+def dit_pair(model_dir: Path):
+    return load_dit(model_dir)
+
+
+@pytest.fixture(scope="module")
+def conds(lm) -> list[torch.Tensor]:
+    return [lm.encode_prompt(p) for p in ("a red cat", "a blue dog on a hill", "x")]
+
+
+def _sample(dit_pair, conds, seeds, guidance=4.0, width=32, height=48, steps=3, progress=None):
+    dit, decoder = dit_pair
+    return sample(dit, decoder, conds, width, height, steps, guidance, seeds, progress)
+
+
+# ---- config ---------------------------------------------------------------------------
+
+def test_config_round_trip_and_validation() -> None:
+    cfg = PipelineConfig.flux_sized()
+    assert PipelineConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert PipelineConfig.tiny().dit.pixel_multiple == 16
+    with pytest.raises(ValueError, match="unknown key"):
+        PipelineConfig.from_dict({**cfg.to_dict(), "extra": 1})
+    with pytest.raises(ValueError, match="cond_dim"):
+        PipelineConfig(lm=LMConfig(d_model=32, n_heads=4), dit=DiTConfig())
+    with pytest.raises(ValueError, match="power of two"):
+        DiTConfig(vae_scale=6)
+
+
+# ---- weights ----------------------------------------------------------------------------
+
+def test_generation_is_deterministic_and_reload_is_bit_identical(model_dir: Path, tmp_path: Path,
+                                                                 lm, dit_pair) -> None:
+    other = ensure_model_dir(tmp_path / "again", PipelineConfig.tiny())
+    for rel in FILES:
+        assert (model_dir / rel).read_bytes() == (other / rel).read_bytes(), rel
+    assert read_config(model_dir) == PipelineConfig.tiny()
+    lm_file = load_file(model_dir / LM_FILE)
+    assert lm_file.keys() == lm.state_dict().keys()
+    assert all(torch.equal(lm_file[k], v) for k, v in lm.state_dict().items())
+    dit, decoder = dit_pair
+    dit_file = load_file(model_dir / DIT_FILE)
+    assert all(torch.equal(dit_file["dit." + k], v) for k, v in dit.state_dict().items())
+    assert all(torch.equal(dit_file["decoder." + k], v) for k, v in decoder.state_dict().items())
+    assert torch.equal(dit_file["dit.blocks.0.norm_cross.weight"], torch.ones(64))
+    assert torch.equal(dit_file["dit.x_embed.bias"], torch.zeros(64))
+
+
+def test_existing_folder_is_reused_and_mismatch_regenerates(tmp_path: Path) -> None:
+    path = ensure_model_dir(tmp_path / "m", PipelineConfig.tiny())
+    first = (path / LM_FILE).stat().st_ino
+    assert ensure_model_dir(path, PipelineConfig.tiny()) == path
+    assert (path / LM_FILE).stat().st_ino == first
+    before = (path / DIT_FILE).read_bytes()
+    ensure_model_dir(path, replace(PipelineConfig.tiny(), weight_seed=1))
+    assert read_config(path).weight_seed == 1
+    assert (path / DIT_FILE).read_bytes() != before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temp or stale leftovers
+
+
+def test_concurrent_generation_installs_one_complete_folder(tmp_path: Path) -> None:
+    target, errors = tmp_path / "m", []
+
+    def worker() -> None:
+        try:
+            ensure_model_dir(target, PipelineConfig.tiny())
+        except Exception as exc:  # surfaced through the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    load_lm(target)
+    load_dit(target)
+
+
+@pytest.mark.parametrize("change", ["missing", "unexpected"])
+def test_strict_keys(model_dir: Path, tmp_path: Path, change: str) -> None:
+    bad = tmp_path / "bad"
+    ensure_model_dir(bad, PipelineConfig.tiny())
+    state = load_file(bad / DIT_FILE)
+    if change == "missing":
+        key = "dit.blocks.1.attn.q.weight"
+        del state[key]
+    else:
+        key = "decoder.surprise"
+        state[key] = torch.zeros(2)
+    save_file(state, bad / DIT_FILE)
+    with pytest.raises(ValueError, match=rf"{change} key.*{key.replace('.', '[.]')}"):
+        load_dit(bad)
+    lm_state = load_file(bad / LM_FILE)
+    lm_state["lm_head.weight"] = lm_state["lm_head.weight"][:, :8].contiguous()
+    save_file(lm_state, bad / LM_FILE)
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        load_lm(bad)
+
+
+def test_default_model_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("STAGEMESH_MODEL_DIR", str(tmp_path / "x"))
+    assert default_model_dir() == tmp_path / "x"
+    monkeypatch.delenv("STAGEMESH_MODEL_DIR")
+    assert default_model_dir().parts[-3:] == ("stagemesh", "models", "default-tiny")
+
+
+# ---- LM ---------------------------------------------------------------------------------
+
+def test_tokenizer_truncates() -> None:
+    tok = ByteTokenizer(8)
+    assert tok.encode("hé") == [BOS_ID, 104, 0xC3, 0xA9]
+    assert len(tok.encode("z" * 100)) == 8
+
+
+def test_encode_prompt_is_deterministic(lm) -> None:
+    cfg = lm.config
+    a, b = lm.encode_prompt("a red cat"), lm.encode_prompt("a red cat")
+    assert torch.equal(a, b)
+    assert a.dtype == torch.float32 and a.shape[1] == cfg.d_model
+    assert 1 + 9 <= a.shape[0] <= 1 + 9 + cfg.decode_tokens
+    assert not torch.equal(a[:4], lm.encode_prompt("a blue dog")[:4])
+    long = lm.encode_prompt("y" * 2000)
+    assert long.shape[0] <= cfg.max_seq_len
+
+
+def test_kv_cache_matches_full_recompute(lm) -> None:
+    ids, hidden = lm.generate(lm.tokenizer.encode("kv cache check"))
+    assert len(ids) > len("kv cache check") + 1  # something was decoded through the cache
+    with torch.inference_mode():
+        full, _, _ = lm(torch.tensor([ids]), None)
+    assert hidden.shape == (len(ids), lm.config.d_model)
+    torch.testing.assert_close(full[0, -1], hidden[-1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(full[0], hidden, atol=1e-5, rtol=0)
+
+
+# ---- DiT and sampler --------------------------------------------------------------------
+
+def test_same_seed_same_image_and_other_seed_differs(dit_pair, conds) -> None:
+    a = _sample(dit_pair, conds[:1], [7])
+    b = _sample(dit_pair, conds[:1], [7])
+    c = _sample(dit_pair, conds[:1], [8])
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, c)
+
+
+def test_request_is_batch_invariant(dit_pair, conds) -> None:
+    alone = _sample(dit_pair, [conds[1]], [11])
+    batch = _sample(dit_pair, conds, [3, 11, 5])
+    torch.testing.assert_close(batch[1], alone[0], atol=1e-5, rtol=0)
+    unguided = _sample(dit_pair, conds, [3, 11, 5], guidance=1.0)
+    torch.testing.assert_close(unguided[1], _sample(dit_pair, [conds[1]], [11], 1.0)[0],
+                               atol=1e-5, rtol=0)
+
+
+def test_cond_padding_is_masked(dit_pair, conds) -> None:
+    dit, _ = dit_pair
+    short, long = conds[0], conds[1]
+    assert short.shape[0] < long.shape[0]
+    x, t = torch.randn(2, 4, 2, 4, generator=torch.Generator().manual_seed(0)), torch.full((2,), .7)
+    with torch.inference_mode():
+        cond, mask = pad_conds([short, long])
+        padded = dit(x, t, cond, mask)[0]
+        alone = dit(x[:1], t[:1], short[None])[0]
+        unmasked = dit(x, t, cond, None)[0]
+        other = dit(x[:1], t[:1], long[None])[0]
+    torch.testing.assert_close(padded, alone, atol=1e-6, rtol=0)
+    # Both gaps are small with random weights but far above float noise.
+    assert (unmasked - alone).abs().max() > 1e-5
+    assert (other - alone).abs().max() > 1e-5
+
+
+def test_progress_is_called_per_step(dit_pair, conds) -> None:
+    calls: list[tuple[int, int]] = []
+    _sample(dit_pair, conds[:1], [0], steps=5, progress=lambda k, n: calls.append((k, n)))
+    assert calls == [(k, 5) for k in range(1, 6)]
+
+
+def test_progress_exception_aborts(dit_pair, conds) -> None:
+    class Cancelled(Exception):
+        pass
+
+    seen: list[int] = []
+
+    def progress(k: int, n: int) -> None:
+        seen.append(k)
+        if k == 2:
+            raise Cancelled
+
+    with pytest.raises(Cancelled):
+        _sample(dit_pair, conds[:1], [0], steps=6, progress=progress)
+    assert seen == [1, 2]
+
+
+def test_output_shape_and_range(dit_pair, conds) -> None:
+    out = _sample(dit_pair, conds[:2], [1, 2], width=32, height=48)
+    assert out.shape == (2, 48, 32, 3) and out.dtype == torch.float32
+    assert out.min() >= 0.0 and out.max() <= 1.0
+    assert out.std() > 0.01  # the decoder keeps structure, not a flat grey
+    with pytest.raises(ValueError, match="multiples of 16"):
+        _sample(dit_pair, conds[:1], [0], width=40)
+
+
+def test_guidance_changes_the_image(dit_pair, conds) -> None:
+    plain = _sample(dit_pair, conds[:1], [4], guidance=1.0)
+    guided = _sample(dit_pair, conds[:1], [4], guidance=4.0)
+    assert (plain - guided).abs().max() > 1e-5
+
+
+def test_dit_structure_and_flux_sized_on_meta() -> None:
+    dit, _ = build_dit(PipelineConfig.tiny())
+    assert isinstance(dit.blocks, torch.nn.ModuleList) and len(dit.blocks) == 4
+    cfg = PipelineConfig.flux_sized()
+    big, decoder = build_dit(cfg)
+    lm = build_lm(cfg)
+    params = list(big.parameters()) + list(decoder.parameters()) + list(lm.parameters())
+    assert all(p.is_meta for p in params)
+    assert len(big.blocks) == cfg.dit.depth
+    assert 1e10 < sum(p.numel() for p in big.parameters()) < 2e10
+    assert big.null_cond.dtype == torch.bfloat16 and big.null_cond.shape == (1, 1024)
+
+
+# ---- runners ----------------------------------------------------------------------------
+
+def _item(rid: str, prompt: str, seed: int = 0, **kw) -> WorkItem:
+    fields = dict(width=32, height=32, num_inference_steps=2, guidance_scale=3.0, seed=seed)
+    fields.update(kw)
+    return WorkItem(request_id=rid, prompt=prompt, **fields)
+
+
+def test_runners_end_to_end(model_dir: Path) -> None:
+    ar = build_runner("ar", model_dir, "cpu")
+    diff = build_runner("diffusion", model_dir, "cpu")
+    assert isinstance(ar, ArRunner) and isinstance(diff, DiffusionRunner)
+    assert diff.limits()["pixel_multiple"] == 16 and diff.limits()["cond_dim"] == 64
+    assert ar.limits()["max_prompt_bytes"] == 512 - 4 - 1
+    items = [_item("r1", "hello", 1), _item("r2", "world!", 2)]
+    hidden = ar.run(items)
+    assert [h["hidden_states"].shape[1] for h in hidden] == [64, 64]
+    assert not any(h["hidden_states"].is_inference() for h in hidden)
+    for item, h in zip(items, hidden):
+        item.inputs = h
+    steps: list[tuple[int, int]] = []
+    images = diff.run(items, progress=lambda k, n: steps.append((k, n)))
+    assert steps == [(1, 2), (2, 2)]
+    for out in images:
+        img = out["image"]
+        assert img.shape == (32, 32, 3) and img.device.type == "cpu" and img.is_contiguous()
+        assert not img.is_inference()
+    assert not torch.equal(images[0]["image"], images[1]["image"])
+
+
+def test_diffusion_runner_rejects_mixed_batches(model_dir: Path) -> None:
+    diff = DiffusionRunner(model_dir)
+    cond = {"hidden_states": torch.zeros(3, 64)}
+    mixed = [_item("a", "p", inputs=cond), _item("b", "p", width=48, inputs=cond)]
+    with pytest.raises(ValueError, match="differs"):
+        diff.run(mixed)
+    with pytest.raises(ValueError, match="hidden_states"):
+        diff.run([_item("c", "p")])
+    with pytest.raises(ValueError, match="unknown runner kind"):
+        build_runner("tts", model_dir, "cpu")
