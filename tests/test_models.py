@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,8 +12,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from stage_service.models import (
-    ArRunner, ByteTokenizer, DiffusionRunner, PipelineConfig, WorkItem, build_runner,
-    default_model_dir, ensure_model_dir, load_dit, load_lm, read_config, sample,
+    ArRunner,
+    ByteTokenizer,
+    DiffusionRunner,
+    PipelineConfig,
+    WorkItem,
+    build_runner,
+    default_model_dir,
+    ensure_model_dir,
+    load_dit,
+    load_lm,
+    read_config,
+    sample,
 )
 from stage_service.models.config import BOS_ID, DiTConfig, LMConfig
 from stage_service.models.dit import pad_conds
@@ -93,20 +103,10 @@ def test_existing_folder_is_reused_and_mismatch_regenerates(tmp_path: Path) -> N
 
 
 def test_concurrent_generation_installs_one_complete_folder(tmp_path: Path) -> None:
-    target, errors = tmp_path / "m", []
-
-    def worker() -> None:
-        try:
-            ensure_model_dir(target, PipelineConfig.tiny())
-        except Exception as exc:  # surfaced through the assertion below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    target = tmp_path / "m"
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = [pool.submit(ensure_model_dir, target, PipelineConfig.tiny()) for _ in range(3)]
+        assert [f.result() for f in futures] == [target] * 3  # result() re-raises failures
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
     load_lm(target)
     load_dit(target)
@@ -258,8 +258,8 @@ def test_dit_structure_and_flux_sized_on_meta() -> None:
 # ---- runners ----------------------------------------------------------------------------
 
 def _item(rid: str, prompt: str, seed: int = 0, **kw) -> WorkItem:
-    fields = dict(width=32, height=32, num_inference_steps=2, guidance_scale=3.0, seed=seed)
-    fields.update(kw)
+    fields = {"width": 32, "height": 32, "num_inference_steps": 2, "guidance_scale": 3.0,
+              "seed": seed, **kw}
     return WorkItem(request_id=rid, prompt=prompt, **fields)
 
 

@@ -115,7 +115,7 @@ class DiffusionRunner:
                 "vae_scale": dit.vae_scale}
 
 
-_RUNNERS: dict[str, type[ArRunner] | type[DiffusionRunner]] = {
+_RUNNERS: dict[str, type[ArRunner | DiffusionRunner]] = {
     ArRunner.kind: ArRunner,
     DiffusionRunner.kind: DiffusionRunner,
 }

@@ -1,0 +1,116 @@
+"""Small helpers shared by the benchmarks: percentiles, a plain-text table, and a JSON result
+file that records where and when the numbers were taken."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO / "bench" / "results"
+
+
+# statistics ---------------------------------------------------------------------------------
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between closest ranks
+    (numpy's default method), so p50 of an even-sized sample is the mean of the middle two."""
+    if not values:
+        raise ValueError("percentile of an empty sample")
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(values: Sequence[float], quantiles: Iterable[float] = (50, 90, 99)) -> dict[str, float]:
+    """count, mean, min, max and the requested percentiles (keys p50, p90, ...)."""
+    out: dict[str, float] = {"count": len(values), "mean": sum(values) / len(values),
+                             "min": min(values), "max": max(values)}
+    for q in quantiles:
+        out[f"p{q:g}"] = percentile(values, q)
+    return out
+
+
+# output -------------------------------------------------------------------------------------
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], floatfmt: str = ".3f") -> str:
+    """A fixed-width table; floats use `floatfmt`, the first column is left-aligned, the rest right."""
+    def cell(v: Any) -> str:
+        return format(v, floatfmt) if isinstance(v, float) else str(v)
+
+    cells = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(values, widths)))
+
+    return "\n".join([line([str(h) for h in headers]), line(["-" * w for w in widths]), *(line(r) for r in cells)])
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], floatfmt: str = ".3f") -> None:
+    print(format_table(headers, rows, floatfmt), flush=True)
+
+
+# environment --------------------------------------------------------------------------------
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+def cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001 - absent or broken: just not recorded
+        return None
+
+
+def environment() -> dict[str, Any]:
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "commit": git_commit(),
+        "python": sys.version.split()[0],
+        "torch": _version("torch"),
+        "grpcio": _version("grpc"),
+        "platform": platform.platform(),
+        "machine": {"nproc": usable_cpus(), "cpu_count": os.cpu_count(), "cpu_model": cpu_model()},
+    }
+
+
+def write_json(path: str | os.PathLike, benchmark: str, data: dict[str, Any]) -> Path:
+    """Write {"benchmark", "environment", **data} to `path` (parent folders created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": benchmark, "environment": environment(), **data}
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    return path

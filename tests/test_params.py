@@ -1,0 +1,92 @@
+"""Parameter defaults and validation (pure domain: no server)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from stagemesh import codec, converters
+from stagemesh.errors import InvalidArgument
+from stagemesh.params import Limits, resolve
+from stagemesh.v1 import generation_pb2
+
+import torch
+
+LIMITS = Limits(pixel_multiple=16, max_pixels_side=512, max_inference_steps=50, max_prompt_bytes=10)
+
+
+def _resolve(**kw):
+    base = dict(prompt="hi", width=None, height=None, num_inference_steps=None, guidance_scale=None,
+                seed=None, output_format="png", limits=LIMITS)
+    base.update(kw)
+    return resolve(**base)
+
+
+def test_defaults_fill_unset_fields():
+    p = _resolve()
+    assert (p.width, p.height, p.num_inference_steps, p.guidance_scale) == (256, 256, 8, 4.0)
+    assert 0 <= p.seed < 2**63
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("width", 0, "must be positive"),
+    ("width", -16, "must be positive"),
+    ("height", 17, "not a multiple of 16"),
+    ("width", 528, "above the maximum 512"),
+    ("num_inference_steps", 0, "allowed: 1 to 50"),
+    ("num_inference_steps", 51, "allowed: 1 to 50"),
+    ("guidance_scale", 0.5, "allowed: 1.0 to 30.0"),
+    ("guidance_scale", math.nan, "allowed: 1.0 to 30.0"),
+    ("output_format", "gif", "allowed: PNG, TENSOR"),
+    ("prompt", "é" * 6, "at most 10 UTF-8 bytes"),
+])
+def test_each_bad_field_is_named_with_its_range(field, value, needle):
+    with pytest.raises(InvalidArgument) as info:
+        _resolve(**{field: value})
+    [violation] = info.value.violations
+    assert violation.field == f"params.{field}"
+    assert needle in violation.description
+
+
+def test_all_bad_fields_are_reported_together():
+    with pytest.raises(InvalidArgument) as info:
+        _resolve(width=0, height=3, num_inference_steps=99)
+    assert [v.field for v in info.value.violations] == ["params.width", "params.height", "params.num_inference_steps"]
+
+
+def test_proto_presence_distinguishes_unset_from_zero():
+    unset = converters.params_from_proto(generation_pb2.GenerationParams(prompt="a"), LIMITS)
+    assert unset.width == 256
+    with pytest.raises(InvalidArgument):
+        converters.params_from_proto(generation_pb2.GenerationParams(prompt="a", width=0), LIMITS)
+
+
+def test_params_round_trip_through_proto():
+    p = _resolve(width=32, height=48, num_inference_steps=3, guidance_scale=2.5, seed=9, output_format="tensor")
+    assert converters.params_from_proto(converters.params_to_proto(p), LIMITS) == p
+
+
+def test_unknown_output_format_enum_is_refused():
+    with pytest.raises(InvalidArgument) as info:
+        converters.params_from_proto(generation_pb2.GenerationParams(prompt="a", output_format=99), LIMITS)
+    assert info.value.violations[0].field == "params.output_format"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int64])
+def test_tensor_codec_round_trip(dtype):
+    t = (torch.arange(24, dtype=torch.float32).reshape(2, 3, 4) - 5).to(dtype)
+    view = t.transpose(0, 2)  # non-contiguous
+    back = codec.from_proto(codec.to_proto(view))
+    assert back.dtype == dtype and back.shape == view.shape and torch.equal(back, view)
+
+
+def test_tensor_codec_refuses_inconsistent_messages():
+    msg = codec.to_proto(torch.zeros(2, 2))
+    msg.data = msg.data[:-1]
+    with pytest.raises(InvalidArgument, match="needs 16"):
+        codec.from_proto(msg, "inputs[x]")
+    msg = codec.to_proto(torch.zeros(2))
+    msg.dtype = "complex128"
+    with pytest.raises(InvalidArgument, match="unknown dtype"):
+        codec.from_proto(msg)
