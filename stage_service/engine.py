@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -16,6 +17,7 @@ import torch
 from stagemesh import errors, logs
 from stagemesh.params import Params
 from stage_service.executor import Executor
+from stage_service.outputs import output_timeout
 
 log = logs.get_logger("stagemesh.engine")
 
@@ -41,7 +43,9 @@ class _Request:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     batch: "_Batch | None" = None
     done: bool = False
-    abandoned: bool = False
+    output_id: str = ""
+    # Unique inside the engine (client request ids may repeat): names this request's share of a batch output.
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def work_item(self) -> dict[str, Any]:
         p = self.params
@@ -140,31 +144,64 @@ class Engine:
         batch = _Batch(rank, requests)
         for r in requests:
             r.batch = batch
+        task = asyncio.create_task(self._run_batch(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_batch(self, batch: _Batch) -> None:
         loop = self._loop
 
         def on_progress(step: int, total: int) -> None:  # pump thread
             loop.call_soon_threadsafe(self._fan_out, batch, ProgressEvent(step, total))
 
-        batch.rpc_id, fut = self._executor.submit(rank, [r.work_item() for r in requests], on_progress)
-        asyncio.wrap_future(fut).add_done_callback(lambda f: self._finished(batch, f))
-        log.debug("batch dispatched", rank=rank, size=len(requests), rpc_id=batch.rpc_id)
+        batch.rpc_id, fut = self._executor.submit(batch.rank, [r.work_item() for r in batch.requests], on_progress)
+        try:
+            done = await asyncio.wrap_future(fut)
+        except Exception as exc:  # noqa: BLE001 - every request of the batch gets the error
+            self._fan_out(batch, exc)
+            return
+        finally:
+            # COMPUTE_DONE (or the synchronous result) frees the worker for the next batch at once.
+            self._release(batch.rank)
+        if isinstance(done, list):  # step mode: the outputs themselves
+            for r, outputs in zip(batch.requests, done):
+                self._deliver(r, OutputsEvent(outputs))
+            return
+        sub_ids = self._executor.outputs.split(done.async_output_id, [r.key for r in batch.requests])
+        await asyncio.gather(*(self._await_output(r, sub_id) for r, sub_id in zip(batch.requests, sub_ids)))
+
+    async def _await_output(self, req: _Request, output_id: str) -> None:
+        registry = self._executor.outputs
+        if req.done:
+            registry.discard(output_id)
+            return
+        req.output_id = output_id
+        timeout_s = output_timeout()
+        try:
+            outputs = await asyncio.wait_for(asyncio.wrap_future(registry.future(output_id)), timeout_s)
+        except asyncio.TimeoutError:
+            registry.discard(output_id)
+            self._deliver(req, registry.timeout_error(output_id, timeout_s))
+        except asyncio.CancelledError:
+            registry.discard(output_id)  # the request went away while its output was on its way
+        except Exception as exc:  # noqa: BLE001
+            self._deliver(req, exc)
+        else:
+            self._deliver(req, OutputsEvent(outputs))
+
+    def _release(self, rank: int) -> None:
+        if rank not in self._dead_ranks:
+            self._free_ranks.add(rank)
+            self._wake.set()
 
     def _fan_out(self, batch: _Batch, event: Any) -> None:
         for r in batch.requests:
-            if not r.done:
-                r.events.put_nowait(event)
+            self._deliver(r, event)
 
-    def _finished(self, batch: _Batch, fut: asyncio.Future) -> None:
-        if batch.rank not in self._dead_ranks:
-            self._free_ranks.add(batch.rank)
-            self._wake.set()
-        exc = fut.exception() if not fut.cancelled() else errors.Cancelled("cancelled")
-        if exc is not None:
-            self._fan_out(batch, exc)
-            return
-        for r, outputs in zip(batch.requests, fut.result()):
-            if not r.done:
-                r.events.put_nowait(OutputsEvent(outputs))
+    @staticmethod
+    def _deliver(req: _Request, event: Any) -> None:
+        if not req.done:
+            req.events.put_nowait(event)
 
     def _abandon(self, req: _Request) -> None:
         if req in self._waiting:

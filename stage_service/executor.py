@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from stage_service import ipc, protocol, worker
+from stage_service.outputs import OutputRegistry
 from stagemesh import errors, logs
 
 log = logs.get_logger("stagemesh.executor")
@@ -56,12 +57,14 @@ class _Worker:
 
 class Executor:
     def __init__(self, stage_id: int, kind: str, model_dir: str, device: str, workers: int,
-                 threads: int = 0, on_death: DeathFn | None = None):
+                 threads: int = 0, on_death: DeathFn | None = None, step_execution: bool = False):
         self.stage_name = f"stage {stage_id} ({kind})"
+        self.step_execution = step_execution
         self._specs = [
-            protocol.WorkerSpec(rank, stage_id, kind, str(model_dir), device, os.getpid(), threads)
+            protocol.WorkerSpec(rank, stage_id, kind, str(model_dir), device, os.getpid(), threads, step_execution)
             for rank in range(workers)
         ]
+        self.outputs = OutputRegistry(self.stage_name)
         self._ctx = mp.get_context("spawn")
         self._workers: dict[int, _Worker] = {}
         self._lock = threading.Lock()
@@ -71,6 +74,9 @@ class Executor:
     # life cycle -----------------------------------------------------------------------------
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> list[protocol.Ready]:
         """Start every worker and wait until each has loaded its model (blocking)."""
+        swept = ipc.sweep_orphans()
+        if swept:
+            log.warning("removed shared-memory segments of dead executors", count=swept)
         for spec in self._specs:
             self._spawn(spec)
         return [self._await_ready(rank, timeout_s) for rank in sorted(self._workers)]
@@ -87,6 +93,8 @@ class Executor:
         for w in list(self._workers.values()):
             self._stop_worker(w, graceful=True)
         self._workers.clear()
+        self.outputs.fail_all(errors.Unavailable(f"{self.stage_name}: executor shut down"))
+        ipc.sweep(os.getpid())
 
     def ready_info(self) -> list[protocol.Ready]:
         return [w.ready for w in self._workers.values() if w.ready is not None]
@@ -104,6 +112,19 @@ class Executor:
             w.pending[rpc_id] = _Pending(fut, on_progress)
         w.requests.put(protocol.Execute(rpc_id, packed))
         return rpc_id, fut
+
+    def control(self, rank: int, op: str, **args: Any) -> cf.Future:
+        """Send a control call to one worker; the future resolves with its Ack's result."""
+        rpc_id = uuid.uuid4().hex
+        fut: cf.Future = cf.Future()
+        w = self._workers.get(rank)
+        if w is None or not w.process.is_alive() or self._closed:
+            resolve_future(fut, exc=errors.Unavailable(f"{self.stage_name} worker {rank} is not running"))
+            return fut
+        with self._lock:
+            w.pending[rpc_id] = _Pending(fut, None)
+        w.requests.put(protocol.Control(rpc_id, op, args))
+        return fut
 
     def cancel(self, rank: int, rpc_id: str) -> None:
         w = self._workers.get(rank)
@@ -164,16 +185,42 @@ class Executor:
             if pending is not None and pending.on_progress is not None:
                 pending.on_progress(msg.step, msg.total)
             return
+        if isinstance(msg, protocol.OutputReady):
+            self._output_ready(msg)
+            return
+        if isinstance(msg, protocol.ComputeDone):
+            # Registered before the RPC future resolves, so a death in between fails the output too.
+            self.outputs.expect(msg.async_output_id, w.spec.rank)
         with self._lock:
             pending = w.pending.pop(getattr(msg, "rpc_id", ""), None)
         if pending is None:
             return
-        if isinstance(msg, protocol.Result):
+        if isinstance(msg, protocol.ComputeDone):
+            resolve_future(pending.future, result=msg)
+        elif isinstance(msg, protocol.Ack):
+            exc = errors.StagemeshError(f"{self.stage_name} worker {w.spec.rank}: {msg.error}") if msg.error else None
+            resolve_future(pending.future, result=msg.result, exc=exc)
+        elif isinstance(msg, protocol.Result):
             resolve_future(pending.future, result=[ipc.unpack(o) for o in msg.outputs])
         elif isinstance(msg, protocol.Failure):
             exc = errors.Cancelled(msg.message) if msg.cancelled else errors.StagemeshError(
                 f"{self.stage_name} failed: {msg.message}")
             resolve_future(pending.future, exc=exc)
+
+    def _output_ready(self, msg: protocol.OutputReady) -> None:
+        # Unpack first, whoever waits: a shared-memory segment never outlives its reader.
+        if msg.error is not None:
+            self.outputs.deliver(msg.async_output_id, exc=errors.StagemeshError(
+                f"{self.stage_name}: output failed: {msg.error}"))
+            return
+        try:
+            result = [ipc.unpack(item) for item in msg.payload]
+        except Exception as exc:  # noqa: BLE001 - a bad payload fails its request, not the pump
+            ipc.discard(msg.payload)
+            self.outputs.deliver(msg.async_output_id, exc=errors.StagemeshError(
+                f"{self.stage_name}: could not unpack output: {exc}"))
+            return
+        self.outputs.deliver(msg.async_output_id, result)
 
     def _worker_died(self, w: _Worker) -> None:
         if self._closed or w.stopping:
@@ -181,6 +228,8 @@ class Executor:
         reason = f"{self.stage_name} worker {w.spec.rank} died (exit code {w.process.exitcode})"
         log.error("worker died", rank=w.spec.rank, exitcode=w.process.exitcode)
         self._fail_pending(w, errors.Unavailable(reason))
+        self.outputs.fail_rank(w.spec.rank, errors.Unavailable(reason))
+        ipc.sweep(os.getpid(), w.spec.rank)
         if self._on_death is not None:
             self._on_death(w.spec.rank, reason)
 

@@ -15,6 +15,8 @@ class WorkerSpec:
     device: str
     parent_pid: int
     threads: int = 0
+    # True: outputs are copied and packed on the worker's main thread (the synchronous path).
+    step_execution: bool = False
 
 
 # executor -> worker
@@ -32,6 +34,15 @@ class Cancel:
 @dataclass(frozen=True)
 class Shutdown:
     pass
+
+
+@dataclass(frozen=True)
+class Control:
+    """A control call (drain, sleep, wake, ...). Answered by an Ack that bypasses the output path."""
+
+    rpc_id: str
+    op: str
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 # worker -> executor
@@ -57,7 +68,31 @@ class Progress:
 
 
 @dataclass(frozen=True)
+class ComputeDone:
+    """Async mode: the forward pass is queued on the device; its outputs follow as OutputReady."""
+
+    rpc_id: str
+    async_output_id: str
+
+
+@dataclass(frozen=True)
+class OutputReady:
+    async_output_id: str
+    payload: Any = None  # one packed dict per batch item
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Ack:
+    rpc_id: str
+    result: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class Result:
+    """Step (synchronous) mode: the outputs themselves."""
+
     rpc_id: str
     outputs: list[Any] = field(default_factory=list)  # one packed dict per item
 

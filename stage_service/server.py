@@ -69,7 +69,8 @@ async def serve_stage(settings: StageSettings) -> None:
         loop.create_task(host.set_serving(serving))
 
     executor = Executor(settings.stage_id, settings.kind, str(settings.resolved_model_dir()), settings.device,
-                        settings.workers, settings.threads, on_death=lambda r, why: engine.worker_died(r, why))
+                        settings.workers, settings.threads, on_death=lambda r, why: engine.worker_died(r, why),
+                        step_execution=settings.step_execution)
     engine = Engine(executor, settings.kind, settings.workers, settings.max_batch_size, settings.max_queue, on_health)
     servicer = StageServicer(settings, engine, executor)
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, host.server)

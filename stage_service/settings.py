@@ -25,6 +25,7 @@ class StageSettings:
     model_dir: str = ""
     model_preset: str = "tiny"
     max_batch_size: int = 4
+    step_execution: bool = False
     max_queue: int = 256
     max_size: int = 1024
     max_steps: int = 100
@@ -46,6 +47,8 @@ class StageSettings:
         "model_dir": "model folder (config.json + safetensors); default: the embedded model's cache folder",
         "model_preset": "dimensions used when the folder holds no weights yet: 'tiny' or 'flux-sized'",
         "max_batch_size": "most compatible requests run together as one batch",
+        "step_execution": "copy and pack outputs on the worker's main thread (synchronous path) instead of "
+                          "handing them to the async output thread",
         "max_queue": "requests waiting beyond this are refused with RESOURCE_EXHAUSTED",
         "max_size": "largest width/height in pixels accepted",
         "max_steps": "largest num_inference_steps accepted",
@@ -66,7 +69,9 @@ class StageSettings:
                 kwargs["choices"] = KINDS
             elif f.name == "model_preset":
                 kwargs["choices"] = PRESETS
-            if f.type in ("int", int):
+            if f.type in ("bool", bool):
+                kwargs["action"] = argparse.BooleanOptionalAction
+            elif f.type in ("int", int):
                 kwargs["type"] = int
             elif f.type in ("float", float):
                 kwargs["type"] = float
@@ -89,8 +94,11 @@ class StageSettings:
         out: list[str] = []
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None and value != "":
-                out += ["--" + f.name.replace("_", "-"), str(value)]
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                out.append(flag if value else "--no-" + flag[2:])
+            elif value is not None and value != "":
+                out += [flag, str(value)]
         return out
 
     def resolved_model_dir(self) -> Path:

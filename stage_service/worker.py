@@ -1,4 +1,9 @@
-"""One worker process per rank: loads the model runner and executes batches from its queue."""
+"""One worker process per rank: loads the model runner and executes batches from its queue.
+
+Request mode (default): after the forward pass the worker records a device event, answers
+COMPUTE_DONE at once and hands the outputs to the async output thread. Step mode
+(`step_execution`): outputs are copied and packed here and sent as one RESULT.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,10 @@ import queue
 import signal
 import traceback
 from pathlib import Path
+from typing import Any
 
-from stage_service import ipc, protocol
+from stage_service import ipc, platform, protocol
+from stage_service.async_output import AsyncOutputThread, ResultWriter, new_output_id
 
 
 class _CancelledByCaller(Exception):
@@ -45,14 +52,6 @@ class _Inbox:
                 self._backlog.append(msg)
 
 
-def device_memory_bytes(device: str) -> int:
-    import torch
-
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return int(torch.cuda.memory_allocated(torch.device(device)))
-    return 0
-
-
 def resolve_device(device: str, rank: int) -> str:
     import torch
 
@@ -61,23 +60,75 @@ def resolve_device(device: str, rank: int) -> str:
     return device
 
 
-def _execute(runner, msg: protocol.Execute, inbox: _Inbox, results) -> None:
-    from stage_service.models.runners import WorkItem
+class Worker:
+    def __init__(self, spec: protocol.WorkerSpec, runner, device: str, requests, results):
+        self.spec = spec
+        self.runner = runner
+        self.device = device
+        self.inbox = _Inbox(requests)
+        self.writer = ResultWriter(results)
+        self.packer = ipc.Packer(spec.parent_pid, spec.rank)
+        self.async_output = None if spec.step_execution else AsyncOutputThread(device, self.packer, self.writer)
 
-    def progress(step: int, total: int) -> None:
-        if inbox.cancelled(msg.rpc_id):
-            raise _CancelledByCaller()
-        results.put(protocol.Progress(msg.rpc_id, step, total))
+    def serve(self) -> None:
+        while True:
+            msg = self.inbox.next()
+            if isinstance(msg, protocol.Shutdown):
+                break
+            if isinstance(msg, protocol.Execute):
+                self.execute(msg)
+            elif isinstance(msg, protocol.Control):
+                self.control(msg)
+            # A Cancel for a batch that already finished needs no answer.
+        if self.async_output is not None:
+            self.async_output.drain()
+            self.async_output.close()
 
-    try:
-        items = [WorkItem(**{**item, "inputs": ipc.unpack(item["inputs"])}) for item in msg.items]
-        outputs = runner.run(items, progress)
-        results.put(protocol.Result(msg.rpc_id, [ipc.pack(o) for o in outputs]))
-    except _CancelledByCaller:
-        results.put(protocol.Failure(msg.rpc_id, "cancelled by the caller", cancelled=True))
-    except Exception as exc:  # noqa: BLE001 - reported to the executor, the worker lives on
-        traceback.print_exc()
-        results.put(protocol.Failure(msg.rpc_id, f"{type(exc).__name__}: {exc}"))
+    def execute(self, msg: protocol.Execute) -> None:
+        from stage_service.models.runners import WorkItem
+
+        def progress(step: int, total: int) -> None:
+            if self.inbox.cancelled(msg.rpc_id):
+                raise _CancelledByCaller()
+            self.writer.put(protocol.Progress(msg.rpc_id, step, total))
+
+        try:
+            items = [WorkItem(**{**item, "inputs": ipc.unpack(item["inputs"])}) for item in msg.items]
+            outputs = self.runner.run(items, progress)
+            if self.async_output is None:
+                self.writer.put(protocol.Result(msg.rpc_id, [self.packer.pack(o) for o in outputs]))
+                return
+            event = platform.DeviceEvent(self.device).record()
+            output_id = new_output_id()
+            self.writer.put(protocol.ComputeDone(msg.rpc_id, output_id))
+            self.async_output.submit(output_id, outputs, event)
+        except _CancelledByCaller:
+            self.writer.put(protocol.Failure(msg.rpc_id, "cancelled by the caller", cancelled=True))
+        except Exception as exc:  # noqa: BLE001 - reported to the executor, the worker lives on
+            traceback.print_exc()
+            self.writer.put(protocol.Failure(msg.rpc_id, f"{type(exc).__name__}: {exc}"))
+
+    def control(self, msg: protocol.Control) -> None:
+        """Control calls answer with an Ack straight away; they never go through the output path."""
+        try:
+            result = self._control_ops()[msg.op](**msg.args)
+            self.writer.put(protocol.Ack(msg.rpc_id, result=result))
+        except KeyError:
+            self.writer.put(protocol.Ack(msg.rpc_id, error=f"unknown control operation {msg.op!r}"))
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            self.writer.put(protocol.Ack(msg.rpc_id, error=f"{type(exc).__name__}: {exc}"))
+
+    def _control_ops(self) -> dict[str, Any]:
+        return {"ping": self._ping, "drain": self._drain}
+
+    def _ping(self) -> dict[str, Any]:
+        return {"rank": self.spec.rank, "device_memory_bytes": platform.memory_allocated(self.device)}
+
+    def _drain(self, timeout_s: float | None = None) -> dict[str, Any]:
+        if self.async_output is None:
+            return {"drained": True}
+        return {"drained": self.async_output.drain(timeout_s if timeout_s is not None else 10.0)}
 
 
 def main(spec: protocol.WorkerSpec, requests, results) -> None:
@@ -99,13 +150,5 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
         traceback.print_exc()
         results.put(protocol.LoadFailed(spec.rank, f"{type(exc).__name__}: {exc}"))
         return
-    results.put(protocol.Ready(spec.rank, runner.limits(), device, device_memory_bytes(device)))
-
-    inbox = _Inbox(requests)
-    while True:
-        msg = inbox.next()
-        if isinstance(msg, protocol.Shutdown):
-            return
-        if isinstance(msg, protocol.Execute):
-            _execute(runner, msg, inbox, results)
-        # A Cancel for a batch that already finished needs no answer.
+    results.put(protocol.Ready(spec.rank, runner.limits(), device, platform.memory_allocated(device)))
+    Worker(spec, runner, device, requests, results).serve()

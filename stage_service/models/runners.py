@@ -1,4 +1,4 @@
-"""What a worker process drives: one runner per stage kind, batch in, CPU tensors out."""
+"""What a worker process drives: one runner per stage kind, batch in, device tensors out."""
 
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ class WorkItem:
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().to("cpu").contiguous()
-    # Inference-mode tensors reject in-place use later (e.g. share_memory_); hand out plain ones.
-    return t.clone() if t.is_inference() else t
+def _output(t: torch.Tensor) -> torch.Tensor:
+    # Outputs stay on the device: the worker's output path copies them to the host (on a side
+    # stream in async mode), so the GPU can start the next batch at once.
+    return t.detach()
 
 
 class ArRunner:
@@ -50,7 +50,7 @@ class ArRunner:
         raise to abort the rest of the batch."""
         outputs = []
         for i, item in enumerate(batch):
-            outputs.append({"hidden_states": _to_host(self.lm.encode_prompt(item.prompt))})
+            outputs.append({"hidden_states": _output(self.lm.encode_prompt(item.prompt))})
             if progress is not None:
                 progress(i + 1, len(batch))
         return outputs
@@ -105,7 +105,7 @@ class DiffusionRunner:
                         num_inference_steps=head.num_inference_steps,
                         guidance_scale=head.guidance_scale,
                         seeds=[i.seed for i in batch], progress=progress)
-        return [{"image": _to_host(img)} for img in images]
+        return [{"image": _output(img)} for img in images]
 
     def limits(self) -> dict:
         dit = self.config.dit

@@ -1,0 +1,119 @@
+"""Worker side of async output: hand device outputs to a background thread that copies them to
+the host on a side stream and packs them, so the main thread can start the next forward pass.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from stage_service import ipc, platform, protocol
+from stagemesh import logs
+
+log = logs.get_logger("stagemesh.async_output")
+
+DRAIN_TIMEOUT_S = 10.0
+
+
+def new_output_id() -> str:
+    return uuid.uuid4().hex
+
+
+class ResultWriter:
+    """The worker's result queue with one writer at a time (main loop and background thread)."""
+
+    def __init__(self, results):
+        self._results = results
+        self._lock = threading.Lock()
+
+    def put(self, message: Any) -> None:
+        with self._lock:
+            self._results.put(message)
+
+
+def copy_to_host(obj: Any, stream: platform.Stream) -> Any:
+    """Queue device->host copies of every tensor in `obj` on `stream` (pinned, non-blocking);
+    CPU tensors are returned as they are. The caller synchronizes the stream."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cpu":
+            return obj
+        host = platform.host_buffer_like(obj)
+        host.copy_(obj, non_blocking=True)
+        return host
+    if isinstance(obj, dict):
+        return {k: copy_to_host(v, stream) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(copy_to_host(v, stream) for v in obj)
+    return obj
+
+
+class AsyncOutputThread:
+    """One daemon thread per worker that turns (outputs, id, event) into OUTPUT_READY messages."""
+
+    def __init__(self, device: str, packer: ipc.Packer, writer: ResultWriter):
+        self._stream = platform.Stream(device)
+        self._packer = packer
+        self._writer = writer
+        self._work: queue.Queue = queue.Queue()
+        self._in_flight = 0
+        self._idle = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="async-output", daemon=True)
+        self._thread.start()
+
+    def submit(self, output_id: str, outputs: Any, event: platform.DeviceEvent) -> None:
+        with self._idle:
+            self._in_flight += 1
+        self._work.put((output_id, outputs, event))
+
+    @property
+    def in_flight(self) -> int:
+        with self._idle:
+            return self._in_flight
+
+    def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
+        """Wait until every submitted output has been sent; True at once when idle."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._in_flight:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    log.warning("async output drain timed out", in_flight=self._in_flight, timeout_s=timeout_s)
+                    return False
+                self._idle.wait(remaining)
+        return True
+
+    def close(self) -> None:
+        self._work.put(None)
+        self._thread.join(DRAIN_TIMEOUT_S)
+
+    def _run(self) -> None:
+        while (item := self._work.get()) is not None:
+            output_id, outputs, event = item
+            try:
+                self._writer.put(protocol.OutputReady(output_id, payload=self._host_payload(outputs, event)))
+            except Exception as exc:  # noqa: BLE001 - the executor must hear about it, never silence
+                log.exception("async output failed", output_id=output_id)
+                self._send_error(output_id, f"{type(exc).__name__}: {exc}")
+            finally:
+                del outputs, item
+                with self._idle:
+                    self._in_flight -= 1
+                    self._idle.notify_all()
+
+    def _host_payload(self, outputs: Any, event: platform.DeviceEvent) -> Any:
+        with self._stream.active():
+            self._stream.wait_event(event)  # the forward pass that produced `outputs` is done
+            host = copy_to_host(outputs, self._stream)
+        self._stream.synchronize()
+        return self._packer.pack(host)
+
+    def _send_error(self, output_id: str, message: str) -> None:
+        try:
+            self._writer.put(protocol.OutputReady(output_id, error=message))
+        except Exception:  # noqa: BLE001 - queue gone: the executor sees the worker die instead
+            log.exception("could not report async output failure", output_id=output_id)

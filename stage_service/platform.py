@@ -1,0 +1,81 @@
+"""The one place that knows about device streams and events.
+
+On a CUDA device these are real streams and events; on the CPU every operation is a safe no-op
+(work is already complete when a CPU kernel returns), so the same worker code runs everywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+
+def is_cuda(device: str | torch.device) -> bool:
+    return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+class DeviceEvent:
+    """Marks a point on a stream; other streams (or the host) can wait for it."""
+
+    def __init__(self, device: str | torch.device):
+        self._event = torch.cuda.Event() if is_cuda(device) else None
+
+    def record(self, stream: "Stream | None" = None) -> "DeviceEvent":
+        if self._event is not None:
+            self._event.record(stream.raw if stream is not None else None)
+        return self
+
+    def synchronize(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+    def query(self) -> bool:
+        return True if self._event is None else self._event.query()
+
+    @property
+    def raw(self):
+        return self._event
+
+
+class Stream:
+    """A side stream (CUDA) or nothing (CPU)."""
+
+    def __init__(self, device: str | torch.device):
+        self.device = torch.device(device)
+        self.raw = torch.cuda.Stream(device=self.device) if is_cuda(device) else None
+
+    def wait_event(self, event: DeviceEvent) -> None:
+        if self.raw is not None and event.raw is not None:
+            self.raw.wait_event(event.raw)
+
+    def synchronize(self) -> None:
+        if self.raw is not None:
+            self.raw.synchronize()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Make this the current stream of the calling thread for the block."""
+        if self.raw is None:
+            yield
+        else:
+            with torch.cuda.stream(self.raw):
+                yield
+
+
+def host_buffer_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A host tensor to copy `tensor` into: pinned when the source is on a CUDA device, so the
+    copy can be asynchronous."""
+    pin = tensor.device.type == "cuda"
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+
+
+def record_stream(tensor: torch.Tensor, stream: Stream) -> None:
+    """Tell the caching allocator that `stream` uses `tensor`, so its memory is not reused early."""
+    if stream.raw is not None and tensor.device.type == "cuda":
+        tensor.record_stream(stream.raw)
+
+
+def memory_allocated(device: str | torch.device) -> int:
+    return int(torch.cuda.memory_allocated(torch.device(device))) if is_cuda(device) else 0
