@@ -63,6 +63,9 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], floatfmt:
 
 # environment --------------------------------------------------------------------------------
 def git_commit() -> str | None:
+    # A copy of the tree without .git (e.g. on a lent GPU machine) gets the commit from the caller.
+    if os.environ.get("STAGEMESH_COMMIT"):
+        return os.environ["STAGEMESH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
@@ -94,6 +97,15 @@ def _version(module: str) -> str | None:
         return None
 
 
+def _gpu_name() -> str | None:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def environment() -> dict[str, Any]:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -102,8 +114,11 @@ def environment() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "torch": _version("torch"),
         "grpcio": _version("grpc"),
+        "gpu": _gpu_name(),
         "platform": platform.platform(),
         "machine": {"nproc": usable_cpus(), "cpu_count": os.cpu_count(), "cpu_model": cpu_model()},
+        # Other work on the machine skews latencies; this says how busy it was when the file was written.
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
 
 

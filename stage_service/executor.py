@@ -26,15 +26,17 @@ ProgressFn = Callable[[int, int], None]
 DeathFn = Callable[[int, str], None]
 
 
-def resolve_future(fut: cf.Future, *, result: Any = None, exc: BaseException | None = None) -> None:
-    """Settle a future unless someone cancelled or settled it first; never raises."""
+def resolve_future(fut: cf.Future, *, result: Any = None, exc: BaseException | None = None) -> bool:
+    """Settle a future unless someone cancelled or settled it first; never raises.
+    Returns whether this call settled it."""
     try:
         if exc is not None:
             fut.set_exception(exc)
         else:
             fut.set_result(result)
     except cf.InvalidStateError:
-        pass
+        return False
+    return True
 
 
 @dataclass
@@ -183,7 +185,10 @@ class Executor:
             with self._lock:
                 pending = w.pending.get(msg.rpc_id)
             if pending is not None and pending.on_progress is not None:
-                pending.on_progress(msg.step, msg.total)
+                try:
+                    pending.on_progress(msg.step, msg.total)
+                except Exception:  # noqa: BLE001 - a listener's failure must not kill the pump
+                    log.exception("progress callback failed", rpc_id=msg.rpc_id)
             return
         if isinstance(msg, protocol.OutputReady):
             self._output_ready(msg)
@@ -194,14 +199,26 @@ class Executor:
         with self._lock:
             pending = w.pending.pop(getattr(msg, "rpc_id", ""), None)
         if pending is None:
+            if isinstance(msg, protocol.ComputeDone):
+                self.outputs.discard(msg.async_output_id)  # nobody will ever ask for this output
             return
         if isinstance(msg, protocol.ComputeDone):
-            resolve_future(pending.future, result=msg)
+            if not resolve_future(pending.future, result=msg):
+                # The caller cancelled the RPC: nobody will split or wait for its output, so
+                # drop it when it arrives instead of caching it forever.
+                self.outputs.discard(msg.async_output_id)
         elif isinstance(msg, protocol.Ack):
             exc = errors.StagemeshError(f"{self.stage_name} worker {w.spec.rank}: {msg.error}") if msg.error else None
             resolve_future(pending.future, result=msg.result, exc=exc)
         elif isinstance(msg, protocol.Result):
-            resolve_future(pending.future, result=[ipc.unpack(o) for o in msg.outputs])
+            try:
+                outputs = [ipc.unpack(o) for o in msg.outputs]
+            except Exception as exc:  # noqa: BLE001 - a bad payload fails its request, not the pump
+                ipc.discard(msg.outputs)
+                resolve_future(pending.future, exc=errors.StagemeshError(
+                    f"{self.stage_name}: could not unpack result: {exc}"))
+            else:
+                resolve_future(pending.future, result=outputs)
         elif isinstance(msg, protocol.Failure):
             exc = errors.Cancelled(msg.message) if msg.cancelled else errors.StagemeshError(
                 f"{self.stage_name} failed: {msg.message}")

@@ -13,12 +13,14 @@ from __future__ import annotations
 import os
 import uuid
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 
 import torch
 
+from stage_service.shm_pool import SlotPool, SlotReader, map_fd
+
 SHM_THRESHOLD_BYTES = 1_000_000
+WORKER_POOL_SLOTS = 4  # reusable segments per worker (see shm_pool)
 SHM_PREFIX = "stagemesh"
 _SHM_DIR = Path("/dev/shm")
 
@@ -27,9 +29,10 @@ _SHM_DIR = Path("/dev/shm")
 class PackedTensor:
     dtype: str
     shape: tuple[int, ...]
-    data: bytes | None = None  # inline bytes, or
+    data: bytearray | None = None  # inline bytes (mutable: the reader wraps them without a copy), or
     shm_name: str | None = None  # a segment holding `nbytes` bytes
     nbytes: int = 0
+    pooled: bool = False  # the segment is a reusable slot of the writer's pool (see shm_pool)
 
 
 def segment_name(owner_pid: int, rank: int) -> str:
@@ -54,42 +57,82 @@ def _as_bytes_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def _create_segment(name: str, size: int) -> shared_memory.SharedMemory:
-    shm = shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
-    # The reader unlinks it; our resource tracker must not unlink it (again) when we exit.
-    resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-    return shm
+def _write_segment(name: str, raw: torch.Tensor) -> None:
+    """Create /dev/shm/<name> (mode 0600, must not exist) holding exactly `raw`'s bytes."""
+    path = _SHM_DIR / name
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        size = max(raw.numel(), 1)
+        os.ftruncate(fd, size)
+        with map_fd(fd, size) as mapping:
+            if raw.numel():
+                torch.frombuffer(mapping, dtype=torch.uint8, count=raw.numel()).copy_(raw)
+                # frombuffer's tensor must be gone before the mapping closes.
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _read_segment(name: str, nbytes: int) -> torch.Tensor:
+    """Map a segment privately and unlink its name at once: the tensor keeps the pages, no copy."""
+    path = _SHM_DIR / name
+    fd = os.open(path, os.O_RDONLY if nbytes == 0 else os.O_RDWR)
+    try:
+        path.unlink()
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(map_fd(fd, nbytes, shared=False), dtype=torch.uint8, count=nbytes)
+    finally:
+        os.close(fd)
 
 
 class Packer:
-    """Packs outputs for one writer (a worker rank); names its segments for sweeping."""
+    """Packs outputs for one writer (a worker rank); names its segments for sweeping.
 
-    def __init__(self, owner_pid: int, rank: int):
+    With `pool_slots` > 0, large tensors go to reusable slots (see shm_pool) when one is free,
+    else to a one-shot segment the reader unlinks.
+    """
+
+    def __init__(self, owner_pid: int, rank: int, pool_slots: int = 0):
         self.owner_pid, self.rank = owner_pid, rank
+        self.pool = SlotPool(f"{SHM_PREFIX}-{owner_pid}-{rank}", pool_slots) if pool_slots else None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
 
     def pack(self, obj):
+        made: list[str] = []
+        try:
+            return self._pack(obj, made)
+        except BaseException:
+            for name in made:  # a half-packed payload reaches no reader: unlink what it made
+                unlink_segment(name)
+            raise
+
+    def _pack(self, obj, made: list[str]):
         if isinstance(obj, torch.Tensor):
-            return self._pack_tensor(obj)
+            packed = self._pack_tensor(obj)
+            if packed.shm_name is not None:
+                made.append(packed.shm_name)
+            return packed
         if isinstance(obj, dict):
-            return {k: self.pack(v) for k, v in obj.items()}
+            return {k: self._pack(v, made) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
-            return type(obj)(self.pack(v) for v in obj)
+            return type(obj)(self._pack(v, made) for v in obj)
         return obj
 
     def _pack_tensor(self, tensor: torch.Tensor) -> PackedTensor:
         dtype, shape = str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
         raw = _as_bytes_tensor(tensor)
         if not goes_to_shm(tensor):
-            return PackedTensor(dtype, shape, data=raw.numpy().tobytes())
+            return PackedTensor(dtype, shape, data=bytearray(raw.numpy()))
+        if self.pool is not None and (slot := self.pool.write(raw)) is not None:
+            return PackedTensor(dtype, shape, shm_name=slot, nbytes=raw.numel(), pooled=True)
         name = segment_name(self.owner_pid, self.rank)
-        shm = _create_segment(name, raw.numel())
-        try:
-            torch.frombuffer(shm.buf, dtype=torch.uint8, count=raw.numel()).copy_(raw)
-        except BaseException:
-            shm.close()
-            shm.unlink()
-            raise
-        shm.close()
+        _write_segment(name, raw)
         return PackedTensor(dtype, shape, shm_name=name, nbytes=raw.numel())
 
 
@@ -102,21 +145,20 @@ def _unpack_tensor(packed: PackedTensor) -> torch.Tensor:
     if packed.shm_name is None:
         if not packed.data:
             return torch.empty(packed.shape, dtype=dtype)
-        raw = torch.frombuffer(bytearray(packed.data), dtype=torch.uint8)
+        data = packed.data if isinstance(packed.data, bytearray) else bytearray(packed.data)
+        raw = torch.frombuffer(data, dtype=torch.uint8)
+    elif packed.pooled:
+        raw = _SLOT_READER.read(packed.shm_name, packed.nbytes)
     else:
-        shm = shared_memory.SharedMemory(name=packed.shm_name)
-        try:
-            raw = torch.empty(packed.nbytes, dtype=torch.uint8)
-            if packed.nbytes:
-                raw.copy_(torch.frombuffer(shm.buf, dtype=torch.uint8, count=packed.nbytes))
-        finally:
-            shm.close()
-            shm.unlink()  # also drops this process's resource-tracker registration
+        raw = _read_segment(packed.shm_name, packed.nbytes)
     return raw.view(dtype).reshape(packed.shape)
 
 
+_SLOT_READER = SlotReader()
+
+
 def unpack(obj):
-    """Rebuild what `pack` made; every segment met is copied out and unlinked."""
+    """Rebuild what `pack` made; every segment met is unlinked (its pages live on in the tensor)."""
     if isinstance(obj, PackedTensor):
         return _unpack_tensor(obj)
     if isinstance(obj, dict):
@@ -127,9 +169,12 @@ def unpack(obj):
 
 
 def discard(obj) -> None:
-    """Unlink the segments of a packed payload nobody will read (e.g. a cancelled request's)."""
+    """Free the segments of a packed payload nobody will read (e.g. a cancelled request's)."""
     if isinstance(obj, PackedTensor) and obj.shm_name:
-        unlink_segment(obj.shm_name)
+        if obj.pooled:
+            _SLOT_READER.read(obj.shm_name, obj.nbytes)  # the unreferenced tensor frees the slot at once
+        else:
+            unlink_segment(obj.shm_name)
     elif isinstance(obj, dict):
         for v in obj.values():
             discard(v)
@@ -148,6 +193,7 @@ def unlink_segment(name: str) -> None:
 def sweep(owner_pid: int, rank: int | None = None) -> int:
     """Unlink the segments of one executor (and one worker rank); returns how many."""
     prefix = f"{SHM_PREFIX}-{owner_pid}-" + ("" if rank is None else f"{rank}-")
+    _SLOT_READER.forget(prefix)
     return _sweep(lambda name: name.startswith(prefix))
 
 

@@ -141,10 +141,14 @@ class OutputRegistry:
     def fail_rank(self, rank: int, exc: BaseException) -> None:
         """A worker died: everything it still owed fails now."""
         with self._lock:
-            owed = [oid for oid, owner in self._owner.items() if owner == rank]
+            # A split batch owns its per-request ids: fail them through the batch, exactly once
+            # (resolving one twice would cache the second error where nobody ever takes it).
+            members = {sub_id for sub_ids in self._splits.values() for sub_id in sub_ids}
+            owed = [oid for oid, owner in self._owner.items() if owner == rank and oid not in members]
             for oid in owed:
                 self._owner.pop(oid, None)
                 for sub_id in self._splits.pop(oid, [oid]):
+                    self._owner.pop(sub_id, None)
                     self._resolve_locked(sub_id, None, exc)
 
     def fail_all(self, exc: BaseException) -> None:

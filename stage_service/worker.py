@@ -8,6 +8,7 @@ COMPUTE_DONE at once and hands the outputs to the async output thread. Step mode
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import signal
 import traceback
@@ -67,7 +68,7 @@ class Worker:
         self.device = device
         self.inbox = _Inbox(requests)
         self.writer = ResultWriter(results)
-        self.packer = ipc.Packer(spec.parent_pid, spec.rank)
+        self.packer = ipc.Packer(spec.parent_pid, spec.rank, pool_slots=ipc.WORKER_POOL_SLOTS)
         self.async_output = None if spec.step_execution else AsyncOutputThread(device, self.packer, self.writer)
 
     def serve(self) -> None:
@@ -96,7 +97,8 @@ class Worker:
             items = [WorkItem(**{**item, "inputs": ipc.unpack(item["inputs"])}) for item in msg.items]
             outputs = self.runner.run(items, progress)
             if self.async_output is None:
-                self.writer.put(protocol.Result(msg.rpc_id, [self.packer.pack(o) for o in outputs]))
+                # One pack call: if any output fails to pack, the segments of the others are unlinked.
+                self.writer.put(protocol.Result(msg.rpc_id, self.packer.pack(list(outputs))))
                 return
             event = platform.DeviceEvent(self.device).record()
             output_id = new_output_id()
@@ -131,12 +133,19 @@ class Worker:
         return {"drained": self.async_output.drain(timeout_s if timeout_s is not None else 10.0)}
 
 
+def _exit_orphaned(spec: protocol.WorkerSpec) -> None:
+    ipc.sweep(spec.parent_pid, spec.rank)
+    os._exit(0)
+
+
 def main(spec: protocol.WorkerSpec, requests, results) -> None:
     from stagemesh import procutil
 
     procutil.die_with_parent(spec.parent_pid)
     # Ctrl-C reaches the whole process group; the service decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM comes when the executor died (PDEATHSIG): nobody will read our segments any more.
+    signal.signal(signal.SIGTERM, lambda *_: _exit_orphaned(spec))
     import torch
 
     if spec.threads > 0:
