@@ -5,9 +5,7 @@ from __future__ import annotations
 import io
 import uuid
 
-import grpc
 import numpy
-import pytest
 import torch
 from PIL import Image
 
