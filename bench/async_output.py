@@ -83,8 +83,8 @@ def serve_qps(model_dir: Path, device: str, size: int, batch: int, steps: int, r
         engine = Engine(executor, "diffusion", 1, max_batch_size=batch, max_queue=10_000)
         engine.start()
         try:
-            # Enough concurrent requests that a full batch is always waiting when the worker frees.
-            return await _serve_qps(engine, size, steps, requests, concurrency=3 * batch)
+            # Enough concurrent requests that full batches are always waiting (a saturated stage).
+            return await _serve_qps(engine, size, steps, requests, concurrency=max(16, 4 * batch))
         finally:
             await engine.close()
 

@@ -22,6 +22,7 @@ from stage_service.outputs import output_timeout
 log = logs.get_logger("stagemesh.engine")
 
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+DISPATCH_DEPTH = 2
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,9 @@ class Engine:
         self._max_batch = max(1, max_batch_size)
         self._max_queue = max_queue
         self._waiting: collections.deque[_Request] = collections.deque()
-        self._free_ranks: set[int] = set(range(workers))
+        # Batches handed to each worker and not yet COMPUTE_DONE. Up to DISPATCH_DEPTH per worker,
+        # so the next batch already waits in the worker's queue when a forward pass ends.
+        self._in_flight: dict[int, int] = {rank: 0 for rank in range(workers)}
         self._dead_ranks: set[int] = set()
         self._workers = workers
         self._wake = asyncio.Event()
@@ -137,8 +140,13 @@ class Engine:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._waiting and self._free_ranks:
-                self._dispatch(self._free_ranks.pop(), self._take_batch())
+            while self._waiting and (rank := self._free_rank()) is not None:
+                self._in_flight[rank] += 1
+                self._dispatch(rank, self._take_batch())
+
+    def _free_rank(self) -> int | None:
+        ready = [r for r, n in self._in_flight.items() if n < DISPATCH_DEPTH and r not in self._dead_ranks]
+        return min(ready, key=self._in_flight.__getitem__) if ready else None
 
     def _dispatch(self, rank: int, requests: list[_Request]) -> None:
         batch = _Batch(rank, requests)
@@ -190,9 +198,8 @@ class Engine:
             self._deliver(req, OutputsEvent(outputs))
 
     def _release(self, rank: int) -> None:
-        if rank not in self._dead_ranks:
-            self._free_ranks.add(rank)
-            self._wake.set()
+        self._in_flight[rank] = max(0, self._in_flight[rank] - 1)
+        self._wake.set()
 
     def _fan_out(self, batch: _Batch, event: Any) -> None:
         for r in batch.requests:
@@ -219,7 +226,6 @@ class Engine:
 
     def _begin_restart(self, rank: int, reason: str) -> None:
         self._dead_ranks.add(rank)
-        self._free_ranks.discard(rank)
         if not self.serving and self._on_health is not None:
             self._on_health(False)
         task = asyncio.create_task(self._restart(rank))
@@ -235,7 +241,6 @@ class Engine:
                 await asyncio.sleep(delay)
                 continue
             self._dead_ranks.discard(rank)
-            self._free_ranks.add(rank)
             self._wake.set()
             log.info("worker restarted", rank=rank, attempt=attempt)
             if self._on_health is not None:

@@ -20,8 +20,9 @@ def _items(rng: random.Random, n: int) -> list[list[dict]]:
     for _ in range(n):
         size = rng.choice([64, 128, 256, 512])
         steps = rng.randint(1, 4)
+        guidance = rng.choice([1.0, 4.0])  # a batch shares size, steps and guidance
         batch = [dict(request_id=f"r{i}", prompt="", width=size, height=size, num_inference_steps=steps,
-                      guidance_scale=rng.choice([1.0, 4.0]), seed=rng.randrange(2**31),
+                      guidance_scale=guidance, seed=rng.randrange(2**31),
                       inputs={"hidden_states": torch.randn(rng.randint(1, 12), 64, generator=torch.Generator().manual_seed(rng.randrange(2**31)))})
                  for i in range(rng.randint(1, 4))]
         batches.append(batch)
