@@ -57,10 +57,8 @@ def _ms(ns: int) -> float:
 
 
 # the mesh -----------------------------------------------------------------------------------
-def stage_addresses(log_text: str) -> dict[int, str]:
-    """Stage addresses from the `up` log: JSON lines {"event": "serving", "child": "stage-N", "address": ...}.
-    A restarted child logs again on the same port, so the last line wins."""
-    found: dict[int, str] = {}
+def _up_log_events(log_text: str, event: str):
+    """The `up` log's JSON lines with this event name (the children's own lines are skipped by the caller)."""
     for line in log_text.splitlines():
         line = line.strip()
         if not line.startswith("{"):
@@ -69,10 +67,31 @@ def stage_addresses(log_text: str) -> dict[int, str]:
             entry = json.loads(line)
         except ValueError:
             continue
-        child = str(entry.get("child", ""))
-        if entry.get("event") == "serving" and child.startswith("stage-") and entry.get("address"):
-            found[int(child.removeprefix("stage-"))] = entry["address"]
-    return found
+        if entry.get("event") == event and entry.get("child"):
+            yield entry
+
+
+def stage_addresses(log_text: str) -> dict[int, str]:
+    """Stage addresses from the `up` log: JSON lines {"event": "serving", "child": "stage-N", "address": ...}.
+    A restarted child logs again on the same port, so the last line wins."""
+    return {int(e["child"].removeprefix("stage-")): e["address"]
+            for e in _up_log_events(log_text, "serving") if e["child"].startswith("stage-") and e.get("address")}
+
+
+def child_pids(log_text: str) -> dict[str, int]:
+    """{"gateway": pid, "stage-0": pid, ...} from the `up` log's "started" lines (the last one wins)."""
+    return {e["child"]: int(e["pid"]) for e in _up_log_events(log_text, "started") if e.get("pid")}
+
+
+def process_cpu_s(pid: int | None) -> float | None:
+    """user + system CPU seconds of a process, all its threads (None if it cannot be read)."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_mesh(config_path: Path, log_path: Path) -> Mesh:
@@ -119,11 +138,14 @@ class GatewayPath:
         self.stub = gateway_pb2_grpc.GatewayServiceStub(self.channel)
         self.params = params
         self.stage_ms: list[tuple[float, float]] = []  # the gateway's own view of each stage
+        self.cpu_ns: list[int] = []  # this (client) process's CPU per call, all threads
 
     def run(self) -> tuple[int, bytes]:
+        c0 = time.process_time_ns()
         t0 = time.perf_counter_ns()
         reply = self.stub.GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=self.params), timeout=CALL_TIMEOUT_S)
         elapsed = time.perf_counter_ns() - t0
+        self.cpu_ns.append(time.process_time_ns() - c0)
         lat = reply.result.stage_latency_ms
         self.stage_ms.append((lat["0"], lat["1"]))
         return elapsed, reply.result.png
@@ -142,6 +164,7 @@ class DirectPath:
         self.params = params
         self.limits = self._limits()
         self.phase_ns: list[tuple[int, int, int]] = []  # stage 0, stage 1, PNG encode
+        self.cpu_ns: list[int] = []  # this (client) process's CPU per call, all threads
 
     def _limits(self) -> Limits:
         """What the gateway's Pipeline.limits computes: the last stage's limits, the tightest prompt limit."""
@@ -152,6 +175,7 @@ class DirectPath:
         return Limits(**{**limits[-1].__dict__, "max_prompt_bytes": min(x.max_prompt_bytes for x in limits)})
 
     def run(self) -> tuple[int, bytes]:
+        c0 = time.process_time_ns()
         t0 = time.perf_counter_ns()
         request_id = logs.new_request_id()
         wire = converters.params_to_proto(converters.params_from_proto(self.params, self.limits))
@@ -166,6 +190,7 @@ class DirectPath:
             marks.append(time.perf_counter_ns())
         png = encode_png(codec.from_proto(inputs["image"], "image"))
         t1 = time.perf_counter_ns()
+        self.cpu_ns.append(time.process_time_ns() - c0)
         self.phase_ns.append((marks[0] - t0, marks[1] - marks[0], t1 - marks[1]))
         return t1 - t0, png
 
@@ -227,6 +252,12 @@ def report(results: dict) -> None:
         ["the rest (gateway: client hop, resolve, PNG, reply; direct: PNG)",
          b["gateway"]["outside_stages"], b["direct"]["png_encode"]],
     ])
+    c = results["cpu_ms_per_request"]
+    gw_cpu = "n/a" if c["gateway_process"] is None else f"{c['gateway_process']:.2f}"
+    print(f"CPU per request (ms): gateway process {gw_cpu} (mean); client side p50: gateway path "
+          f"{c['client_gateway_path']:.2f}, direct path {c['client_direct_path']:.2f}; "
+          f"load average before: {', '.join(f'{x:.2f}' for x in results['loadavg_before'])} "
+          f"on {common.usable_cpus()} CPUs")
     verdict = "met" if results["target"]["met"] else "NOT met"
     print(f"\ntarget: gateway hop <= {TARGET_P50_OVERHEAD_MS} ms at p50 -> {verdict} "
           f"({o['p50_ms']:.3f} ms)", flush=True)
@@ -270,13 +301,19 @@ def measure(args: argparse.Namespace, mesh: Mesh) -> dict:
             direct.run()
         gateway.stage_ms.clear()
         direct.phase_ns.clear()
+        gateway.cpu_ns.clear()
+        direct.cpu_ns.clear()
         gc.collect()
+        loadavg_before = list(os.getloadavg())
+        gateway_pid = child_pids(mesh.logs()).get("gateway")
+        gateway_cpu_before = process_cpu_s(gateway_pid)
 
         samples: dict[str, list[int]] = {"gateway": [], "direct": []}
         print(f"measuring {args.requests} iterations per path ...", flush=True)
         for i in range(args.requests):
             for path in ((gateway, direct) if i % 2 == 0 else (direct, gateway)):
                 samples[path.name].append(path.run()[0])
+        gateway_cpu_after = process_cpu_s(gateway_pid)
 
         wire = converters.params_to_proto(converters.params_from_proto(params, direct.limits))
         relay = relay_costs(direct.stubs[0], wire)
@@ -297,6 +334,7 @@ def measure(args: argparse.Namespace, mesh: Mesh) -> dict:
                    "seed": args.seed, "prompt": PROMPT, "client": "grpc sync, one channel per target",
                    "order": "alternating (gateway, direct), (direct, gateway)"},
         "mesh": {"gateway": mesh.address, "stages": {str(k): v for k, v in stages.items()}},
+        "loadavg_before": loadavg_before,
         "gateway": g,
         "direct": d,
         "paired_diff": paired,
@@ -311,6 +349,13 @@ def measure(args: argparse.Namespace, mesh: Mesh) -> dict:
             "direct": {"stage0": common.percentile([_ms(v) for v in d_phase[0]], 50),
                        "stage1": common.percentile([_ms(v) for v in d_phase[1]], 50),
                        "png_encode": common.percentile([_ms(v) for v in d_phase[2]], 50)},
+        },
+        "cpu_ms_per_request": {
+            # The gateway process's CPU over the measured loop (it only works on the gateway path).
+            "gateway_process": (None if gateway_cpu_before is None or gateway_cpu_after is None
+                                else (gateway_cpu_after - gateway_cpu_before) / args.requests * 1e3),
+            "client_gateway_path": common.percentile([_ms(v) for v in gateway.cpu_ns], 50),
+            "client_direct_path": common.percentile([_ms(v) for v in direct.cpu_ns], 50),
         },
         "relay_costs": relay,
         "raw_ms": {"gateway": [round(v, 4) for v in g_ms], "direct": [round(v, 4) for v in d_ms]},
