@@ -12,6 +12,7 @@ from stagemesh import codec, converters, errors, logs
 from stagemesh.params import OUTPUT_PNG, Limits, Params
 from stagemesh.v1 import gateway_pb2, generation_pb2
 from gateway.images import encode_png
+from gateway.control import Admission
 from gateway.stages import StageClient
 
 log = logs.get_logger("stagemesh.gateway")
@@ -37,10 +38,11 @@ class DenoisingStep:
 
 
 class Pipeline:
-    def __init__(self, stages: list[StageClient]):
+    def __init__(self, stages: list[StageClient], admission: Admission):
         if not stages:
             raise ValueError("a pipeline needs at least one stage")
         self.stages = stages
+        self.admission = admission
 
     async def wait_until_ready(self, poll_s: float = 0.5) -> None:
         """Block until every stage has described itself as ready (the gateway's load step)."""
@@ -68,6 +70,14 @@ class Pipeline:
     async def generate(self, request_id: str, params: Params, time_remaining: float | None) -> AsyncIterator[object]:
         """Yield StageStarted / DenoisingStep events, then one GenerationResult."""
         deadline = time.monotonic() + (time_remaining if time_remaining is not None else NO_DEADLINE_S)
+        ticket = self.admission.enter()  # FAILED_PRECONDITION while paused or a stage sleeps
+        try:
+            async for event in self._run_stages(request_id, params, deadline, ticket):
+                yield event
+        finally:
+            await ticket.release()
+
+    async def _run_stages(self, request_id: str, params: Params, deadline: float, ticket) -> AsyncIterator[object]:
         wire_params = converters.params_to_proto(params)
         inputs: dict = {}
         latency: dict[str, float] = {}
@@ -77,7 +87,8 @@ class Pipeline:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise errors.DeadlineExceeded(f"deadline passed before {stage.name}")
-            async for response in stage.execute(request_id, wire_params, inputs, remaining):
+            # Admission ends once the first stage has the request (a Sleep waits for that).
+            async for response in stage.execute(request_id, wire_params, inputs, remaining, ticket.release):
                 if response.HasField("progress"):
                     if stage.kind == "diffusion":
                         yield DenoisingStep(stage.stage_id, response.progress.step, response.progress.total)
@@ -114,7 +125,11 @@ class Pipeline:
             info.kind = reply.kind
             info.device = reply.device
             info.device_memory_bytes = reply.device_memory_bytes
-            info.state = gateway_pb2.STAGE_STATE_SERVING if reply.ready else gateway_pb2.STAGE_STATE_LOADING
+            info.sleep_level = reply.sleep_level
+            if reply.sleep_level:
+                info.state = gateway_pb2.STAGE_STATE_SLEEPING
+            else:
+                info.state = gateway_pb2.STAGE_STATE_SERVING if reply.ready else gateway_pb2.STAGE_STATE_LOADING
             return info
 
         return list(await asyncio.gather(*(one(s) for s in self.stages)))

@@ -8,6 +8,7 @@ import asyncio
 from stagemesh import logs, serve
 from stagemesh.rpc import ServiceHost, servicer_method
 from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
+from gateway.control import Admission, ControlPlane
 from gateway.pipeline import DenoisingStep, Pipeline, StageStarted
 from gateway.stages import StageClient
 
@@ -27,8 +28,9 @@ def _event_proto(event: object) -> gateway_pb2.GenerateResponse:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
-    def __init__(self, pipeline: Pipeline):
+    def __init__(self, pipeline: Pipeline, control: ControlPlane):
         self._pipeline = pipeline
+        self._control = control
 
     def _start(self, request, context):
         return logs.current_request_id(), self._pipeline.resolve(request.params)
@@ -49,7 +51,29 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     @servicer_method
     async def ListStages(self, request, context) -> gateway_pb2.ListStagesResponse:
-        return gateway_pb2.ListStagesResponse(stages=await self._pipeline.list_stages())
+        return gateway_pb2.ListStagesResponse(stages=await self._pipeline.list_stages(),
+                                              generation_paused=self._pipeline.admission.paused)
+
+    @servicer_method
+    async def Sleep(self, request: gateway_pb2.SleepRequest, context) -> gateway_pb2.SleepResponse:
+        level = request.level if request.HasField("level") else None
+        result = await self._control.sleep(list(request.stage_ids), level, context.time_remaining())
+        return gateway_pb2.SleepResponse(status=result.status, acks=result.acks)
+
+    @servicer_method
+    async def WakeUp(self, request: gateway_pb2.WakeUpRequest, context) -> gateway_pb2.WakeUpResponse:
+        result = await self._control.wake(list(request.stage_ids), context.time_remaining())
+        return gateway_pb2.WakeUpResponse(status=result.status, reason=result.reason, acks=result.acks)
+
+    @servicer_method
+    async def PauseGeneration(self, request, context) -> gateway_pb2.PauseGenerationResponse:
+        await self._control.pause()
+        return gateway_pb2.PauseGenerationResponse()
+
+    @servicer_method
+    async def ResumeGeneration(self, request, context) -> gateway_pb2.ResumeGenerationResponse:
+        self._control.resume()
+        return gateway_pb2.ResumeGenerationResponse()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,14 +93,20 @@ async def serve_gateway(args: argparse.Namespace) -> None:
     if not args.stage:
         raise SystemExit("stagemesh gateway: give at least one --stage ADDRESS")
     stages = [StageClient(i, [a.strip() for a in spec.split(",") if a.strip()]) for i, spec in enumerate(args.stage)]
-    pipeline = Pipeline(stages)
+    admission = Admission()
+    pipeline = Pipeline(stages, admission)
+    control = ControlPlane(stages, admission)
     host = ServiceHost(args.host, args.port, [SERVICE_NAME], max_receive_bytes=args.max_request_bytes)
-    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(pipeline), host.server)
+    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(pipeline, control), host.server)
+
+    async def load() -> None:
+        await pipeline.wait_until_ready()
+        control.restore()
 
     async def close() -> None:
         await asyncio.gather(*(s.close() for s in stages))
 
-    await serve.run(host, ready_file=args.ready_file, load=pipeline.wait_until_ready, close=close)
+    await serve.run(host, ready_file=args.ready_file, load=load, close=close)
 
 
 def main(args: argparse.Namespace) -> None:

@@ -40,6 +40,8 @@ class StageClient:
     addresses: list[str]
     kind: str = ""
     limits: Limits | None = None
+    supports_sleep: bool = False
+    sleep_level: int = 0
 
     def __post_init__(self) -> None:
         options = [*rpc.channel_options(), ("grpc.service_config", _ROUND_ROBIN)]
@@ -61,14 +63,34 @@ class StageClient:
             raise self._domain_error(exc) from None
         self.kind = reply.kind
         self.limits = limits_from_proto(reply.limits)
+        self.supports_sleep = reply.supports_sleep
+        self.sleep_level = reply.sleep_level
         return reply
 
+    async def sleep(self, level: int, timeout: float | None) -> list:
+        try:
+            reply = await self._stub.SleepStage(stage_pb2.SleepStageRequest(level=level), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise self._domain_error(exc) from None
+        return list(reply.acks)
+
+    async def wake(self, timeout: float | None) -> list:
+        try:
+            reply = await self._stub.WakeUpStage(stage_pb2.WakeUpStageRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise self._domain_error(exc) from None
+        return list(reply.acks)
+
     async def execute(self, request_id: str, params: generation_pb2.GenerationParams, inputs,
-                      timeout: float) -> AsyncIterator[stage_pb2.ExecuteResponse]:
+                      timeout: float, on_started=None) -> AsyncIterator[stage_pb2.ExecuteResponse]:
+        """Stream one request through the stage; `on_started` is awaited once the stage answered."""
         request = stage_pb2.ExecuteRequest(request_id=request_id, params=params, inputs=inputs)
         call = self._stub.Execute(request, timeout=timeout, metadata=rpc.outgoing_metadata(request_id))
         try:
             async for response in call:
+                if on_started is not None:
+                    await on_started()
+                    on_started = None
                 yield response
         except grpc.aio.AioRpcError as exc:
             raise self._domain_error(exc) from None

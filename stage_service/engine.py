@@ -10,7 +10,7 @@ import asyncio
 import collections
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import torch
 
@@ -80,6 +80,11 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_health = on_health
         self._tasks: set[asyncio.Task] = set()
+        self._closed_reason: str | None = None  # set while the stage sleeps: new requests refused
+        self._active_batches = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.on_worker_restarted: Callable[[int], Awaitable[None]] | None = None
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -103,6 +108,8 @@ class Engine:
         consumer frees the request's place in the queue or in its batch."""
         if len(self._waiting) >= self._max_queue:
             raise errors.ResourceExhausted(f"stage queue is full ({self._max_queue} waiting); retry later")
+        if self._closed_reason is not None:
+            raise errors.FailedPrecondition(self._closed_reason)
         if not self.serving:
             raise errors.Unavailable("no worker of this stage is running")
         req = _Request(request_id, params, inputs)
@@ -119,6 +126,22 @@ class Engine:
         finally:
             req.done = True
             self._abandon(req)
+
+    # admission for sleep ----------------------------------------------------------------------
+    async def close_admission(self, reason: str) -> None:
+        """Refuse new requests with FAILED_PRECONDITION(reason), fail the queued ones, and wait
+        until every dispatched batch has delivered its outputs."""
+        self._closed_reason = reason
+        while self._waiting:
+            self._deliver(self._waiting.popleft(), errors.FailedPrecondition(reason))
+        await self._idle.wait()
+
+    def open_admission(self) -> None:
+        self._closed_reason = None
+        self._wake.set()
+
+    def live_ranks(self) -> list[int]:
+        return [r for r in self._in_flight if r not in self._dead_ranks]
 
     # scheduling -------------------------------------------------------------------------------
     def _compatible(self, a: Params, b: Params) -> bool:
@@ -157,6 +180,16 @@ class Engine:
         task.add_done_callback(self._tasks.discard)
 
     async def _run_batch(self, batch: _Batch) -> None:
+        self._active_batches += 1
+        self._idle.clear()
+        try:
+            await self._execute_batch(batch)
+        finally:
+            self._active_batches -= 1
+            if not self._active_batches:
+                self._idle.set()
+
+    async def _execute_batch(self, batch: _Batch) -> None:
         loop = self._loop
 
         def on_progress(step: int, total: int) -> None:  # pump thread
@@ -243,6 +276,8 @@ class Engine:
             self._dead_ranks.discard(rank)
             self._wake.set()
             log.info("worker restarted", rank=rank, attempt=attempt)
+            if self.on_worker_restarted is not None:
+                await self.on_worker_restarted(rank)
             if self._on_health is not None:
                 self._on_health(True)
             return

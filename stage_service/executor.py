@@ -87,6 +87,10 @@ class Executor:
         old = self._workers.get(rank)
         if old is not None:
             self._stop_worker(old, graceful=False)
+            # If the pump had not noticed a death yet (or the worker was alive), _worker_died never
+            # ran: what the old worker still owed must fail now, and its segments must go.
+            self.outputs.fail_rank(rank, errors.Unavailable(f"{self.stage_name} worker {rank} was restarted"))
+            ipc.sweep(os.getpid(), rank)
         self._spawn(self._specs[rank])
         return self._await_ready(rank, timeout_s)
 

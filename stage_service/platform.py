@@ -7,6 +7,7 @@ On a CUDA device these are real streams and events; on the CPU every operation i
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Iterator
 
 import torch
@@ -79,3 +80,43 @@ def record_stream(tensor: torch.Tensor, stream: Stream) -> None:
 
 def memory_allocated(device: str | torch.device) -> int:
     return int(torch.cuda.memory_allocated(torch.device(device))) if is_cuda(device) else 0
+
+
+def current_stream(device: str | torch.device) -> Stream:
+    """The calling thread's current stream on `device` (the compute stream), or a CPU no-op."""
+    stream = Stream.__new__(Stream)
+    stream.device = torch.device(device)
+    stream.raw = torch.cuda.current_stream(stream.device) if is_cuda(device) else None
+    return stream
+
+
+class HostBuffer:
+    """A flat uint8 host buffer of exactly `nbytes`.
+
+    For a CUDA target the pages are page-locked with cudaHostRegister, so H2D copies are truly
+    asynchronous; torch's pinned allocator would round each buffer up to a power of two. The
+    registration ends before the memory can be freed (close(), or when this object dies; CPython
+    runs weakref callbacks before it drops the tensor). On the CPU it is plain memory.
+    """
+
+    def __init__(self, nbytes: int, for_device: str | torch.device):
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        self.pinned = False
+        self._finalizer = None
+        if nbytes and is_cuda(for_device):
+            self._pin()
+
+    def _pin(self) -> None:
+        ptr, size = self.tensor.data_ptr(), self.tensor.numel()
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(ptr, size, 0)) == 0:
+            self.pinned = True
+            self._finalizer = weakref.finalize(self, cudart.cudaHostUnregister, ptr)
+        else:
+            # Registration refused (e.g. a locked-memory limit): fall back to torch's allocator.
+            self.tensor = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            self.pinned = True
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()

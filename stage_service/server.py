@@ -9,7 +9,8 @@ from typing import Any
 from stagemesh import codec, converters, logs, serve
 from stagemesh.params import Limits
 from stagemesh.rpc import ServiceHost, servicer_method
-from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+from stagemesh.v1 import control_pb2, stage_pb2, stage_pb2_grpc
+from stage_service.control import Ack, StageControl
 from stage_service.engine import Engine, OutputsEvent, ProgressEvent
 from stage_service.executor import Executor
 from stage_service.settings import StageSettings
@@ -19,11 +20,19 @@ log = logs.get_logger("stagemesh.stage")
 SERVICE_NAME = stage_pb2.DESCRIPTOR.services_by_name["StageService"].full_name
 
 
+def _ack_proto(stage_id: int, ack: Ack) -> control_pb2.WorkerAck:
+    return control_pb2.WorkerAck(
+        stage_id=stage_id, rank=ack.rank,
+        status=control_pb2.ACK_STATUS_SUCCESS if ack.ok else control_pb2.ACK_STATUS_ERROR,
+        freed_bytes=ack.freed_bytes, latency_ms=ack.latency_ms, level=ack.level, error=ack.error)
+
+
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
-    def __init__(self, settings: StageSettings, engine: Engine, executor: Executor):
+    def __init__(self, settings: StageSettings, engine: Engine, executor: Executor, control: StageControl):
         self._settings = settings
         self._engine = engine
         self._executor = executor
+        self._control = control
         self.limits: Limits = settings.limits()
         self.ready = False
 
@@ -58,7 +67,19 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             device_memory_bytes=sum(r.device_memory_bytes for r in ready),
             workers=s.workers,
             max_batch_size=s.max_batch_size,
+            supports_sleep=self._control.supports_sleep,
+            sleep_level=self._control.level,
         )
+
+    @servicer_method
+    async def SleepStage(self, request: stage_pb2.SleepStageRequest, context) -> stage_pb2.SleepStageResponse:
+        acks = await self._control.sleep(request.level)
+        return stage_pb2.SleepStageResponse(acks=[_ack_proto(self._settings.stage_id, a) for a in acks])
+
+    @servicer_method
+    async def WakeUpStage(self, request, context) -> stage_pb2.WakeUpStageResponse:
+        acks = await self._control.wake()
+        return stage_pb2.WakeUpStageResponse(acks=[_ack_proto(self._settings.stage_id, a) for a in acks])
 
 
 async def serve_stage(settings: StageSettings) -> None:
@@ -72,7 +93,8 @@ async def serve_stage(settings: StageSettings) -> None:
                         settings.workers, settings.threads, on_death=lambda r, why: engine.worker_died(r, why),
                         step_execution=settings.step_execution)
     engine = Engine(executor, settings.kind, settings.workers, settings.max_batch_size, settings.max_queue, on_health)
-    servicer = StageServicer(settings, engine, executor)
+    control = StageControl(executor.stage_name, engine, executor, settings.enable_sleep)
+    servicer = StageServicer(settings, engine, executor, control)
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, host.server)
 
     async def load() -> None:

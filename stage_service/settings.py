@@ -26,6 +26,7 @@ class StageSettings:
     model_preset: str = "tiny"
     max_batch_size: int = 4
     step_execution: bool = False
+    enable_sleep: bool = True
     max_queue: int = 256
     max_size: int = 1024
     max_steps: int = 100
@@ -47,6 +48,8 @@ class StageSettings:
         "model_dir": "model folder (config.json + safetensors); default: the embedded model's cache folder",
         "model_preset": "dimensions used when the folder holds no weights yet: 'tiny' or 'flux-sized'",
         "max_batch_size": "most compatible requests run together as one batch",
+        "enable_sleep": "accept SleepStage/WakeUpStage (freeing device memory on demand); "
+                        "--no-enable-sleep makes them UNIMPLEMENTED",
         "step_execution": "copy and pack outputs on the worker's main thread (synchronous path) instead of "
                           "handing them to the async output thread",
         "max_queue": "requests waiting beyond this are refused with RESOURCE_EXHAUSTED",

@@ -17,6 +17,7 @@ from typing import Any
 
 from stage_service import ipc, platform, protocol
 from stage_service.async_output import AsyncOutputThread, ResultWriter, new_output_id
+from stage_service.sleep import SleepController
 
 
 class _CancelledByCaller(Exception):
@@ -70,6 +71,7 @@ class Worker:
         self.writer = ResultWriter(results)
         self.packer = ipc.Packer(spec.parent_pid, spec.rank, pool_slots=ipc.WORKER_POOL_SLOTS)
         self.async_output = None if spec.step_execution else AsyncOutputThread(device, self.packer, self.writer)
+        self.sleep = SleepController(runner.weight_files(), device)
 
     def serve(self) -> None:
         while True:
@@ -93,6 +95,9 @@ class Worker:
                 raise _CancelledByCaller()
             self.writer.put(protocol.Progress(msg.rpc_id, step, total))
 
+        if self.sleep.level:
+            self.writer.put(protocol.Failure(msg.rpc_id, f"asleep at level {self.sleep.level}"))
+            return
         try:
             items = [WorkItem(**{**item, "inputs": ipc.unpack(item["inputs"])}) for item in msg.items]
             outputs = self.runner.run(items, progress)
@@ -122,10 +127,23 @@ class Worker:
             self.writer.put(protocol.Ack(msg.rpc_id, error=f"{type(exc).__name__}: {exc}"))
 
     def _control_ops(self) -> dict[str, Any]:
-        return {"ping": self._ping, "drain": self._drain}
+        return {"ping": self._ping, "drain": self._drain, "sleep": self._sleep, "wake": self._wake}
 
     def _ping(self) -> dict[str, Any]:
-        return {"rank": self.spec.rank, "device_memory_bytes": platform.memory_allocated(self.device)}
+        return {"rank": self.spec.rank, "device_memory_bytes": platform.memory_allocated(self.device),
+                "sleep_level": self.sleep.level}
+
+    def _sleep(self, level: int) -> dict[str, Any]:
+        # Outputs still being copied reference device memory: they must be out before it is freed.
+        drained = self._drain()["drained"]
+        if not drained:
+            raise RuntimeError("async outputs still in flight after 10 s; not sleeping")
+        result = self.sleep.sleep(level)
+        return {"level": result.level, "freed_bytes": result.freed_bytes, "latency_ms": result.latency_ms}
+
+    def _wake(self) -> dict[str, Any]:
+        result = self.sleep.wake()
+        return {"level": result.level, "freed_bytes": result.freed_bytes, "latency_ms": result.latency_ms}
 
     def _drain(self, timeout_s: float | None = None) -> dict[str, Any]:
         if self.async_output is None:

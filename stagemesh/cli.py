@@ -29,12 +29,22 @@ def _parser() -> argparse.ArgumentParser:
         p.set_defaults(service_main=module.main)
 
     for name, text in (("generate", "generate one image through a gateway"),
-                       ("status", "list the stages behind a gateway and their state")):
+                       ("status", "list the stages behind a gateway and their state"),
+                       ("sleep", "put stages to sleep (free their device memory)"),
+                       ("wakeup", "wake sleeping stages"),
+                       ("pause", "stop admitting Generate calls"),
+                       ("resume", "admit Generate calls again")):
         p = sub.add_parser(name, help=text)
         p.add_argument("--address", default=client.default_address(),
                        help=f"gateway address (default: ${client.ADDRESS_ENV} or {client.DEFAULT_ADDRESS})")
         p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds (default: 600)")
         p.set_defaults(client_main=getattr(client, name))
+        if name in ("sleep", "wakeup"):
+            p.add_argument("--stage", type=int, action="append", default=[], required=True,
+                           help="stage id; repeat for several stages")
+        if name == "sleep":
+            p.add_argument("--level", type=int, default=None,
+                           help="1: keep weights in host memory; 2 (default): discard them, reload on wake")
         if name == "generate":
             p.add_argument("prompt", help="the text prompt")
             p.add_argument("--size", type=int, default=None, help="width and height in pixels (default: the stage's)")

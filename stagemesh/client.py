@@ -11,7 +11,7 @@ from grpc_status import rpc_status
 from google.rpc import error_details_pb2
 
 from stagemesh import rpc
-from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
+from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2
 
 ADDRESS_ENV = "STAGEMESH_ADDRESS"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -84,5 +84,50 @@ def status(args) -> int:
     print(f"{'stage':>5}  {'kind':<10} {'state':<12} {'replicas':>8}  {'device':<8} {'device memory':>14}")
     for s in reply.stages:
         print(f"{s.stage_id:>5}  {s.kind:<10} {_STATE_NAMES.get(s.state, '?'):<12} {s.replicas:>8}  "
-              f"{s.device or '-':<8} {s.device_memory_bytes / 2**20:>11.1f} MiB")
+              f"{s.device or '-':<8} {s.device_memory_bytes / 2**20:>11.1f} MiB"
+              + (f"  (sleep level {s.sleep_level})" if s.sleep_level else ""))
+    print(f"generation: {'paused' if reply.generation_paused else 'open'}")
     return 0
+
+
+_ACK_STATUS = {v.number: v.name.removeprefix("ACK_STATUS_") for v in control_pb2.AckStatus.DESCRIPTOR.values}
+_CONTROL_STATUS = {v.number: v.name.removeprefix("CONTROL_STATUS_") for v in control_pb2.ControlStatus.DESCRIPTOR.values}
+
+
+def _control_call(args, method: str, request) -> int:
+    with grpc.insecure_channel(args.address) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        try:
+            reply = getattr(stub, method)(request, timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(describe_error(exc), file=sys.stderr)
+            return 1
+    if hasattr(reply, "status"):
+        reason = f" ({reply.reason})" if getattr(reply, "reason", "") else ""
+        print(f"{_CONTROL_STATUS.get(reply.status, '?')}{reason}")
+        for ack in reply.acks:
+            line = (f"  stage {ack.stage_id} rank {ack.rank}: {_ACK_STATUS.get(ack.status, '?')} level {ack.level} "
+                    f"{ack.freed_bytes / 2**20:.1f} MiB in {ack.latency_ms:.1f} ms")
+            print(line + (f" ({ack.error})" if ack.error else ""))
+        return 0 if reply.status != control_pb2.CONTROL_STATUS_ERROR else 1
+    print("ok")
+    return 0
+
+
+def sleep(args) -> int:
+    request = gateway_pb2.SleepRequest(stage_ids=args.stage)
+    if args.level is not None:
+        request.level = args.level
+    return _control_call(args, "Sleep", request)
+
+
+def wakeup(args) -> int:
+    return _control_call(args, "WakeUp", gateway_pb2.WakeUpRequest(stage_ids=args.stage))
+
+
+def pause(args) -> int:
+    return _control_call(args, "PauseGeneration", gateway_pb2.PauseGenerationRequest())
+
+
+def resume(args) -> int:
+    return _control_call(args, "ResumeGeneration", gateway_pb2.ResumeGenerationRequest())

@@ -78,7 +78,11 @@ async def _start_all(supervisor: Supervisor, cache: Child, stages: list[Child], 
 def main(config_path: str | None, log_level: str | None) -> int:
     from stagemesh import config as mesh_config
 
-    config = mesh_config.load(config_path)
+    try:
+        config = mesh_config.load(config_path)
+    except (OSError, ValueError) as exc:  # unreadable file, bad TOML (a ValueError), unknown or bad keys
+        print(f"stagemesh: invalid config {config_path}: {exc}", file=sys.stderr, flush=True)
+        return 2
     if log_level:
         config = replace(config, log_level=log_level)
     logs.configure("up", config.log_level)

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from .dit import sample
-from .weights import load_dit, load_lm, read_config
+from ..sleep import WeightFile
+from .weights import DECODER_PREFIX, DIT_FILE, DIT_PREFIX, LM_FILE, load_dit, load_lm, read_config
 
 Progress = Callable[[int, int], None]
 
@@ -44,6 +45,10 @@ class ArRunner:
         self.config = read_config(self.model_dir)
         self.lm = load_lm(self.model_dir, device)
 
+    def weight_files(self) -> list[WeightFile]:
+        """Where each weight comes from: what sleep level 2 reloads on wake."""
+        return [WeightFile(self.model_dir / LM_FILE, {"": self.lm})]
+
     def run(self, batch: list[WorkItem], progress: Progress | None = None
             ) -> list[dict[str, torch.Tensor]]:
         """One output per item, in order. `progress(k, len(batch))` follows each item and may
@@ -73,6 +78,9 @@ class DiffusionRunner:
         self.device = device
         self.config = read_config(self.model_dir)
         self.dit, self.decoder = load_dit(self.model_dir, device)
+
+    def weight_files(self) -> list[WeightFile]:
+        return [WeightFile(self.model_dir / DIT_FILE, {DIT_PREFIX: self.dit, DECODER_PREFIX: self.decoder})]
 
     def _cond(self, item: WorkItem) -> torch.Tensor:
         cond = item.inputs.get("hidden_states")

@@ -1,3 +1,4 @@
+from stagemesh.v1 import control_pb2 as _control_pb2
 from stagemesh.v1 import generation_pb2 as _generation_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -22,6 +23,54 @@ STAGE_STATE_LOADING: StageState
 STAGE_STATE_UNAVAILABLE: StageState
 STAGE_STATE_SLEEPING: StageState
 STAGE_STATE_PAUSED: StageState
+
+class SleepRequest(_message.Message):
+    __slots__ = ("stage_ids", "level")
+    STAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    stage_ids: _containers.RepeatedScalarFieldContainer[int]
+    level: int
+    def __init__(self, stage_ids: _Optional[_Iterable[int]] = ..., level: _Optional[int] = ...) -> None: ...
+
+class SleepResponse(_message.Message):
+    __slots__ = ("status", "acks")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ACKS_FIELD_NUMBER: _ClassVar[int]
+    status: _control_pb2.ControlStatus
+    acks: _containers.RepeatedCompositeFieldContainer[_control_pb2.WorkerAck]
+    def __init__(self, status: _Optional[_Union[_control_pb2.ControlStatus, str]] = ..., acks: _Optional[_Iterable[_Union[_control_pb2.WorkerAck, _Mapping]]] = ...) -> None: ...
+
+class WakeUpRequest(_message.Message):
+    __slots__ = ("stage_ids",)
+    STAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    stage_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, stage_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class WakeUpResponse(_message.Message):
+    __slots__ = ("status", "reason", "acks")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ACKS_FIELD_NUMBER: _ClassVar[int]
+    status: _control_pb2.ControlStatus
+    reason: str
+    acks: _containers.RepeatedCompositeFieldContainer[_control_pb2.WorkerAck]
+    def __init__(self, status: _Optional[_Union[_control_pb2.ControlStatus, str]] = ..., reason: _Optional[str] = ..., acks: _Optional[_Iterable[_Union[_control_pb2.WorkerAck, _Mapping]]] = ...) -> None: ...
+
+class PauseGenerationRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PauseGenerationResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeGenerationRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeGenerationResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("params", "request_id")
@@ -96,7 +145,9 @@ class ListStagesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListStagesResponse(_message.Message):
-    __slots__ = ("stages",)
+    __slots__ = ("stages", "generation_paused")
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_PAUSED_FIELD_NUMBER: _ClassVar[int]
     stages: _containers.RepeatedCompositeFieldContainer[StageInfo]
-    def __init__(self, stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ...) -> None: ...
+    generation_paused: bool
+    def __init__(self, stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., generation_paused: _Optional[bool] = ...) -> None: ...

@@ -50,6 +50,26 @@ class GatewayServiceStub:
                 request_serializer=stagemesh_dot_v1_dot_gateway__pb2.ListStagesRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_gateway__pb2.ListStagesResponse.FromString,
                 _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/stagemesh.v1.GatewayService/Sleep',
+                request_serializer=stagemesh_dot_v1_dot_gateway__pb2.SleepRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_gateway__pb2.SleepResponse.FromString,
+                _registered_method=True)
+        self.WakeUp = channel.unary_unary(
+                '/stagemesh.v1.GatewayService/WakeUp',
+                request_serializer=stagemesh_dot_v1_dot_gateway__pb2.WakeUpRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_gateway__pb2.WakeUpResponse.FromString,
+                _registered_method=True)
+        self.PauseGeneration = channel.unary_unary(
+                '/stagemesh.v1.GatewayService/PauseGeneration',
+                request_serializer=stagemesh_dot_v1_dot_gateway__pb2.PauseGenerationRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_gateway__pb2.PauseGenerationResponse.FromString,
+                _registered_method=True)
+        self.ResumeGeneration = channel.unary_unary(
+                '/stagemesh.v1.GatewayService/ResumeGeneration',
+                request_serializer=stagemesh_dot_v1_dot_gateway__pb2.ResumeGenerationRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_gateway__pb2.ResumeGenerationResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer:
@@ -76,6 +96,32 @@ class GatewayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sleep(self, request, context):
+        """Closes admission, waits for generate calls being admitted, then puts the stages to sleep.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUp(self, request, context):
+        """Wakes the listed stages that sleep; SKIPPED when none of them does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PauseGeneration(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeGeneration(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +139,26 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.ListStages,
                     request_deserializer=stagemesh_dot_v1_dot_gateway__pb2.ListStagesRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_gateway__pb2.ListStagesResponse.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=stagemesh_dot_v1_dot_gateway__pb2.SleepRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_gateway__pb2.SleepResponse.SerializeToString,
+            ),
+            'WakeUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUp,
+                    request_deserializer=stagemesh_dot_v1_dot_gateway__pb2.WakeUpRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_gateway__pb2.WakeUpResponse.SerializeToString,
+            ),
+            'PauseGeneration': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseGeneration,
+                    request_deserializer=stagemesh_dot_v1_dot_gateway__pb2.PauseGenerationRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_gateway__pb2.PauseGenerationResponse.SerializeToString,
+            ),
+            'ResumeGeneration': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeGeneration,
+                    request_deserializer=stagemesh_dot_v1_dot_gateway__pb2.ResumeGenerationRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_gateway__pb2.ResumeGenerationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +243,114 @@ class GatewayService:
             '/stagemesh.v1.GatewayService/ListStages',
             stagemesh_dot_v1_dot_gateway__pb2.ListStagesRequest.SerializeToString,
             stagemesh_dot_v1_dot_gateway__pb2.ListStagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.GatewayService/Sleep',
+            stagemesh_dot_v1_dot_gateway__pb2.SleepRequest.SerializeToString,
+            stagemesh_dot_v1_dot_gateway__pb2.SleepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.GatewayService/WakeUp',
+            stagemesh_dot_v1_dot_gateway__pb2.WakeUpRequest.SerializeToString,
+            stagemesh_dot_v1_dot_gateway__pb2.WakeUpResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.GatewayService/PauseGeneration',
+            stagemesh_dot_v1_dot_gateway__pb2.PauseGenerationRequest.SerializeToString,
+            stagemesh_dot_v1_dot_gateway__pb2.PauseGenerationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.GatewayService/ResumeGeneration',
+            stagemesh_dot_v1_dot_gateway__pb2.ResumeGenerationRequest.SerializeToString,
+            stagemesh_dot_v1_dot_gateway__pb2.ResumeGenerationResponse.FromString,
             options,
             channel_credentials,
             insecure,

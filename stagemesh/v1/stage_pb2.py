@@ -22,11 +22,12 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from stagemesh.v1 import control_pb2 as stagemesh_dot_v1_dot_control__pb2
 from stagemesh.v1 import generation_pb2 as stagemesh_dot_v1_dot_generation__pb2
 from stagemesh.v1 import tensor_pb2 as stagemesh_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18stagemesh/v1/stage.proto\x12\x0cstagemesh.v1\x1a\x1dstagemesh/v1/generation.proto\x1a\x19stagemesh/v1/tensor.proto\"\xd3\x01\n\x0e\x45xecuteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x06params\x18\x02 \x01(\x0b\x32\x1e.stagemesh.v1.GenerationParams\x12\x38\n\x06inputs\x18\x03 \x03(\x0b\x32(.stagemesh.v1.ExecuteRequest.InputsEntry\x1a\x43\n\x0bInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor:\x02\x38\x01\",\n\rStageProgress\x12\x0c\n\x04step\x18\x01 \x01(\x05\x12\r\n\x05total\x18\x02 \x01(\x05\"\x8e\x01\n\x0cStageOutputs\x12\x38\n\x07outputs\x18\x01 \x03(\x0b\x32\'.stagemesh.v1.StageOutputs.OutputsEntry\x1a\x44\n\x0cOutputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor:\x02\x38\x01\"z\n\x0f\x45xecuteResponse\x12/\n\x08progress\x18\x01 \x01(\x0b\x32\x1b.stagemesh.v1.StageProgressH\x00\x12-\n\x07outputs\x18\x02 \x01(\x0b\x32\x1a.stagemesh.v1.StageOutputsH\x00\x42\x07\n\x05\x65vent\"\xe8\x01\n\x0bStageLimits\x12\x16\n\x0epixel_multiple\x18\x01 \x01(\x05\x12\x17\n\x0fmax_pixels_side\x18\x02 \x01(\x05\x12\x1b\n\x13max_inference_steps\x18\x03 \x01(\x05\x12\x18\n\x10max_prompt_bytes\x18\x04 \x01(\x05\x12\x14\n\x0c\x64\x65\x66\x61ult_size\x18\x05 \x01(\x05\x12\x1f\n\x17\x64\x65\x66\x61ult_inference_steps\x18\x06 \x01(\x05\x12\x1e\n\x16\x64\x65\x66\x61ult_guidance_scale\x18\x07 \x01(\x02\x12\x1a\n\x12max_guidance_scale\x18\x08 \x01(\x02\"\x16\n\x14\x44\x65scribeStageRequest\"\xc7\x01\n\x15\x44\x65scribeStageResponse\x12\x10\n\x08stage_id\x18\x01 \x01(\x05\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05ready\x18\x03 \x01(\x08\x12)\n\x06limits\x18\x04 \x01(\x0b\x32\x19.stagemesh.v1.StageLimits\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x06 \x01(\x03\x12\x0f\n\x07workers\x18\x07 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\x08 \x01(\x05\x32\xb2\x01\n\x0cStageService\x12H\n\x07\x45xecute\x12\x1c.stagemesh.v1.ExecuteRequest\x1a\x1d.stagemesh.v1.ExecuteResponse0\x01\x12X\n\rDescribeStage\x12\".stagemesh.v1.DescribeStageRequest\x1a#.stagemesh.v1.DescribeStageResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18stagemesh/v1/stage.proto\x12\x0cstagemesh.v1\x1a\x1astagemesh/v1/control.proto\x1a\x1dstagemesh/v1/generation.proto\x1a\x19stagemesh/v1/tensor.proto\"\"\n\x11SleepStageRequest\x12\r\n\x05level\x18\x01 \x01(\x05\";\n\x12SleepStageResponse\x12%\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x17.stagemesh.v1.WorkerAck\"\x14\n\x12WakeUpStageRequest\"<\n\x13WakeUpStageResponse\x12%\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x17.stagemesh.v1.WorkerAck\"\xd3\x01\n\x0e\x45xecuteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x06params\x18\x02 \x01(\x0b\x32\x1e.stagemesh.v1.GenerationParams\x12\x38\n\x06inputs\x18\x03 \x03(\x0b\x32(.stagemesh.v1.ExecuteRequest.InputsEntry\x1a\x43\n\x0bInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor:\x02\x38\x01\",\n\rStageProgress\x12\x0c\n\x04step\x18\x01 \x01(\x05\x12\r\n\x05total\x18\x02 \x01(\x05\"\x8e\x01\n\x0cStageOutputs\x12\x38\n\x07outputs\x18\x01 \x03(\x0b\x32\'.stagemesh.v1.StageOutputs.OutputsEntry\x1a\x44\n\x0cOutputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor:\x02\x38\x01\"z\n\x0f\x45xecuteResponse\x12/\n\x08progress\x18\x01 \x01(\x0b\x32\x1b.stagemesh.v1.StageProgressH\x00\x12-\n\x07outputs\x18\x02 \x01(\x0b\x32\x1a.stagemesh.v1.StageOutputsH\x00\x42\x07\n\x05\x65vent\"\xe8\x01\n\x0bStageLimits\x12\x16\n\x0epixel_multiple\x18\x01 \x01(\x05\x12\x17\n\x0fmax_pixels_side\x18\x02 \x01(\x05\x12\x1b\n\x13max_inference_steps\x18\x03 \x01(\x05\x12\x18\n\x10max_prompt_bytes\x18\x04 \x01(\x05\x12\x14\n\x0c\x64\x65\x66\x61ult_size\x18\x05 \x01(\x05\x12\x1f\n\x17\x64\x65\x66\x61ult_inference_steps\x18\x06 \x01(\x05\x12\x1e\n\x16\x64\x65\x66\x61ult_guidance_scale\x18\x07 \x01(\x02\x12\x1a\n\x12max_guidance_scale\x18\x08 \x01(\x02\"\x16\n\x14\x44\x65scribeStageRequest\"\xf4\x01\n\x15\x44\x65scribeStageResponse\x12\x10\n\x08stage_id\x18\x01 \x01(\x05\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05ready\x18\x03 \x01(\x08\x12)\n\x06limits\x18\x04 \x01(\x0b\x32\x19.stagemesh.v1.StageLimits\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x06 \x01(\x03\x12\x0f\n\x07workers\x18\x07 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\x08 \x01(\x05\x12\x16\n\x0esupports_sleep\x18\t \x01(\x08\x12\x13\n\x0bsleep_level\x18\n \x01(\x05\x32\xd7\x02\n\x0cStageService\x12H\n\x07\x45xecute\x12\x1c.stagemesh.v1.ExecuteRequest\x1a\x1d.stagemesh.v1.ExecuteResponse0\x01\x12X\n\rDescribeStage\x12\".stagemesh.v1.DescribeStageRequest\x1a#.stagemesh.v1.DescribeStageResponse\x12O\n\nSleepStage\x12\x1f.stagemesh.v1.SleepStageRequest\x1a .stagemesh.v1.SleepStageResponse\x12R\n\x0bWakeUpStage\x12 .stagemesh.v1.WakeUpStageRequest\x1a!.stagemesh.v1.WakeUpStageResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,24 +38,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXECUTEREQUEST_INPUTSENTRY']._serialized_options = b'8\001'
   _globals['_STAGEOUTPUTS_OUTPUTSENTRY']._loaded_options = None
   _globals['_STAGEOUTPUTS_OUTPUTSENTRY']._serialized_options = b'8\001'
-  _globals['_EXECUTEREQUEST']._serialized_start=101
-  _globals['_EXECUTEREQUEST']._serialized_end=312
-  _globals['_EXECUTEREQUEST_INPUTSENTRY']._serialized_start=245
-  _globals['_EXECUTEREQUEST_INPUTSENTRY']._serialized_end=312
-  _globals['_STAGEPROGRESS']._serialized_start=314
-  _globals['_STAGEPROGRESS']._serialized_end=358
-  _globals['_STAGEOUTPUTS']._serialized_start=361
-  _globals['_STAGEOUTPUTS']._serialized_end=503
-  _globals['_STAGEOUTPUTS_OUTPUTSENTRY']._serialized_start=435
-  _globals['_STAGEOUTPUTS_OUTPUTSENTRY']._serialized_end=503
-  _globals['_EXECUTERESPONSE']._serialized_start=505
-  _globals['_EXECUTERESPONSE']._serialized_end=627
-  _globals['_STAGELIMITS']._serialized_start=630
-  _globals['_STAGELIMITS']._serialized_end=862
-  _globals['_DESCRIBESTAGEREQUEST']._serialized_start=864
-  _globals['_DESCRIBESTAGEREQUEST']._serialized_end=886
-  _globals['_DESCRIBESTAGERESPONSE']._serialized_start=889
-  _globals['_DESCRIBESTAGERESPONSE']._serialized_end=1088
-  _globals['_STAGESERVICE']._serialized_start=1091
-  _globals['_STAGESERVICE']._serialized_end=1269
+  _globals['_SLEEPSTAGEREQUEST']._serialized_start=128
+  _globals['_SLEEPSTAGEREQUEST']._serialized_end=162
+  _globals['_SLEEPSTAGERESPONSE']._serialized_start=164
+  _globals['_SLEEPSTAGERESPONSE']._serialized_end=223
+  _globals['_WAKEUPSTAGEREQUEST']._serialized_start=225
+  _globals['_WAKEUPSTAGEREQUEST']._serialized_end=245
+  _globals['_WAKEUPSTAGERESPONSE']._serialized_start=247
+  _globals['_WAKEUPSTAGERESPONSE']._serialized_end=307
+  _globals['_EXECUTEREQUEST']._serialized_start=310
+  _globals['_EXECUTEREQUEST']._serialized_end=521
+  _globals['_EXECUTEREQUEST_INPUTSENTRY']._serialized_start=454
+  _globals['_EXECUTEREQUEST_INPUTSENTRY']._serialized_end=521
+  _globals['_STAGEPROGRESS']._serialized_start=523
+  _globals['_STAGEPROGRESS']._serialized_end=567
+  _globals['_STAGEOUTPUTS']._serialized_start=570
+  _globals['_STAGEOUTPUTS']._serialized_end=712
+  _globals['_STAGEOUTPUTS_OUTPUTSENTRY']._serialized_start=644
+  _globals['_STAGEOUTPUTS_OUTPUTSENTRY']._serialized_end=712
+  _globals['_EXECUTERESPONSE']._serialized_start=714
+  _globals['_EXECUTERESPONSE']._serialized_end=836
+  _globals['_STAGELIMITS']._serialized_start=839
+  _globals['_STAGELIMITS']._serialized_end=1071
+  _globals['_DESCRIBESTAGEREQUEST']._serialized_start=1073
+  _globals['_DESCRIBESTAGEREQUEST']._serialized_end=1095
+  _globals['_DESCRIBESTAGERESPONSE']._serialized_start=1098
+  _globals['_DESCRIBESTAGERESPONSE']._serialized_end=1342
+  _globals['_STAGESERVICE']._serialized_start=1345
+  _globals['_STAGESERVICE']._serialized_end=1688
 # @@protoc_insertion_point(module_scope)

@@ -1,12 +1,35 @@
+from stagemesh.v1 import control_pb2 as _control_pb2
 from stagemesh.v1 import generation_pb2 as _generation_pb2
 from stagemesh.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class SleepStageRequest(_message.Message):
+    __slots__ = ("level",)
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    def __init__(self, level: _Optional[int] = ...) -> None: ...
+
+class SleepStageResponse(_message.Message):
+    __slots__ = ("acks",)
+    ACKS_FIELD_NUMBER: _ClassVar[int]
+    acks: _containers.RepeatedCompositeFieldContainer[_control_pb2.WorkerAck]
+    def __init__(self, acks: _Optional[_Iterable[_Union[_control_pb2.WorkerAck, _Mapping]]] = ...) -> None: ...
+
+class WakeUpStageRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WakeUpStageResponse(_message.Message):
+    __slots__ = ("acks",)
+    ACKS_FIELD_NUMBER: _ClassVar[int]
+    acks: _containers.RepeatedCompositeFieldContainer[_control_pb2.WorkerAck]
+    def __init__(self, acks: _Optional[_Iterable[_Union[_control_pb2.WorkerAck, _Mapping]]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
     __slots__ = ("request_id", "params", "inputs")
@@ -79,7 +102,7 @@ class DescribeStageRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeStageResponse(_message.Message):
-    __slots__ = ("stage_id", "kind", "ready", "limits", "device", "device_memory_bytes", "workers", "max_batch_size")
+    __slots__ = ("stage_id", "kind", "ready", "limits", "device", "device_memory_bytes", "workers", "max_batch_size", "supports_sleep", "sleep_level")
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +111,8 @@ class DescribeStageResponse(_message.Message):
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_SLEEP_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
     stage_id: int
     kind: str
     ready: bool
@@ -96,4 +121,6 @@ class DescribeStageResponse(_message.Message):
     device_memory_bytes: int
     workers: int
     max_batch_size: int
-    def __init__(self, stage_id: _Optional[int] = ..., kind: _Optional[str] = ..., ready: _Optional[bool] = ..., limits: _Optional[_Union[StageLimits, _Mapping]] = ..., device: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+    supports_sleep: bool
+    sleep_level: int
+    def __init__(self, stage_id: _Optional[int] = ..., kind: _Optional[str] = ..., ready: _Optional[bool] = ..., limits: _Optional[_Union[StageLimits, _Mapping]] = ..., device: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., supports_sleep: _Optional[bool] = ..., sleep_level: _Optional[int] = ...) -> None: ...

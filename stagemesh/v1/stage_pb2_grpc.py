@@ -45,6 +45,16 @@ class StageServiceStub:
                 request_serializer=stagemesh_dot_v1_dot_stage__pb2.DescribeStageRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_stage__pb2.DescribeStageResponse.FromString,
                 _registered_method=True)
+        self.SleepStage = channel.unary_unary(
+                '/stagemesh.v1.StageService/SleepStage',
+                request_serializer=stagemesh_dot_v1_dot_stage__pb2.SleepStageRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_stage__pb2.SleepStageResponse.FromString,
+                _registered_method=True)
+        self.WakeUpStage = channel.unary_unary(
+                '/stagemesh.v1.StageService/WakeUpStage',
+                request_serializer=stagemesh_dot_v1_dot_stage__pb2.WakeUpStageRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_stage__pb2.WakeUpStageResponse.FromString,
+                _registered_method=True)
 
 
 class StageServiceServicer:
@@ -64,6 +74,20 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SleepStage(self, request, context):
+        """Waits for running batches, drains async outputs, then frees device memory on every worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUpStage(self, request, context):
+        """Brings the weights back (level 1: from host memory; level 2: reloaded from the checkpoint).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +100,16 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.DescribeStage,
                     request_deserializer=stagemesh_dot_v1_dot_stage__pb2.DescribeStageRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_stage__pb2.DescribeStageResponse.SerializeToString,
+            ),
+            'SleepStage': grpc.unary_unary_rpc_method_handler(
+                    servicer.SleepStage,
+                    request_deserializer=stagemesh_dot_v1_dot_stage__pb2.SleepStageRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_stage__pb2.SleepStageResponse.SerializeToString,
+            ),
+            'WakeUpStage': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUpStage,
+                    request_deserializer=stagemesh_dot_v1_dot_stage__pb2.WakeUpStageRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_stage__pb2.WakeUpStageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +167,60 @@ class StageService:
             '/stagemesh.v1.StageService/DescribeStage',
             stagemesh_dot_v1_dot_stage__pb2.DescribeStageRequest.SerializeToString,
             stagemesh_dot_v1_dot_stage__pb2.DescribeStageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SleepStage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.StageService/SleepStage',
+            stagemesh_dot_v1_dot_stage__pb2.SleepStageRequest.SerializeToString,
+            stagemesh_dot_v1_dot_stage__pb2.SleepStageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUpStage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.StageService/WakeUpStage',
+            stagemesh_dot_v1_dot_stage__pb2.WakeUpStageRequest.SerializeToString,
+            stagemesh_dot_v1_dot_stage__pb2.WakeUpStageResponse.FromString,
             options,
             channel_credentials,
             insecure,

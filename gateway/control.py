@@ -1,0 +1,150 @@
+"""Admission and the control plane: pause/resume generation, sleep and wake stages.
+
+The loop operators run is pause -> abort -> sleep -> update -> wake -> resume: Sleep closes
+admission and leaves it closed; a pipeline with an AR stage stays paused after WakeUp until
+ResumeGeneration, a diffusion-only pipeline reopens by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from stagemesh import errors, logs
+from stagemesh.v1 import control_pb2
+from gateway.stages import StageClient
+
+log = logs.get_logger("stagemesh.control")
+
+DEFAULT_SLEEP_LEVEL = 2
+NOT_SLEEPING_REASON = "target stages are not sleeping"
+
+
+class Admission:
+    """Who may start a Generate, and how many are between admission and submission."""
+
+    def __init__(self) -> None:
+        self.paused = False
+        self.sleeping: dict[int, int] = {}  # stage id -> sleep level
+        self._admitting = 0
+        self._changed = asyncio.Condition()
+
+    def check(self) -> None:
+        if self.sleeping:
+            stage_id = min(self.sleeping)
+            raise errors.FailedPrecondition(
+                f"stage {stage_id} is asleep (level {self.sleeping[stage_id]}); WakeUp it first")
+        if self.paused:
+            raise errors.FailedPrecondition("generation is paused; ResumeGeneration reopens it")
+
+    def enter(self) -> "AdmissionTicket":
+        self.check()
+        self._admitting += 1
+        return AdmissionTicket(self)
+
+    async def _leave(self) -> None:
+        self._admitting -= 1
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def close(self) -> None:
+        """Refuse new calls and wait until none is between admission and submission."""
+        self.paused = True
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._admitting == 0)
+
+
+@dataclass
+class AdmissionTicket:
+    admission: Admission
+    released: bool = field(default=False)
+
+    async def release(self) -> None:
+        if not self.released:
+            self.released = True
+            await self.admission._leave()  # noqa: SLF001 - the ticket is the admission's own
+
+
+@dataclass(frozen=True)
+class ControlResult:
+    status: int
+    acks: list[control_pb2.WorkerAck]
+    reason: str = ""
+
+
+class ControlPlane:
+    def __init__(self, stages: list[StageClient], admission: Admission):
+        self._stages = stages
+        self._admission = admission
+        self._lock = asyncio.Lock()  # one sleep/wake at a time
+
+    @property
+    def has_ar_stage(self) -> bool:
+        return any(s.kind == "ar" for s in self._stages)
+
+    def restore(self) -> None:
+        """After a (re)start, take the sleeping set from what the stages report."""
+        self._admission.sleeping = {s.stage_id: s.sleep_level for s in self._stages if s.sleep_level}
+        self._admission.paused = bool(self._admission.sleeping) and self.has_ar_stage
+
+    def _validate(self, stage_ids: list[int], level: int | None = None) -> list[errors.FieldViolation]:
+        violations = []
+        valid = f"allowed: stage ids 0 to {len(self._stages) - 1}"
+        unknown = sorted({i for i in stage_ids if not 0 <= i < len(self._stages)})
+        if unknown:
+            violations.append(errors.FieldViolation("stage_ids", f"unknown stage id(s) {unknown}; {valid}"))
+        if level is not None and level not in (1, 2):
+            violations.append(errors.FieldViolation("level", f"{level} is not a sleep level; allowed: 1 or 2"))
+        return violations
+
+    async def sleep(self, stage_ids: list[int], level: int | None, timeout: float | None) -> ControlResult:
+        level = DEFAULT_SLEEP_LEVEL if level is None else level
+        violations = self._validate(stage_ids, level)
+        if violations:
+            raise errors.InvalidArgument(violations)  # refused before admission is touched
+        targets = [self._stages[i] for i in dict.fromkeys(stage_ids)]
+        for stage in targets:
+            if not stage.supports_sleep:
+                raise errors.Unimplemented(f"{stage.name} cannot sleep (configured without sleep support)")
+        if not targets:
+            return ControlResult(control_pb2.CONTROL_STATUS_SUCCESS, [])
+        async with self._lock:
+            await self._admission.close()
+            replies = await asyncio.gather(*(s.sleep(level, timeout) for s in targets))
+            acks = [ack for reply in replies for ack in reply]
+            for stage, reply in zip(targets, replies):
+                if all(a.status == control_pb2.ACK_STATUS_SUCCESS for a in reply):
+                    self._admission.sleeping[stage.stage_id] = max(level, self._admission.sleeping.get(stage.stage_id, 0))
+        log.info("stages asleep", stage_ids=[s.stage_id for s in targets], level=level)
+        return ControlResult(_overall(acks), acks)
+
+    async def wake(self, stage_ids: list[int], timeout: float | None) -> ControlResult:
+        violations = self._validate(stage_ids)
+        if violations:
+            raise errors.InvalidArgument(violations)
+        async with self._lock:
+            targets = [self._stages[i] for i in dict.fromkeys(stage_ids) if i in self._admission.sleeping]
+            if not targets:
+                return ControlResult(control_pb2.CONTROL_STATUS_SKIPPED, [], NOT_SLEEPING_REASON)
+            replies = await asyncio.gather(*(s.wake(timeout) for s in targets))
+            acks = [ack for reply in replies for ack in reply]
+            for stage, reply in zip(targets, replies):
+                if all(a.status == control_pb2.ACK_STATUS_SUCCESS for a in reply):
+                    self._admission.sleeping.pop(stage.stage_id, None)
+            if not self.has_ar_stage:
+                self._admission.paused = False  # diffusion-only pipelines reopen by themselves
+        log.info("stages awake", stage_ids=[s.stage_id for s in targets])
+        return ControlResult(_overall(acks), acks)
+
+    async def pause(self) -> None:
+        await self._admission.close()
+        log.info("generation paused")
+
+    def resume(self) -> None:
+        self._admission.paused = False
+        log.info("generation resumed")
+
+
+def _overall(acks: list[control_pb2.WorkerAck]) -> int:
+    ok = all(a.status == control_pb2.ACK_STATUS_SUCCESS for a in acks)
+    return control_pb2.CONTROL_STATUS_SUCCESS if ok else control_pb2.CONTROL_STATUS_ERROR

@@ -1,0 +1,52 @@
+"""Zero-copy views of the tensors in a safetensors file, through a private memory map.
+
+Used where weights must come back from the checkpoint fast (wake from sleep level 2): the views
+cost no copy until they are copied to their destination, and the file's page cache serves them.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from pathlib import Path
+
+import torch
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def map_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """name -> CPU tensor viewing the file's bytes (copy-on-write: the file is never modified)."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        size = path.stat().st_size
+        if size < 8:
+            raise CheckpointError(f"{path}: too short for a safetensors file")
+        mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    (header_len,) = struct.unpack("<Q", mapping[:8])
+    if 8 + header_len > size:
+        raise CheckpointError(f"{path}: header length {header_len} exceeds the file")
+    header = json.loads(mapping[8:8 + header_len])
+    base = 8 + header_len
+    data = torch.frombuffer(mapping, dtype=torch.uint8, offset=base, count=size - base) if size > base else None
+    tensors: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{path}: {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        raw = data[start:end] if data is not None else torch.empty(0, dtype=torch.uint8)
+        tensors[name] = raw.view(dtype).reshape(shape) if end > start else torch.empty(shape, dtype=dtype)
+    return tensors

@@ -1,0 +1,92 @@
+"""Sleep and wake of one stage: close admission, let running batches finish, then ask every
+worker (which drains its async outputs first) and collect one ACK per worker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from stagemesh import errors, logs
+from stage_service.engine import Engine
+from stage_service.executor import Executor
+
+log = logs.get_logger("stagemesh.control")
+
+
+@dataclass(frozen=True)
+class Ack:
+    rank: int
+    ok: bool
+    level: int
+    freed_bytes: int = 0
+    latency_ms: float = 0.0
+    error: str = ""
+
+
+class StageControl:
+    def __init__(self, stage_name: str, engine: Engine, executor: Executor, supports_sleep: bool):
+        self._stage_name = stage_name
+        self._engine = engine
+        self._executor = executor
+        self.supports_sleep = supports_sleep
+        self.level = 0
+        self._lock = asyncio.Lock()  # one sleep or wake at a time
+        engine.on_worker_restarted = self._resleep
+
+    def _require_support(self) -> None:
+        if not self.supports_sleep:
+            raise errors.Unimplemented(f"{self._stage_name} is configured without sleep support (enable_sleep = false)")
+
+    async def sleep(self, level: int) -> list[Ack]:
+        self._require_support()
+        if level not in (1, 2):
+            raise errors.InvalidArgument.field("level", f"{level} is not a sleep level; allowed: 1 or 2")
+        async with self._lock:
+            started = time.perf_counter()
+            await self._engine.close_admission(f"{self._stage_name} is asleep (level {level}); call WakeUp first")
+            acks = await self._fan_out("sleep", level, {"level": level})
+            if all(a.ok for a in acks):
+                self.level = max(self.level, level)
+            elif not self.level:
+                await self._undo_partial_sleep(acks)
+            log.info("stage asleep", level=level, ms=round((time.perf_counter() - started) * 1e3, 1),
+                     freed_bytes=sum(a.freed_bytes for a in acks))
+            return acks
+
+    async def wake(self) -> list[Ack]:
+        self._require_support()
+        async with self._lock:
+            if not self.level:
+                return []
+            acks = await self._fan_out("wake", self.level, {})
+            if all(a.ok for a in acks):
+                self.level = 0
+                self._engine.open_admission()
+            return acks
+
+    async def _undo_partial_sleep(self, acks: list[Ack]) -> None:
+        """Some worker could not sleep: wake the ones that did and serve again, as before the call."""
+        for ack in acks:
+            if ack.ok:
+                await asyncio.wrap_future(self._executor.control(ack.rank, "wake"))
+        self._engine.open_admission()
+        log.error("sleep failed; stage stays awake", errors=[a.error for a in acks if not a.ok])
+
+    async def _fan_out(self, op: str, level: int, args: dict) -> list[Ack]:
+        ranks = self._engine.live_ranks()
+        results = await asyncio.gather(
+            *(asyncio.wrap_future(self._executor.control(rank, op, **args)) for rank in ranks),
+            return_exceptions=True)
+        acks = []
+        for rank, result in zip(ranks, results):
+            if isinstance(result, BaseException):
+                acks.append(Ack(rank, False, level, error=str(result)))
+            else:
+                acks.append(Ack(rank, True, level, result["freed_bytes"], result["latency_ms"]))
+        return acks
+
+    async def _resleep(self, rank: int) -> None:
+        """A worker restarted while the stage sleeps comes up with its weights loaded: put it back."""
+        if self.level:
+            await asyncio.wrap_future(self._executor.control(rank, "sleep", level=self.level))

@@ -1,0 +1,123 @@
+"""Where streamed blocks live on the host, and how one block's bytes are handed to the H2D copy.
+
+- `PackedStore`: each block packed once into its own host buffer of exact size (pinned for a
+  CUDA target); the block's tensors are re-pointed there, so the private copies are released.
+- `ShardStore` (AllGather): this rank keeps bytes [rank*S, (rank+1)*S) of every block; the
+  last shard is zero-padded so all shards have the same size S.
+- `StagedStore`: the block tensors stay where they are (a checkpoint mapping); each transfer packs
+  the block into one of two bounded pinned staging buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from stage_service import platform
+
+from .layout import BlockLayout, align_up
+
+InitBlock = Callable[[nn.Module], None]
+
+
+def _materialize(layout: BlockLayout, init_block: InitBlock | None) -> None:
+    # A block built on "meta" gets real host values one block at a time, so a model larger than
+    # host memory twice over can still be packed.
+    if any(e.current().is_meta for e in layout.entries):
+        if init_block is None:
+            raise ValueError(f"block {layout.path!r} is on the meta device and no init_block "
+                             "was given to materialise it")
+        init_block(layout.module)
+
+
+def shard_nbytes(nbytes: int, world: int) -> int:
+    return align_up(-(-nbytes // world))
+
+
+class PackedStore:
+    def __init__(self, layouts: list[BlockLayout], device: str | torch.device,
+                 init_block: InitBlock | None = None) -> None:
+        self.layouts = layouts
+        self.buffers: list[platform.HostBuffer] = []
+        for layout in layouts:
+            _materialize(layout, init_block)
+            buf = platform.HostBuffer(layout.nbytes, device)
+            layout.pack_range(layout.sources(), 0, layout.nbytes, buf.tensor)
+            # Re-pointing the block drops its last reference to the private copy.
+            layout.bind(layout.views(buf.tensor))
+            self.buffers.append(buf)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(b.tensor.numel() for b in self.buffers)
+
+    def slot_nbytes(self, i: int) -> int:
+        return self.layouts[i].nbytes
+
+    def h2d_nbytes(self, i: int) -> int:
+        return self.layouts[i].nbytes
+
+    def host_view(self, i: int) -> torch.Tensor:
+        return self.buffers[i].tensor
+
+    def after_copy(self, stream: platform.Stream) -> None:
+        pass
+
+    def close(self) -> None:
+        for b in self.buffers:
+            b.close()
+
+
+class ShardStore(PackedStore):
+    def __init__(self, layouts: list[BlockLayout], device: str | torch.device, rank: int,
+                 world: int, init_block: InitBlock | None = None) -> None:
+        self.layouts = layouts
+        self.world = world
+        self.shard = [shard_nbytes(layout.nbytes, world) for layout in layouts]
+        self.buffers = []
+        for layout, size in zip(layouts, self.shard):
+            _materialize(layout, init_block)
+            buf = platform.HostBuffer(size, device)
+            lo = min(rank * size, layout.nbytes)
+            hi = min(lo + size, layout.nbytes)
+            layout.pack_range(layout.sources(), lo, hi, buf.tensor[:hi - lo])
+            buf.tensor[hi - lo:].zero_()
+            self.buffers.append(buf)
+
+    def slot_nbytes(self, i: int) -> int:
+        return self.shard[i] * self.world
+
+    def h2d_nbytes(self, i: int) -> int:
+        return self.shard[i]
+
+
+class StagedStore(PackedStore):
+    def __init__(self, layouts: list[BlockLayout], device: str | torch.device) -> None:
+        self.layouts = layouts
+        # Byte views keep the mapped storage alive once the parameters point at device slots.
+        self.sources = [layout.sources() for layout in layouts]
+        size = max((layout.nbytes for layout in layouts), default=0)
+        self.buffers = [platform.HostBuffer(size, device) for _ in range(2)]
+        self._done = [platform.DeviceEvent(device) for _ in range(2)]
+        self._next = 0
+        self._last = 0
+
+    def host_view(self, i: int) -> torch.Tensor:
+        k, self._next = self._next, self._next ^ 1
+        # The H2D copy that last read this staging buffer must be finished before we refill it.
+        self._done[k].synchronize()
+        n = self.layouts[i].nbytes
+        out = self.buffers[k].tensor[:n]
+        self.layouts[i].pack_range(self.sources[i], 0, n, out)
+        self._last = k
+        return out
+
+    def after_copy(self, stream: platform.Stream) -> None:
+        self._done[self._last].record(stream)
+
+    def close(self) -> None:
+        for e in self._done:
+            e.synchronize()
+        super().close()

@@ -1,0 +1,182 @@
+"""Giving a worker's device memory back and taking it again.
+
+Level 1 copies every weight into one exact-size host buffer (pinned on a GPU, reused across
+cycles) and frees the device copies; level 2 frees them without a copy. Waking allocates one
+device buffer for all weights and fills it from the host buffer (level 1) or from the
+checkpoint through a memory map (level 2). The Parameter and buffer objects stay the same
+throughout: only their storage changes, so nothing that holds a module sees a difference.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from stage_service import platform
+from stage_service.checkpoint import map_tensors
+
+_ALIGN = 64  # bytes: every tensor starts on a 64-byte boundary of the flat buffers
+
+
+@dataclass(frozen=True)
+class WeightFile:
+    """A checkpoint file and the modules it fills, by key prefix (e.g. {"dit.": dit})."""
+
+    path: Path
+    parts: dict[str, nn.Module]
+
+
+@dataclass
+class _Entry:
+    key: str  # checkpoint key, or "" for a non-persistent buffer
+    tensor: torch.Tensor  # the live Parameter or buffer object
+    shape: torch.Size
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SleepResult:
+    level: int
+    freed_bytes: int
+    latency_ms: float
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+class SleepController:
+    def __init__(self, files: list[WeightFile], device: str):
+        self.device = torch.device(device)
+        self.files = files
+        self.level = 0
+        self._entries = list(self._collect())
+        self._total = _aligned(sum(_aligned(e.nbytes) for e in self._entries))
+        self._host: torch.Tensor | None = None  # level-1 copy, kept for reuse across cycles
+        self._device_flat: torch.Tensor | None = None
+
+    def _collect(self) -> Iterator[_Entry]:
+        offset = 0
+        for weight_file in self.files:
+            for prefix, module in weight_file.parts.items():
+                persistent = module.state_dict(keep_vars=True)
+                ids = {id(t) for t in persistent.values()}
+                extra = [("", t) for _, t in module.named_buffers() if id(t) not in ids]
+                for key, tensor in [*((prefix + k, t) for k, t in persistent.items()), *extra]:
+                    nbytes = tensor.numel() * tensor.element_size()
+                    yield _Entry(key, tensor, tensor.shape, tensor.dtype, offset, nbytes)
+                    offset += _aligned(nbytes)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(e.nbytes for e in self._entries)
+
+    # sleep ------------------------------------------------------------------------------------
+    def sleep(self, level: int) -> SleepResult:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        started = time.perf_counter()
+        if self.level:  # already asleep: 1 -> 2 drops the host copy; anything else is a no-op
+            if level == 2 and self.level == 1:
+                self._host = None
+                self.level = 2
+            return SleepResult(level, 0, (time.perf_counter() - started) * 1e3)
+        before = self._free_memory()
+        released = self._storage_bytes()
+        if level == 1:
+            self._copy_to_host()
+        for e in self._entries:
+            if level == 2 and not e.key:
+                continue  # non-persistent buffers cannot be reloaded from the checkpoint: keep them
+            e.tensor.data = torch.empty(0, dtype=e.dtype, device=self.device)
+        self._device_flat = None
+        if level == 2:
+            released -= sum(e.nbytes for e in self._entries if not e.key)
+        freed = self._release(before, released)
+        self.level = level
+        return SleepResult(level, freed, (time.perf_counter() - started) * 1e3)
+
+    def _copy_to_host(self) -> None:
+        pin = platform.is_cuda(self.device)
+        if self._host is None or self._host.numel() != self._total:
+            self._host = torch.empty(self._total, dtype=torch.uint8, pin_memory=pin)
+        stream = platform.Stream(self.device)
+        stream.wait_event(platform.DeviceEvent(self.device).record())  # weights are final
+        with stream.active():
+            for e in self._entries:
+                self._host[e.offset:e.offset + e.nbytes].copy_(_bytes(e.tensor.data), non_blocking=pin)
+        stream.synchronize()
+
+    # wake -------------------------------------------------------------------------------------
+    def wake(self) -> SleepResult:
+        started = time.perf_counter()
+        level = self.level
+        if not level:
+            return SleepResult(0, 0, 0.0)
+        before = self._free_memory()
+        flat = torch.empty(self._total, dtype=torch.uint8, device=self.device)
+        if level == 1:
+            flat.copy_(self._host, non_blocking=True)
+        else:
+            self._fill_from_checkpoint(flat)
+        for e in self._entries:
+            if level == 2 and not e.key:
+                continue
+            e.tensor.data = flat[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+        if platform.is_cuda(self.device):
+            torch.cuda.synchronize(self.device)
+        self._device_flat = flat
+        self.level = 0
+        taken = before - self._free_memory() if platform.is_cuda(self.device) else self._storage_bytes()
+        return SleepResult(level, taken, (time.perf_counter() - started) * 1e3)
+
+    def _fill_from_checkpoint(self, flat: torch.Tensor) -> None:
+        by_key = {e.key: e for e in self._entries if e.key}
+        found: set[str] = set()
+        for weight_file in self.files:
+            for key, source in map_tensors(weight_file.path).items():
+                e = by_key.get(key)
+                if e is None:
+                    continue
+                if source.shape != e.shape or source.dtype != e.dtype:
+                    raise ValueError(f"{weight_file.path}: {key} is {tuple(source.shape)} {source.dtype}, "
+                                     f"the model holds {tuple(e.shape)} {e.dtype}")
+                flat[e.offset:e.offset + e.nbytes].copy_(_bytes(source), non_blocking=False)
+                found.add(key)
+        missing = sorted(by_key.keys() - found)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) to reload, e.g. {missing[:3]}")
+
+    # measurement ------------------------------------------------------------------------------
+    def _free_memory(self) -> int:
+        if platform.is_cuda(self.device):
+            torch.cuda.synchronize(self.device)
+            return int(torch.cuda.mem_get_info(self.device)[0])
+        return 0
+
+    def _storage_bytes(self) -> int:
+        seen: dict[int, int] = {}
+        for e in self._entries:
+            storage = e.tensor.data.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
+
+    def _release(self, free_before: int, released_storage: int) -> int:
+        """Return memory to the device and measure it; on the CPU, the storage bytes dropped."""
+        if platform.is_cuda(self.device):
+            gc.collect()  # reference cycles may still hold device tensors
+            torch.cuda.empty_cache()
+            return self._free_memory() - free_before
+        return released_storage
