@@ -79,6 +79,7 @@ def main() -> None:
     ckpt = Path(args.dir or tempfile.mkdtemp()) / "model.safetensors"
     state = model.state_dict()
     write_streamed(ckpt, [(k, tuple(v.shape), v.dtype) for k, v in state.items()], state.values())
+    del state  # it references the weights' storage: holding it would keep them on the device
     with open(ckpt, "rb") as f:  # page-cache hot, as after a recent load
         while f.read(1 << 26):
             pass

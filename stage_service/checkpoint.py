@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import mmap
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,6 +23,37 @@ _DTYPES = {
 
 class CheckpointError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file_offset: int  # absolute, from the start of the file
+    nbytes: int
+
+
+def read_index(path: str | Path) -> dict[str, TensorRecord]:
+    """Where each tensor's bytes lie in a safetensors file (reads only the header)."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) < 8:
+            raise CheckpointError(f"{path}: too short for a safetensors file")
+        (header_len,) = struct.unpack("<Q", raw_len)
+        header = json.loads(f.read(header_len))
+    base = 8 + header_len
+    records = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{path}: {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        records[name] = TensorRecord(name, dtype, tuple(info["shape"]), base + start, end - start)
+    return records
 
 
 def map_tensors(path: str | Path) -> dict[str, torch.Tensor]:

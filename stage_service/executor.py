@@ -59,11 +59,13 @@ class _Worker:
 
 class Executor:
     def __init__(self, stage_id: int, kind: str, model_dir: str, device: str, workers: int,
-                 threads: int = 0, on_death: DeathFn | None = None, step_execution: bool = False):
+                 threads: int = 0, on_death: DeathFn | None = None, step_execution: bool = False,
+                 dlo: dict | None = None):
         self.stage_name = f"stage {stage_id} ({kind})"
         self.step_execution = step_execution
         self._specs = [
-            protocol.WorkerSpec(rank, stage_id, kind, str(model_dir), device, os.getpid(), threads, step_execution)
+            protocol.WorkerSpec(rank, stage_id, kind, str(model_dir), device, os.getpid(), threads, step_execution,
+                                dlo=dict(dlo or {}))
             for rank in range(workers)
         ]
         self.outputs = OutputRegistry(self.stage_name)

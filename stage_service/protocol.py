@@ -17,6 +17,8 @@ class WorkerSpec:
     threads: int = 0
     # True: outputs are copied and packed on the worker's main thread (the synchronous path).
     step_execution: bool = False
+    # DLO options (offload.config.DloOptions fields); empty: DLO off.
+    dlo: dict = field(default_factory=dict)
 
 
 # executor -> worker

@@ -13,6 +13,7 @@ from stagemesh.v1 import control_pb2, stage_pb2, stage_pb2_grpc
 from stage_service.control import Ack, StageControl
 from stage_service.engine import Engine, OutputsEvent, ProgressEvent
 from stage_service.executor import Executor
+from stage_service.offload.config import DloOptions
 from stage_service.settings import StageSettings
 
 log = logs.get_logger("stagemesh.stage")
@@ -91,7 +92,7 @@ async def serve_stage(settings: StageSettings) -> None:
 
     executor = Executor(settings.stage_id, settings.kind, str(settings.resolved_model_dir()), settings.device,
                         settings.workers, settings.threads, on_death=lambda r, why: engine.worker_died(r, why),
-                        step_execution=settings.step_execution)
+                        step_execution=settings.step_execution, dlo=DloOptions.from_settings(settings).to_dict())
     engine = Engine(executor, settings.kind, settings.workers, settings.max_batch_size, settings.max_queue, on_health)
     control = StageControl(executor.stage_name, engine, executor, settings.enable_sleep)
     servicer = StageServicer(settings, engine, executor, control)

@@ -7,6 +7,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from stage_service.offload.config import DEFAULT_RUNTIME_CACHE_DIR
+from stage_service.offload.config import HELP as DLO_HELP
+from stage_service.offload.config import validate as validate_dlo
 from stagemesh.params import Limits
 
 KINDS = ("ar", "diffusion")
@@ -35,6 +38,14 @@ class StageSettings:
     default_steps: int = 8
     default_guidance: float = 4.0
     max_guidance: float = 30.0
+    enable_dlo: bool = False
+    dp_size: int = 1
+    dlo_use_allgather: bool = True
+    dlo_resident_layers: int = 0
+    dlo_enable_runtime_cache: bool = False
+    dlo_runtime_cache_dir: str = DEFAULT_RUNTIME_CACHE_DIR
+    dlo_runtime_cache_lock_timeout: float = 600.0
+    tensor_parallel_size: int = 1
     ready_file: str | None = None
 
     _HELP = {
@@ -61,7 +72,11 @@ class StageSettings:
         "default_guidance": "guidance_scale used when a request leaves it unset",
         "max_guidance": "largest guidance_scale accepted",
         "ready_file": "write {'address', 'pid'} as JSON here once the port is bound",
+        **DLO_HELP,
     }
+
+    def __post_init__(self) -> None:
+        validate_dlo(self)  # refused DLO combinations fail at start, saying what to change
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -79,11 +94,16 @@ class StageSettings:
             elif f.type in ("float", float):
                 kwargs["type"] = float
             parser.add_argument(flag, **kwargs)
+        parser.add_argument("--dlo-no-use-allgather", dest="dlo_use_allgather", action="store_false",
+                            default=argparse.SUPPRESS, help="same as --no-dlo-use-allgather")
         parser.add_argument("--log-level", default="info", help="log level (default: 'info')")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "StageSettings":
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        try:
+            return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        except ValueError as exc:  # a refused combination: say what to change, no traceback
+            raise SystemExit(f"stagemesh stage: error: {exc}") from None
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> "StageSettings":

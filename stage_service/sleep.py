@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from stage_service import platform
-from stage_service.checkpoint import map_tensors
+from stage_service.checkpoint import read_index
+from stage_service.reload import Copy, Reloader
 
 _ALIGN = 64  # bytes: every tensor starts on a 64-byte boundary of the flat buffers
 
@@ -65,7 +66,8 @@ class SleepController:
         self._entries = list(self._collect())
         self._total = _aligned(sum(_aligned(e.nbytes) for e in self._entries))
         self._host: torch.Tensor | None = None  # level-1 copy, kept for reuse across cycles
-        self._device_flat: torch.Tensor | None = None
+        self._device_flat: torch.Tensor | None = None  # set once the weights live in one buffer
+        self._reloader = Reloader(self.device)
 
     def _collect(self) -> Iterator[_Entry]:
         offset = 0
@@ -91,15 +93,23 @@ class SleepController:
         if self.level:  # already asleep: 1 -> 2 drops the host copy; anything else is a no-op
             if level == 2 and self.level == 1:
                 self._host = None
+                self._reloader.prepare()
                 self.level = 2
             return SleepResult(level, 0, (time.perf_counter() - started) * 1e3)
         before = self._free_memory()
         released = self._storage_bytes()
         if level == 1:
             self._copy_to_host()
+        else:
+            self._reloader.prepare()  # pin the staging chunks now, not on the wake path
         for e in self._entries:
             if level == 2 and not e.key:
-                continue  # non-persistent buffers cannot be reloaded from the checkpoint: keep them
+                # Non-persistent buffers cannot be reloaded from the checkpoint: keep them, but not
+                # as views into the shared weight buffer of a previous wake, which they would keep alive.
+                if self._device_flat is not None and (e.tensor.data.untyped_storage().data_ptr()
+                                                      == self._device_flat.untyped_storage().data_ptr()):
+                    e.tensor.data = e.tensor.data.clone()
+                continue
             e.tensor.data = torch.empty(0, dtype=e.dtype, device=self.device)
         self._device_flat = None
         if level == 2:
@@ -115,8 +125,11 @@ class SleepController:
         stream = platform.Stream(self.device)
         stream.wait_event(platform.DeviceEvent(self.device).record())  # weights are final
         with stream.active():
-            for e in self._entries:
-                self._host[e.offset:e.offset + e.nbytes].copy_(_bytes(e.tensor.data), non_blocking=pin)
+            if self._device_flat is not None:  # after a wake: one copy at full bandwidth
+                self._host.copy_(self._device_flat, non_blocking=pin)
+            else:
+                for e in self._entries:
+                    self._host[e.offset:e.offset + e.nbytes].copy_(_bytes(e.tensor.data), non_blocking=pin)
         stream.synchronize()
 
     # wake -------------------------------------------------------------------------------------
@@ -138,26 +151,27 @@ class SleepController:
         if platform.is_cuda(self.device):
             torch.cuda.synchronize(self.device)
         self._device_flat = flat
+        self._reloader.release()
         self.level = 0
         taken = before - self._free_memory() if platform.is_cuda(self.device) else self._storage_bytes()
         return SleepResult(level, taken, (time.perf_counter() - started) * 1e3)
 
     def _fill_from_checkpoint(self, flat: torch.Tensor) -> None:
         by_key = {e.key: e for e in self._entries if e.key}
-        found: set[str] = set()
+        copies: list[Copy] = []
         for weight_file in self.files:
-            for key, source in map_tensors(weight_file.path).items():
+            for key, record in read_index(weight_file.path).items():
                 e = by_key.get(key)
                 if e is None:
                     continue
-                if source.shape != e.shape or source.dtype != e.dtype:
-                    raise ValueError(f"{weight_file.path}: {key} is {tuple(source.shape)} {source.dtype}, "
+                if record.shape != tuple(e.shape) or record.dtype != e.dtype:
+                    raise ValueError(f"{weight_file.path}: {key} is {record.shape} {record.dtype}, "
                                      f"the model holds {tuple(e.shape)} {e.dtype}")
-                flat[e.offset:e.offset + e.nbytes].copy_(_bytes(source), non_blocking=False)
-                found.add(key)
-        missing = sorted(by_key.keys() - found)
+                copies.append(Copy(weight_file.path, record.file_offset, e.offset, e.nbytes))
+        missing = sorted(by_key.keys() - {k for w in self.files for k in read_index(w.path)})
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) to reload, e.g. {missing[:3]}")
+        self._reloader.fill(flat, copies)
 
     # measurement ------------------------------------------------------------------------------
     def _free_memory(self) -> int:

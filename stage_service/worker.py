@@ -172,7 +172,7 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
 
     device = resolve_device(spec.device, spec.rank)
     try:
-        runner = build_runner(spec.kind, Path(spec.model_dir), device)
+        runner = build_runner(spec.kind, Path(spec.model_dir), device, dlo=spec.dlo)
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
         results.put(protocol.LoadFailed(spec.rank, f"{type(exc).__name__}: {exc}"))

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.meshproc import Mesh, shm_entries, start_mesh, write_config
+from tests.meshproc import Mesh, segments_of, shm_entries, start_mesh, write_config
 
 
 @pytest.fixture(scope="session")
@@ -19,5 +19,5 @@ def mesh(tmp_path_factory, model_dir) -> Mesh:
     running = start_mesh(config, root / "mesh.log")
     yield running
     assert running.stop() == 0, running.logs()[-3000:]
-    leaked = {e for e in shm_entries() - shm_before if "stagemesh" in e}
+    leaked = segments_of(shm_entries() - shm_before, running.child_pids())
     assert not leaked, f"shared-memory segments left behind: {leaked}"

@@ -23,6 +23,11 @@ def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+def segments_of(entries: set[str], pids) -> set[str]:
+    """/dev/shm entries named after one of `pids` (other test sessions may share the machine)."""
+    return {e for e in entries if e.startswith("stagemesh-") and any(f"-{pid}-" in e for pid in pids)}
+
+
 def descendants(pid: int) -> list[int]:
     """Every live process below `pid` (read from /proc, no psutil needed)."""
     children: dict[int, list[int]] = {}
@@ -80,6 +85,14 @@ class Mesh:
 
     def logs(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def child_pids(self) -> set[int]:
+        """Every service process `up` started (restarts included), from its log."""
+        pids = set()
+        for line in self.logs().splitlines():
+            if '"event": "started"' in line and '"pid":' in line:
+                pids.add(int(line.split('"pid":', 1)[1].split(",", 1)[0].strip().rstrip("}")))
+        return pids
 
     def stop(self, timeout: float = 60.0) -> int:
         if self.process.poll() is None:

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stage_service.offload.plan import OffloadPlan
+
 from .config import DiTConfig
 
 TIME_FREQ_DIM = 256
@@ -101,6 +103,9 @@ class FinalLayer(nn.Module):
 
 class DiT(nn.Module):
     """Predicts the flow-matching velocity of latents [B, C, h, w] at time t."""
+
+    # DLO streams `blocks`; its leading blocks may stay resident on the device.
+    _offload_plan = OffloadPlan(block_attrs={"": ("blocks",)}, resident_paths=("blocks",))
 
     def __init__(self, config: DiTConfig) -> None:
         super().__init__()

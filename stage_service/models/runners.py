@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from ..offload.config import DloOptions
+from ..offload.dit_loader import load_offloaded_dit
 from .dit import sample
 from ..sleep import WeightFile
 from .weights import DECODER_PREFIX, DIT_FILE, DIT_PREFIX, LM_FILE, load_dit, load_lm, read_config
@@ -73,11 +75,16 @@ class DiffusionRunner:
 
     kind = "diffusion"
 
-    def __init__(self, model_dir: Path, device: str = "cpu") -> None:
+    def __init__(self, model_dir: Path, device: str = "cpu", dlo: dict | None = None) -> None:
         self.model_dir = Path(model_dir)
         self.device = device
         self.config = read_config(self.model_dir)
-        self.dit, self.decoder = load_dit(self.model_dir, device)
+        self.offload = None  # the DLO engine when enable_dlo is set
+        opts = DloOptions.from_mapping(dlo)
+        if opts.enable_dlo:
+            self.dit, self.decoder, self.offload = load_offloaded_dit(self.model_dir, device, opts)
+        else:
+            self.dit, self.decoder = load_dit(self.model_dir, device)
 
     def weight_files(self) -> list[WeightFile]:
         return [WeightFile(self.model_dir / DIT_FILE, {DIT_PREFIX: self.dit, DECODER_PREFIX: self.decoder})]
@@ -129,11 +136,14 @@ _RUNNERS: dict[str, type[ArRunner | DiffusionRunner]] = {
 }
 
 
-def build_runner(kind: str, model_dir: Path, device: str = "cpu") -> ArRunner | DiffusionRunner:
+def build_runner(kind: str, model_dir: Path, device: str = "cpu",
+                 dlo: dict | None = None) -> ArRunner | DiffusionRunner:
     """Load the runner for a stage kind from an existing model folder (see ensure_model_dir)."""
     try:
         cls = _RUNNERS[kind]
     except KeyError:
         raise ValueError(f"unknown runner kind {kind!r}; expected one of {sorted(_RUNNERS)}") \
             from None
+    if cls is DiffusionRunner:
+        return cls(model_dir, device, dlo)
     return cls(model_dir, device)

@@ -1,0 +1,87 @@
+"""DLO options of a stage (flags of `stagemesh stage`, keys of a [[stages]] table) and the
+combinations refused at start."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+DEFAULT_RUNTIME_CACHE_DIR = "~/.cache/stagemesh/dlo-runtime-weights"
+
+
+def validate(o: Any) -> None:
+    """Raise ValueError naming what to change; `o` is a StageSettings or DloOptions."""
+    if o.dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {o.dp_size}")
+    if o.tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {o.tensor_parallel_size}")
+    if o.dlo_resident_layers < 0:
+        raise ValueError(f"dlo_resident_layers must be >= 0, got {o.dlo_resident_layers}")
+    if o.dlo_resident_layers > 0 and o.dlo_use_allgather:
+        raise ValueError(
+            f"dlo_resident_layers = {o.dlo_resident_layers} needs no-AllGather (every AllGather "
+            "rank must rebuild the same blocks): pass --dlo-no-use-allgather "
+            "(dlo_use_allgather = false in mesh.toml) or set dlo_resident_layers = 0")
+    if o.dlo_enable_runtime_cache and o.dlo_use_allgather:
+        raise ValueError(
+            "dlo_enable_runtime_cache needs no-AllGather (the cache holds complete rank-local "
+            "weights): pass --dlo-no-use-allgather (dlo_use_allgather = false in mesh.toml) or "
+            "drop --dlo-enable-runtime-cache")
+    timeout = o.dlo_runtime_cache_lock_timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+            or not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError("dlo_runtime_cache_lock_timeout must be a finite number of seconds "
+                         f"> 0, got {timeout!r}")
+
+
+@dataclass(frozen=True)
+class DloOptions:
+    enable_dlo: bool = False
+    dp_size: int = 1
+    dlo_use_allgather: bool = True
+    dlo_resident_layers: int = 0
+    dlo_enable_runtime_cache: bool = False
+    dlo_runtime_cache_dir: str = DEFAULT_RUNTIME_CACHE_DIR
+    dlo_runtime_cache_lock_timeout: float = 600.0
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> "DloOptions":
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any] | None) -> "DloOptions":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values or {}) - known)
+        if unknown:
+            raise ValueError(f"unknown DLO option(s) {unknown}; known: {sorted(known)}")
+        return cls(**(values or {}))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def allgather_active(self) -> bool:
+        """AllGather moves weights only when there is more than one rank to gather from."""
+        return self.dlo_use_allgather and self.dp_size > 1
+
+
+HELP = {
+    "enable_dlo": "stream the DiT's blocks from host memory through two device slots "
+                  "(distributed layerwise offload, DLO)",
+    "dp_size": "data-parallel ranks of the stage; with DLO AllGather, the weight-sharding group",
+    "dlo_use_allgather": "DLO: each DP rank keeps 1/dp_size of every block and rebuilds it with "
+                         "AllGather; --dlo-no-use-allgather streams complete rank-local blocks",
+    "dlo_resident_layers": "DLO: keep this many leading blocks on the device (needs "
+                           "--dlo-no-use-allgather and a model that declares eligible blocks)",
+    "dlo_enable_runtime_cache": "DLO: share final ordinary-loader weights through the node-local "
+                                "runtime-weight cache (needs --dlo-no-use-allgather)",
+    "dlo_runtime_cache_dir": "DLO runtime-weight cache root on a local disk",
+    "dlo_runtime_cache_lock_timeout": "DLO: seconds to wait for another process publishing the "
+                                      "same runtime-cache layout (finite, > 0)",
+    "tensor_parallel_size": "tensor-parallel ranks; the direct mmap plan needs 1",
+}

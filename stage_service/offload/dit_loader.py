@@ -1,0 +1,53 @@
+"""The embedded DiT under DLO: host weights from the checkpoint mapping (or the ordinary
+loader), the decoder and every non-block DiT tensor resident on the device, blocks streamed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from stage_service.models.weights import (DECODER_PREFIX, DIT_FILE, DIT_PREFIX, build_dit,
+                                          load_dit, read_config)
+
+from .checkpoint import load_or_fallback
+from .config import DloOptions
+from .engine import LayerwiseOffload
+
+
+def load_host_dit(model_dir: Path, tp_size: int = 1):
+    """(dit, decoder, mapped, reason) on the host: checkpoint views when the plan is proven,
+    else the ordinary loader's private tensors (reason says why)."""
+    model_dir = Path(model_dir)
+    config = read_config(model_dir)
+    dit, decoder = build_dit(config)  # meta: the plan is checked before anything is allocated
+    loaded: dict = {}
+
+    def ordinary() -> None:
+        loaded["dit"], loaded["decoder"] = load_dit(model_dir, "cpu")
+
+    reason = load_or_fallback([model_dir / DIT_FILE], {DIT_PREFIX: dit, DECODER_PREFIX: decoder},
+                              ordinary, tp_size)
+    if reason is not None:
+        dit, decoder = loaded["dit"], loaded["decoder"]
+    for m in (dit, decoder):
+        m.eval().requires_grad_(False)
+    return dit, decoder, reason is None, reason
+
+
+def load_offloaded_dit(model_dir: Path, device: str | torch.device, opts: DloOptions,
+                       group=None):
+    """(dit, decoder, engine). `group`: the DP process group for AllGather (dp_size > 1)."""
+    if opts.allgather_active and group is None:
+        raise ValueError(f"dp_size = {opts.dp_size} with AllGather needs a process group of "
+                         "the stage's DP ranks, which this stage does not form yet: use "
+                         "dp_size = 1 or --dlo-no-use-allgather")
+    dit, decoder, mapped, _ = load_host_dit(model_dir, opts.tensor_parallel_size)
+    decoder.to(device)
+    # A group of one runs no collective: it streams its own complete blocks, like no-AllGather.
+    use_allgather = opts.allgather_active
+    engine = LayerwiseOffload(dit, device, resident_layers=opts.dlo_resident_layers,
+                              group=group if use_allgather else None,
+                              use_allgather=use_allgather,
+                              keep_source=mapped and not use_allgather)
+    return dit, decoder, engine

@@ -1,0 +1,712 @@
+"""DESIGN §4.1 points 5, 6, 8 and 9, executor side: the output registry, the result pump's
+dispatch, cancelled-future races, batch splits, the output timeout, a dead worker, shutdown.
+
+Real threads, real multiprocessing queues and processes, real /dev/shm; the last group runs a
+real worker process on the real tiny model. No GPU, nothing faked.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from stage_service import executor as executor_mod
+from stage_service import ipc, outputs, protocol
+from stage_service.executor import Executor, _Pending, _Worker
+from stage_service.outputs import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, OutputRegistry, output_timeout
+from stagemesh import errors
+
+STAGE = "stage 1 (diffusion)"
+WAIT_S = 10.0
+
+
+def our_segments() -> set[str]:
+    return {e for e in os.listdir("/dev/shm") if e.startswith(f"stagemesh-{os.getpid()}-")}
+
+
+@pytest.fixture(autouse=True)
+def no_segment_left_behind():
+    before = our_segments()
+    yield
+    leaked = our_segments() - before
+    ipc.sweep(os.getpid())
+    assert not leaked, f"segments left in /dev/shm: {leaked}"
+
+
+def oid(n: int) -> str:
+    return f"{n:032x}"
+
+
+# ---- point 8: the timeout variable ------------------------------------------------------------
+
+def _warnings(logs, value):
+    return [e for e in logs if e["event"] == "ignoring bad async output timeout" and e["value"] == value
+            and e["log_level"] == "warning"]
+
+
+@pytest.mark.parametrize("raw, expected", [("1800", 1800.0), ("45.5", 45.5), ("0.25", 0.25), (" 30 ", 30.0)])
+def test_timeout_env_valid_values(monkeypatch, raw, expected):
+    monkeypatch.setenv(TIMEOUT_ENV, raw)
+    with capture_logs() as logs:
+        assert output_timeout() == expected
+    assert not logs
+
+
+def test_timeout_env_unset_is_the_default(monkeypatch):
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    with capture_logs() as logs:
+        assert output_timeout() == DEFAULT_TIMEOUT_S == 600.0
+    assert not logs
+
+
+@pytest.mark.parametrize("raw", ["", "abc", "30s", "0", "-1", "nan", "inf", "-0.0"])
+def test_timeout_env_bad_values_fall_back_with_one_warning_per_value(monkeypatch, raw):
+    monkeypatch.setattr(outputs, "_warned_values", set())
+    monkeypatch.setenv(TIMEOUT_ENV, raw)
+    with capture_logs() as logs:
+        assert output_timeout() == 600.0
+        assert output_timeout() == 600.0
+        assert output_timeout() == 600.0
+    assert len(_warnings(logs, raw)) == 1, logs
+    # Another bad value warns once more; the first one stays quiet.
+    monkeypatch.setenv(TIMEOUT_ENV, raw + "x")
+    with capture_logs() as logs:
+        assert output_timeout() == 600.0
+        monkeypatch.setenv(TIMEOUT_ENV, raw)
+        assert output_timeout() == 600.0
+    assert len(_warnings(logs, raw + "x")) == 1 and not _warnings(logs, raw)
+
+
+def test_timeout_is_read_at_every_call_not_frozen_at_import(monkeypatch):
+    monkeypatch.setenv(TIMEOUT_ENV, "1800")
+    assert output_timeout() == 1800.0
+    monkeypatch.setenv(TIMEOUT_ENV, "45.5")
+    assert output_timeout() == 45.5
+    monkeypatch.delenv(TIMEOUT_ENV)
+    assert output_timeout() == 600.0
+
+
+def test_wait_output_ready_uses_the_env_timeout_at_each_wait(monkeypatch):
+    reg = OutputRegistry(STAGE)
+    monkeypatch.setenv(TIMEOUT_ENV, "0.05")
+    t0 = time.monotonic()
+    with pytest.raises(errors.Unavailable, match=r"not ready after 0\.05 s"):
+        reg.wait_output_ready(oid(1))
+    assert time.monotonic() - t0 < 5
+    monkeypatch.setenv(TIMEOUT_ENV, "0.1")
+    with pytest.raises(errors.Unavailable, match=r"not ready after 0\.1 s"):
+        reg.wait_output_ready(oid(2))
+    assert reg.is_empty()
+
+
+def test_timeout_names_what_is_pending_and_a_late_output_leaves_nothing():
+    reg = OutputRegistry(STAGE)
+    for n in (1, 2, 3):
+        reg.expect(oid(n), 0)
+    reg.deliver(oid(2), ["cached"])  # arrived, nobody took it yet
+    reg.split(oid(3), ["ka", "kb"])
+    other = reg.future(oid(3) + "/ka")
+    with capture_logs() as logs:
+        with pytest.raises(errors.Unavailable) as info:
+            reg.wait_output_ready(oid(1), timeout_s=0.05)
+    assert STAGE in str(info.value) and oid(1) in str(info.value)
+    [event] = [e for e in logs if e["event"] == "async output timed out"]
+    assert event["log_level"] == "error" and event["output_id"] == oid(1) and event["timeout_s"] == 0.05
+    assert event["cached"] == [oid(2)]
+    assert event["waiting"] == [oid(3) + "/ka"]
+    assert event["splits"] == {oid(3): [oid(3) + "/ka", oid(3) + "/kb"]}
+    # The late output of the timed-out request is dropped, not cached forever.
+    reg.deliver(oid(1), ["late"])
+    assert reg.wait_output_ready(oid(2), timeout_s=1) == ["cached"]
+    reg.deliver(oid(3), ["a", "b"])
+    assert other.result(1) == "a" and reg.future(oid(3) + "/kb").result(1) == "b"
+    assert reg.is_empty()
+
+
+# ---- points 5 and 6: the registry -----------------------------------------------------------------
+
+def test_cached_output_is_handed_out_once_and_removed():
+    reg = OutputRegistry(STAGE)
+    reg.expect(oid(1), 0)
+    reg.deliver(oid(1), ["x"])
+    assert not reg.is_empty()
+    assert reg.wait_output_ready(oid(1), timeout_s=1) == ["x"]
+    assert reg.is_empty()
+
+
+def test_waiting_future_is_resolved_by_delivery():
+    reg = OutputRegistry(STAGE)
+    reg.expect(oid(1), 0)
+    fut = reg.future(oid(1))
+    assert reg.future(oid(1)) is fut  # one future per output
+    assert not fut.done()
+    reg.deliver(oid(1), ["y"])
+    assert fut.result(0) == ["y"] and reg.is_empty()
+
+
+def test_wait_output_ready_blocks_until_another_thread_delivers():
+    reg = OutputRegistry(STAGE)
+    reg.expect(oid(1), 0)
+    got = cf.Future()
+    t = threading.Thread(target=lambda: got.set_result(reg.wait_output_ready(oid(1), timeout_s=WAIT_S)))
+    t.start()
+    while not reg.pending_summary()["waiting"]:  # the waiter has registered
+        time.sleep(0.001)
+    reg.deliver(oid(1), ["z"])
+    assert got.result(WAIT_S) == ["z"]
+    t.join()
+    assert reg.is_empty()
+
+
+def test_error_delivery_reaches_the_waiter_and_the_late_waiter():
+    reg = OutputRegistry(STAGE)
+    reg.expect(oid(1), 0)
+    reg.expect(oid(2), 0)
+    fut = reg.future(oid(1))
+    reg.deliver(oid(1), exc=errors.StagemeshError("boom1"))
+    reg.deliver(oid(2), exc=errors.StagemeshError("boom2"))
+    with pytest.raises(errors.StagemeshError, match="boom1"):
+        fut.result(0)
+    with pytest.raises(errors.StagemeshError, match="boom2"):
+        reg.wait_output_ready(oid(2), timeout_s=1)
+    assert reg.is_empty()
+
+
+def test_split_registered_before_the_output_arrives():
+    reg = OutputRegistry(STAGE)
+    reg.expect(oid(1), 0)
+    subs = reg.split(oid(1), ["k0", "k1", "k2"])
+    assert subs == [f"{oid(1)}/k0", f"{oid(1)}/k1", f"{oid(1)}/k2"]
+    futs = [reg.future(s) for s in subs[:2]]
+    reg.deliver(oid(1), ["r0", "r1", "r2"])
+    assert [f.result(0) for f in futs] == ["r0", "r1"]
+    assert reg.wait_output_ready(subs[2], timeout_s=1) == "r2"  # resolved into the cache, taken once
+    assert reg.is_empty()
+
+
+def test_split_registered_after_the_output_arrived():
+    reg = OutputRegistry(STAGE)
+    reg.expect(oid(1), 0)
+    reg.deliver(oid(1), ["r0", "r1"])  # OUTPUT_READY before the engine registered the split
+    subs = reg.split(oid(1), ["a", "b"])
+    assert reg.pending_summary()["splits"] == {}
+    assert reg.future(subs[1]).result(0) == "r1"
+    assert reg.future(subs[0]).result(0) == "r0"
+    assert reg.is_empty()
+
+
+@pytest.mark.parametrize("split_first", [True, False])
+def test_failed_batch_output_fails_every_request(split_first):
+    reg = OutputRegistry(STAGE)
+    reg.expect(oid(1), 0)
+    if split_first:
+        subs = reg.split(oid(1), ["a", "b"])
+        reg.deliver(oid(1), exc=errors.StagemeshError("packing failed"))
+    else:
+        reg.deliver(oid(1), exc=errors.StagemeshError("packing failed"))
+        subs = reg.split(oid(1), ["a", "b"])
+    for s in subs:
+        with pytest.raises(errors.StagemeshError, match="packing failed"):
+            reg.future(s).result(0)
+    assert reg.is_empty()
+
+
+def test_discard_before_and_after_delivery_leaves_nothing():
+    reg = OutputRegistry(STAGE)
+    for n in (1, 2, 3):
+        reg.expect(oid(n), 0)
+    fut = reg.future(oid(1))
+    reg.discard(oid(1))  # the request went away while its output was on its way
+    assert fut.cancelled()
+    reg.deliver(oid(1), ["dropped"])
+    reg.deliver(oid(2), ["cached"])
+    reg.discard(oid(2))  # ... or after it arrived
+    subs = reg.split(oid(3), ["a", "b"])
+    reg.discard(subs[0])  # one request of a batch went away
+    fut_b = reg.future(subs[1])
+    reg.deliver(oid(3), ["ra", "rb"])
+    assert fut_b.result(0) == "rb"
+    assert reg.is_empty(), reg.pending_summary()
+
+
+def test_fail_rank_fails_only_that_ranks_outputs_and_leaves_nothing():
+    reg = OutputRegistry(STAGE)
+    dead = errors.Unavailable(f"{STAGE} worker 0 died (exit code -9)")
+    reg.expect(oid(1), 0)  # single, waited for
+    reg.expect(oid(2), 0)  # batch, split registered, both waited for
+    reg.expect(oid(3), 0)  # batch, split registered, one request discarded
+    reg.expect(oid(4), 0)  # COMPUTE_DONE seen, split not registered yet
+    reg.expect(oid(5), 1)  # another rank
+    f1 = reg.future(oid(1))
+    subs2 = reg.split(oid(2), ["a", "b"])
+    f2 = [reg.future(s) for s in subs2]
+    subs3 = reg.split(oid(3), ["a", "b"])
+    reg.discard(subs3[0])
+    f3 = reg.future(subs3[1])
+    f5 = reg.future(oid(5))
+    reg.fail_rank(0, dead)
+    for f in [f1, *f2, f3]:
+        assert isinstance(f.exception(0), errors.Unavailable) and "stage" in str(f.exception(0))
+    assert not f5.done()
+    # The batch whose split was not registered yet fails through its split.
+    subs4 = reg.split(oid(4), ["a"])
+    with pytest.raises(errors.Unavailable):
+        reg.future(subs4[0]).result(0)
+    reg.deliver(oid(5), ["ok"])
+    assert f5.result(0) == ["ok"]
+    assert reg.is_empty(), reg.pending_summary()
+
+
+def test_fail_all_fails_waiters_and_clears_every_map():
+    reg = OutputRegistry(STAGE)
+    reg.expect(oid(1), 0)
+    reg.expect(oid(2), 1)
+    f1 = reg.future(oid(1))
+    reg.split(oid(2), ["a"])
+    f2 = reg.future(f"{oid(2)}/a")
+    reg.expect(oid(3), 0)
+    reg.deliver(oid(3), ["cached"])
+    reg.fail_all(errors.Unavailable(f"{STAGE}: executor shut down"))
+    for f in (f1, f2):
+        with pytest.raises(errors.Unavailable, match="executor shut down"):
+            f.result(0)
+    assert reg.is_empty()
+
+
+def test_concurrent_cancellation_while_delivering_never_raises_and_leaves_nothing():
+    reg = OutputRegistry(STAGE)
+    n = 300
+    futs = []
+    for i in range(n):
+        reg.expect(oid(i), i % 2)
+        futs.append(reg.future(oid(i)))
+    start = threading.Barrier(2)
+    errors_seen: list[BaseException] = []
+
+    def deliver():
+        start.wait()
+        try:
+            for i in range(n):
+                reg.deliver(oid(i), [i])
+        except BaseException as exc:  # noqa: BLE001
+            errors_seen.append(exc)
+
+    def cancel():
+        start.wait()
+        for i in range(0, n, 2):
+            futs[i].cancel()
+
+    threads = [threading.Thread(target=deliver), threading.Thread(target=cancel)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors_seen
+    assert all(f.done() for f in futs)
+    assert all(f.result(0) == [i] for i, f in enumerate(futs) if not f.cancelled())
+    assert reg.is_empty()
+
+
+# ---- point 5: the pump's dispatch of every message kind --------------------------------------------
+
+@pytest.fixture
+def ex_worker():
+    """An executor (not started) and a worker record, as the pump sees them."""
+    ex = Executor(1, "diffusion", "unused", "cpu", workers=1)
+    w = _Worker(ex._specs[0], process=None, requests=None, results=None)
+    return ex, w
+
+
+def pend(w: _Worker, rpc_id: str, on_progress=None) -> cf.Future:
+    fut: cf.Future = cf.Future()
+    w.pending[rpc_id] = _Pending(fut, on_progress)
+    return fut
+
+
+def packed_outputs(*seeds: int, big: bool = True, rank: int = 0):
+    """What a worker sends: one packed dict per batch item (big ones via shared memory)."""
+    n = 300_000 if big else 3
+    return ipc.Packer(os.getpid(), rank).pack([{"image": torch.full((n,), float(s))} for s in seeds])
+
+
+def test_dispatch_progress_calls_the_listener_and_keeps_the_rpc_pending(ex_worker):
+    ex, w = ex_worker
+    seen = []
+    fut = pend(w, "r1", on_progress=lambda step, total: seen.append((step, total)))
+    ex._dispatch(w, protocol.Progress("r1", 1, 3))
+    ex._dispatch(w, protocol.Progress("r1", 2, 3))
+    ex._dispatch(w, protocol.Progress("unknown", 1, 1))
+    assert seen == [(1, 3), (2, 3)] and not fut.done() and "r1" in w.pending
+
+
+def test_dispatch_a_failing_progress_listener_does_not_kill_the_pump(ex_worker):
+    ex, w = ex_worker
+
+    def bad(step, total):
+        raise RuntimeError("Event loop is closed")
+
+    fut = pend(w, "r1", on_progress=bad)
+    ex._dispatch(w, protocol.Progress("r1", 1, 2))  # must not raise
+    ex._dispatch(w, protocol.Failure("r1", "x"))
+    assert isinstance(fut.exception(0), errors.StagemeshError)
+
+
+def test_dispatch_compute_done_then_output_ready(ex_worker):
+    ex, w = ex_worker
+    fut = pend(w, "r1")
+    msg = protocol.ComputeDone("r1", oid(7))
+    ex._dispatch(w, msg)
+    assert fut.result(0) is msg and "r1" not in w.pending
+    subs = ex.outputs.split(oid(7), ["a", "b"])
+    payload = packed_outputs(3, 4)
+    names = {p["image"].shm_name for p in payload}
+    assert names <= our_segments()
+    ex._dispatch(w, protocol.OutputReady(oid(7), payload=payload))
+    assert not (names & our_segments()), "unpacked (and unlinked) by the pump"
+    a, b = (ex.outputs.future(s).result(0) for s in subs)
+    assert torch.equal(a["image"], torch.full((300_000,), 3.0)) and torch.equal(b["image"], torch.full((300_000,), 4.0))
+    assert ex.outputs.is_empty()
+
+
+def test_dispatch_output_ready_with_an_error(ex_worker):
+    ex, w = ex_worker
+    pend(w, "r1")
+    ex._dispatch(w, protocol.ComputeDone("r1", oid(8)))
+    [sub] = ex.outputs.split(oid(8), ["a"])
+    ex._dispatch(w, protocol.OutputReady(oid(8), error="RuntimeError: packing exploded"))
+    with pytest.raises(errors.StagemeshError, match=r"stage 1 \(diffusion\): output failed: RuntimeError: packing exploded"):
+        ex.outputs.future(sub).result(0)
+    assert ex.outputs.is_empty()
+
+
+def test_dispatch_output_ready_with_an_unreadable_payload_fails_the_request_and_frees_the_rest(ex_worker):
+    ex, w = ex_worker
+    pend(w, "r1")
+    ex._dispatch(w, protocol.ComputeDone("r1", oid(9)))
+    [sub_a, sub_b] = ex.outputs.split(oid(9), ["a", "b"])
+    payload = packed_outputs(1, 2)
+    ipc.unlink_segment(payload[0]["image"].shm_name)  # e.g. swept by someone
+    ex._dispatch(w, protocol.OutputReady(oid(9), payload=payload))
+    for s in (sub_a, sub_b):
+        with pytest.raises(errors.StagemeshError, match="could not unpack output"):
+            ex.outputs.future(s).result(0)
+    assert not ({payload[1]["image"].shm_name} & our_segments())
+    assert ex.outputs.is_empty()
+
+
+def test_dispatch_ack_and_ack_error(ex_worker):
+    ex, w = ex_worker
+    ok, bad = pend(w, "c1"), pend(w, "c2")
+    ex._dispatch(w, protocol.Ack("c1", result={"drained": True}))
+    ex._dispatch(w, protocol.Ack("c2", error="unknown control operation 'x'"))
+    assert ok.result(0) == {"drained": True}
+    with pytest.raises(errors.StagemeshError, match=r"stage 1 \(diffusion\) worker 0: unknown control operation 'x'"):
+        bad.result(0)
+    assert not w.pending
+
+
+def test_dispatch_result_step_mode(ex_worker):
+    ex, w = ex_worker
+    fut = pend(w, "r1")
+    payload = packed_outputs(5, 6)
+    ex._dispatch(w, protocol.Result("r1", payload))
+    out = fut.result(0)
+    assert [o["image"][0].item() for o in out] == [5.0, 6.0]
+    assert not ({p["image"].shm_name for p in payload} & our_segments())
+
+
+def test_dispatch_result_with_an_unreadable_payload_fails_the_rpc_not_the_pump(ex_worker):
+    ex, w = ex_worker
+    fut = pend(w, "r1")
+    payload = packed_outputs(5, 6)
+    ipc.unlink_segment(payload[0]["image"].shm_name)
+    ex._dispatch(w, protocol.Result("r1", payload))
+    with pytest.raises(errors.StagemeshError, match="could not unpack result"):
+        fut.result(0)
+    assert not ({payload[1]["image"].shm_name} & our_segments())
+
+
+def test_dispatch_failure_and_cancelled_failure(ex_worker):
+    ex, w = ex_worker
+    failed, cancelled = pend(w, "r1"), pend(w, "r2")
+    ex._dispatch(w, protocol.Failure("r1", "ValueError: bad size"))
+    ex._dispatch(w, protocol.Failure("r2", "cancelled by the caller", cancelled=True))
+    with pytest.raises(errors.StagemeshError, match=r"stage 1 \(diffusion\) failed: ValueError: bad size") as info:
+        failed.result(0)
+    assert not isinstance(info.value, errors.Cancelled)
+    with pytest.raises(errors.Cancelled, match="cancelled by the caller"):
+        cancelled.result(0)
+    assert not w.pending
+
+
+def test_dispatch_messages_for_unknown_rpcs_are_ignored(ex_worker):
+    ex, w = ex_worker
+    for msg in (protocol.Ack("nope"), protocol.Result("nope", []), protocol.Failure("nope", "x"),
+                protocol.ComputeDone("nope", oid(11))):
+        ex._dispatch(w, msg)
+    # An output whose RPC nobody waits for is dropped when it arrives.
+    ex._dispatch(w, protocol.OutputReady(oid(11), payload=packed_outputs(1)))
+    assert ex.outputs.is_empty(), ex.outputs.pending_summary()
+
+
+# ---- point 5: cancelled-future races ------------------------------------------------------------------
+
+def test_race_rpc_future_cancelled_before_compute_done(ex_worker):
+    ex, w = ex_worker
+    fut = pend(w, "r1")
+    assert fut.cancel()  # the caller gave up before COMPUTE_DONE arrived
+    ex._dispatch(w, protocol.ComputeDone("r1", oid(20)))  # must not raise
+    payload = packed_outputs(1, 2)
+    ex._dispatch(w, protocol.OutputReady(oid(20), payload=payload))
+    assert not ({p["image"].shm_name for p in payload} & our_segments())
+    assert ex.outputs.is_empty(), ex.outputs.pending_summary()
+    assert not w.pending
+
+
+def test_race_output_future_cancelled_before_output_ready(ex_worker):
+    ex, w = ex_worker
+    pend(w, "r1")
+    ex._dispatch(w, protocol.ComputeDone("r1", oid(21)))
+    subs = ex.outputs.split(oid(21), ["a", "b"])
+    fa, fb = ex.outputs.future(subs[0]), ex.outputs.future(subs[1])
+    assert fa.cancel()  # the waiter went away without telling the registry
+    ex._dispatch(w, protocol.OutputReady(oid(21), payload=packed_outputs(1, 2)))
+    assert fa.cancelled() and fb.result(0)["image"][0].item() == 2.0
+    assert ex.outputs.is_empty(), ex.outputs.pending_summary()
+
+
+def test_race_single_output_future_cancelled_before_output_ready(ex_worker):
+    ex, w = ex_worker
+    pend(w, "r1")
+    ex._dispatch(w, protocol.ComputeDone("r1", oid(22)))
+    fut = ex.outputs.future(oid(22))
+    fut.cancel()
+    ex._dispatch(w, protocol.OutputReady(oid(22), error="late failure"))  # error path too
+    assert ex.outputs.is_empty()
+
+
+def test_race_sub_future_cancelled_before_a_late_split_resolves_it(ex_worker):
+    ex, w = ex_worker
+    pend(w, "r1")
+    ex._dispatch(w, protocol.ComputeDone("r1", oid(23)))
+    ex._dispatch(w, protocol.OutputReady(oid(23), payload=packed_outputs(1, 2, big=False)))  # before the split
+    early = ex.outputs.future(f"{oid(23)}/a")  # a waiter asks before the split exists ...
+    early.cancel()  # ... and gives up
+    subs = ex.outputs.split(oid(23), ["a", "b"])  # the split resolves a cancelled future: no raise
+    assert early.cancelled()
+    assert ex.outputs.future(subs[1]).result(0)["image"][0].item() == 2.0
+    assert ex.outputs.is_empty(), ex.outputs.pending_summary()
+
+
+def test_race_cancel_storm_against_a_real_pump_thread():
+    """A real pump thread reads a real queue while the test cancels RPC and output futures."""
+    ex = Executor(1, "diffusion", "unused", "cpu", workers=1)
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=time.sleep, args=(120,), daemon=True)
+    proc.start()
+    results = ctx.Queue()
+    w = _Worker(ex._specs[0], proc, ctx.Queue(), results)
+    n = 60
+    rpc_futs = [pend(w, f"r{i}") for i in range(n)]
+    pump = threading.Thread(target=ex._pump, args=(w,), daemon=True)
+    pump.start()
+    try:
+        for i in range(n):
+            if i % 3 == 0:
+                rpc_futs[i].cancel()
+            results.put(protocol.ComputeDone(f"r{i}", oid(100 + i)))
+        kept = {}
+        for i in range(n):
+            if i % 3:
+                assert rpc_futs[i].result(WAIT_S).async_output_id == oid(100 + i)
+                subs = ex.outputs.split(oid(100 + i), ["only"])
+                f = ex.outputs.future(subs[0])
+                if i % 3 == 1:
+                    f.cancel()
+                else:
+                    kept[i] = f
+            results.put(protocol.OutputReady(oid(100 + i), payload=packed_outputs(i, big=i % 4 == 0)))
+        last = ex.outputs.future(oid(999))
+        results.put(protocol.OutputReady(oid(999), payload=[]))  # a marker: everything before is dispatched
+        assert last.result(WAIT_S) == []
+        assert pump.is_alive()
+        assert all(rpc_futs[i].cancelled() for i in range(0, n, 3))
+        assert {i: f.result(0)["image"][0].item() for i, f in kept.items()} == {i: float(i) for i in kept}
+        assert ex.outputs.is_empty(), ex.outputs.pending_summary()
+    finally:
+        proc.kill()
+        pump.join(WAIT_S)
+        results.close()
+        w.requests.close()
+    assert not pump.is_alive()
+
+
+def test_real_pump_notices_a_dead_process_and_fails_everything_it_owed():
+    deaths = []
+    died = threading.Event()
+
+    def on_death(rank, why):
+        deaths.append((rank, why))
+        died.set()
+
+    ex = Executor(1, "diffusion", "unused", "cpu", workers=1, on_death=on_death)
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=time.sleep, args=(120,), daemon=True)
+    proc.start()
+    w = _Worker(ex._specs[0], proc, ctx.Queue(), ctx.Queue())
+    ex._workers[0] = w
+    pump = threading.Thread(target=ex._pump, args=(w,), daemon=True)
+    pump.start()
+    try:
+        rpc_id, fut = ex.submit(0, [dict(request_id="r", prompt="p", width=16, height=16, num_inference_steps=1,
+                                          guidance_scale=1.0, seed=1, inputs={})])
+        ctl = ex.control(0, "ping")
+        w.results.put(protocol.ComputeDone("other", oid(1)))  # an output this worker still owes
+        ex.outputs.expect(oid(2), 0)
+        owed = ex.outputs.future(oid(2))
+        orphan = ipc.Packer(os.getpid(), 0).pack(torch.zeros(1_000_001, dtype=torch.uint8))
+        assert orphan.shm_name in our_segments()
+        proc.kill()
+        t0 = time.monotonic()
+        for f in (fut, ctl, owed):
+            exc = f.exception(5)
+            assert isinstance(exc, errors.Unavailable), exc
+            assert "stage 1 (diffusion) worker 0 died" in str(exc)
+        assert time.monotonic() - t0 < 5
+        assert died.wait(5)
+        pump.join(WAIT_S)
+        assert not pump.is_alive()
+        assert deaths[0][0] == 0 and "died" in deaths[0][1]
+        assert orphan.shm_name not in our_segments(), "the dead worker's segments are swept"
+        assert ex.outputs.is_empty(), ex.outputs.pending_summary()
+        # A dead worker takes no new work.
+        _, late = ex.submit(0, [])
+        assert isinstance(late.exception(0), errors.Unavailable)
+    finally:
+        proc.kill()
+        w.results.close()
+        w.requests.close()
+
+
+def test_shutdown_closes_queues_and_fails_pending_even_when_the_request_queue_is_broken(monkeypatch):
+    monkeypatch.setattr(executor_mod, "JOIN_TIMEOUT_S", 1.0)
+    ex = Executor(1, "diffusion", "unused", "cpu", workers=1)
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=time.sleep, args=(120,), daemon=True)  # ignores Shutdown
+    proc.start()
+    w = _Worker(ex._specs[0], proc, ctx.Queue(), ctx.Queue())
+    ex._workers[0] = w
+    w.pump = threading.Thread(target=ex._pump, args=(w,), daemon=True)
+    w.pump.start()
+    ctl = ex.control(0, "ping")
+    ex.outputs.expect(oid(3), 0)
+    out = ex.outputs.future(oid(3))
+    w.requests.close()  # putting Shutdown will raise
+    ex.shutdown()
+    for f in (ctl, out):
+        with pytest.raises(errors.Unavailable, match="executor shut down"):
+            f.result(0)
+    assert not proc.is_alive() and not w.pump.is_alive()
+    with pytest.raises((OSError, ValueError)):
+        w.results.get_nowait()  # closed
+    assert ex.outputs.is_empty()
+    _, fut = ex.submit(0, [])
+    assert isinstance(fut.exception(0), errors.Unavailable)
+
+
+# ---- points 8 and 9 with a real worker process on the real tiny model ---------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_model(model_dir) -> Path:
+    from stage_service.models.config import PipelineConfig
+    from stage_service.models.weights import ensure_model_dir
+
+    return ensure_model_dir(Path(model_dir), PipelineConfig.tiny())
+
+
+def diffusion_item(seed: int, size: int, steps: int, cond_dim: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return dict(request_id=f"req-{seed}", prompt="a lighthouse", width=size, height=size,
+                num_inference_steps=steps, guidance_scale=4.0, seed=seed,
+                inputs={"hidden_states": torch.randn(5, cond_dim, generator=g)})
+
+
+def run_one(ex: Executor, item: dict) -> torch.Tensor:
+    _, fut = ex.submit(0, [item])
+    done = fut.result(60)
+    assert isinstance(done, protocol.ComputeDone) and len(done.async_output_id) == 32
+    [sub] = ex.outputs.split(done.async_output_id, [item["request_id"]])
+    return ex.outputs.wait_output_ready(sub, timeout_s=60)["image"]
+
+
+def test_real_worker_death_restart_and_shutdown(tiny_model, monkeypatch):
+    deaths = []
+    died = threading.Event()
+
+    def on_death(rank, why):
+        deaths.append(why)
+        died.set()
+
+    ex = Executor(1, "diffusion", str(tiny_model), "cpu", workers=1, threads=1, on_death=on_death)
+    try:
+        [ready] = ex.start(timeout_s=120)
+        cond_dim = ready.limits["cond_dim"]
+
+        # A long request; kill the worker once it is surely computing.
+        stepping = threading.Event()
+        _, fut = ex.submit(0, [diffusion_item(1, 256, 50, cond_dim)], on_progress=lambda s, t: stepping.set())
+        ex.outputs.expect(oid(77), 0)  # and an output it still owes
+        owed = ex.outputs.future(oid(77))
+        assert stepping.wait(60)
+        pid = ex._workers[0].process.pid
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        exc = fut.exception(5)
+        assert time.monotonic() - t0 < 5
+        assert isinstance(exc, errors.Unavailable) and "stage" in str(exc) and "died" in str(exc), exc
+        assert isinstance(owed.exception(5), errors.Unavailable)
+        assert died.wait(5)  # the stage is told, so it can restart the worker
+        assert len(deaths) == 1 and "stage 1 (diffusion) worker 0" in deaths[0]
+
+        # The stage restarts it and serves again.
+        ex.restart(0, timeout_s=120)
+        assert ex._workers[0].process.pid != pid
+        image = run_one(ex, diffusion_item(2, 32, 2, cond_dim))
+        assert image.shape == (32, 32, 3) and image.dtype == torch.float32
+        assert torch.equal(image, run_one(ex, diffusion_item(2, 32, 2, cond_dim)))  # deterministic
+        assert ex.control(0, "ping").result(30)["rank"] == 0
+        assert ex.control(0, "drain").result(30) == {"drained": True}
+
+        # Restarting a live worker fails what it still owed at once (nobody waits 600 s).
+        ex.outputs.expect(oid(78), 0)
+        owed = ex.outputs.future(oid(78))
+        ex.restart(0, timeout_s=120)
+        assert isinstance(owed.exception(5), errors.Unavailable)
+        assert ex.outputs.is_empty(), ex.outputs.pending_summary()
+
+        # Shutdown: a request stuck in a frozen worker and a waited-for output both fail.
+        monkeypatch.setattr(executor_mod, "JOIN_TIMEOUT_S", 2.0)
+        w = ex._workers[0]
+        os.kill(w.process.pid, signal.SIGSTOP)
+        _, stuck = ex.submit(0, [diffusion_item(3, 32, 1, cond_dim)])
+        ex.outputs.expect(oid(79), 0)
+        waiting = ex.outputs.future(oid(79))
+    except BaseException:
+        ex.shutdown()
+        raise
+    ex.shutdown()
+    for f in (stuck, waiting):
+        with pytest.raises(errors.Unavailable, match="executor shut down"):
+            f.result(0)
+    assert not w.process.is_alive() and not w.pump.is_alive()
+    assert ex.outputs.is_empty()
+    assert len(deaths) == 1  # a shutdown is not a death

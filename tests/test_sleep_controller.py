@@ -1,0 +1,292 @@
+"""SleepController on the real tiny model, on the CPU: what sleeping and waking do to the weights.
+
+No server here (DESIGN §1: domain logic is tested without one). The models come from the same
+loaders the workers use, and the weight sources are the runners' own `weight_files()`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from stage_service.models.config import PipelineConfig
+from stage_service.models.runners import ArRunner, DiffusionRunner, WorkItem
+from stage_service.models.weights import DIT_FILE, ensure_model_dir
+from stage_service.sleep import SleepController, WeightFile
+
+ALIGN = 64
+
+
+@pytest.fixture(scope="module")
+def weights_dir(model_dir) -> Path:
+    return ensure_model_dir(Path(model_dir), PipelineConfig.tiny())
+
+
+@pytest.fixture
+def ar(weights_dir) -> ArRunner:
+    return ArRunner(weights_dir, "cpu")
+
+
+@pytest.fixture
+def diffusion(weights_dir) -> DiffusionRunner:
+    return DiffusionRunner(weights_dir, "cpu")
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+def _bits(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _snapshot(files: list[WeightFile]) -> dict[str, tuple[torch.dtype, tuple, bytes]]:
+    """Every tensor the controller manages (persistent and non-persistent), by name, as raw bits."""
+    out = {}
+    for wf in files:
+        for prefix, module in wf.parts.items():
+            for name, t in module.state_dict().items():
+                out[prefix + name] = (t.dtype, tuple(t.shape), _bits(t))
+            for name, t in module.named_buffers():
+                out[f"buffer:{prefix}{name}"] = (t.dtype, tuple(t.shape), _bits(t))
+    return out
+
+
+def _tensor_objects(files: list[WeightFile]) -> list[torch.Tensor]:
+    return [t for wf in files for m in wf.parts.values() for t in [*m.parameters(), *m.buffers()]]
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _expected_host_bytes(files: list[WeightFile]) -> int:
+    sizes = []
+    for wf in files:
+        for module in wf.parts.values():
+            persistent = module.state_dict(keep_vars=True)
+            ids = {id(t) for t in persistent.values()}
+            tensors = [*persistent.values(), *(b for _, b in module.named_buffers() if id(b) not in ids)]
+            sizes += [t.numel() * t.element_size() for t in tensors]
+    return _aligned(sum(_aligned(n) for n in sizes))
+
+
+def _ar_output(ar: ArRunner) -> torch.Tensor:
+    return ar.run([WorkItem("r", "a red fox in snow", 0, 0, 0, 0.0, 0)])[0]["hidden_states"]
+
+
+def _image(diffusion: DiffusionRunner, cond: torch.Tensor, seed: int = 11) -> torch.Tensor:
+    item = WorkItem("r", "p", 64, 48, 3, 4.0, seed, {"hidden_states": cond})
+    return diffusion.run([item])[0]["image"]
+
+
+def _fixed_cond(diffusion: DiffusionRunner) -> torch.Tensor:
+    return torch.randn(6, diffusion.config.dit.cond_dim, generator=torch.Generator().manual_seed(3))
+
+
+def _assert_all_released(files: list[WeightFile], keep: tuple[torch.Tensor, ...] = ()) -> None:
+    for t in _tensor_objects(files):
+        if any(t is k for k in keep):
+            continue
+        assert t.numel() == 0 and t.untyped_storage().nbytes() == 0, t.shape
+
+
+# ---- round trips ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("level", [1, 2])
+def test_diffusion_round_trip_restores_bits_objects_and_samples(diffusion, level):
+    files = diffusion.weight_files()
+    cond = _fixed_cond(diffusion)
+    image_before = _image(diffusion, cond)
+    state_before = _snapshot(files)
+    objects_before = _tensor_objects(files)
+    controller = SleepController(files, "cpu")
+
+    slept = controller.sleep(level)
+    assert (slept.level, controller.level) == (level, level)
+    assert slept.freed_bytes >= controller.weight_bytes > 0
+    assert slept.latency_ms >= 0
+    _assert_all_released(files)
+    with pytest.raises(RuntimeError):
+        _image(diffusion, cond)  # the weights really are gone, not merely flagged
+
+    woken = controller.wake()
+    assert (woken.level, controller.level) == (level, 0)
+    assert woken.freed_bytes >= controller.weight_bytes  # on the CPU: storage bytes taken back
+    assert _snapshot(files) == state_before
+    after = _tensor_objects(files)
+    assert len(after) == len(objects_before) and all(a is b for a, b in zip(after, objects_before))
+    assert all(isinstance(p, torch.nn.Parameter) for m in files[0].parts.values() for p in m.parameters())
+    assert _bits(_image(diffusion, cond)) == _bits(image_before)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_ar_round_trip_gives_the_same_hidden_states(ar, level):
+    files = ar.weight_files()
+    before = _ar_output(ar)
+    state_before = _snapshot(files)
+    params_before = list(ar.lm.parameters())
+    controller = SleepController(files, "cpu")
+    controller.sleep(level)
+    _assert_all_released(files)
+    controller.wake()
+    assert _snapshot(files) == state_before
+    assert all(a is b for a, b in zip(ar.lm.parameters(), params_before, strict=True))
+    assert _bits(_ar_output(ar)) == _bits(before)
+
+
+def test_alternating_levels_keep_the_output_over_many_cycles(diffusion):
+    files = diffusion.weight_files()
+    cond = _fixed_cond(diffusion)
+    image_before = _bits(_image(diffusion, cond, seed=5))
+    state_before = _snapshot(files)
+    controller = SleepController(files, "cpu")
+    for cycle in range(6):
+        controller.sleep(1 + cycle % 2)
+        controller.wake()
+    assert _snapshot(files) == state_before
+    assert _bits(_image(diffusion, cond, seed=5)) == image_before
+
+
+# ---- the level-1 host buffer ----------------------------------------------------------------------
+def test_level_1_host_buffer_is_exact_and_reused_across_cycles(diffusion):
+    files = diffusion.weight_files()
+    controller = SleepController(files, "cpu")
+    expected = _expected_host_bytes(files)
+    assert expected % ALIGN == 0 and expected >= controller.weight_bytes
+    controller.sleep(1)
+    host = controller._host  # noqa: SLF001 - the buffer itself is what is under test
+    assert host is not None and host.dtype == torch.uint8 and host.numel() == expected
+    pointer = host.data_ptr()
+    controller.wake()
+    for _ in range(3):
+        controller.sleep(1)
+        assert controller._host.data_ptr() == pointer and controller._host.numel() == expected  # noqa: SLF001
+        controller.wake()
+
+
+def test_level_1_then_level_2_drops_the_host_copy_and_reloads_from_the_checkpoint(diffusion):
+    files = diffusion.weight_files()
+    cond = _fixed_cond(diffusion)
+    image_before = _bits(_image(diffusion, cond))
+    state_before = _snapshot(files)
+    controller = SleepController(files, "cpu")
+    controller.sleep(1)
+    assert controller._host is not None  # noqa: SLF001
+    deeper = controller.sleep(2)
+    assert controller.level == 2 and deeper.freed_bytes == 0  # nothing left on the device to free
+    assert controller._host is None  # noqa: SLF001 - the host copy is gone
+    again = controller.sleep(1)  # shallower than where it is: no-op, it stays at level 2
+    assert controller.level == 2 and again.freed_bytes == 0 and controller._host is None  # noqa: SLF001
+    woken = controller.wake()
+    assert woken.level == 2
+    assert _snapshot(files) == state_before
+    assert _bits(_image(diffusion, cond)) == image_before
+
+
+def test_wake_while_awake_is_a_no_op(diffusion):
+    files = diffusion.weight_files()
+    controller = SleepController(files, "cpu")
+    pointers = [t.data_ptr() for t in _tensor_objects(files)]
+    state_before = _snapshot(files)
+    result = controller.wake()
+    assert (result.level, result.freed_bytes, controller.level) == (0, 0, 0)
+    assert [t.data_ptr() for t in _tensor_objects(files)] == pointers
+    assert _snapshot(files) == state_before
+
+
+def test_level_3_is_refused_without_touching_the_weights(diffusion):
+    files = diffusion.weight_files()
+    controller = SleepController(files, "cpu")
+    state_before = _snapshot(files)
+    with pytest.raises(ValueError, match="1 or 2"):
+        controller.sleep(3)
+    assert controller.level == 0 and _snapshot(files) == state_before
+
+
+# ---- level 2 reload from a checkpoint that does not fit -----------------------------------------
+def _broken_checkpoint(tmp_path: Path, weights_dir: Path, edit) -> Path:
+    tensors = load_file(str(weights_dir / DIT_FILE))
+    key = edit(tensors)
+    path = tmp_path / "broken.safetensors"
+    save_file(tensors, str(path))
+    return path, key
+
+
+def _drop_one(tensors: dict) -> str:
+    key = sorted(k for k in tensors if k.startswith("dit."))[0]
+    del tensors[key]
+    return key
+
+
+def _reshape_one(tensors: dict) -> str:
+    key = next(k for k in sorted(tensors) if tensors[k].dim() == 2 and tensors[k].shape[0] != tensors[k].shape[1])
+    tensors[key] = tensors[key].t().contiguous()
+    return key
+
+
+@pytest.mark.parametrize("edit, words", [(_drop_one, "lacks"), (_reshape_one, "the model holds")])
+def test_level_2_wake_from_a_mismatched_checkpoint_names_the_key(tmp_path, weights_dir, diffusion, edit, words):
+    path, key = _broken_checkpoint(tmp_path, weights_dir, edit)
+    files = [WeightFile(path, diffusion.weight_files()[0].parts)]
+    controller = SleepController(files, "cpu")
+    controller.sleep(2)
+    with pytest.raises(ValueError) as raised:
+        controller.wake()
+    assert key in str(raised.value) and words in str(raised.value)
+    assert controller.level == 2  # still asleep: a failed wake does not claim the weights are back
+    _assert_all_released(files)
+
+
+# ---- non-persistent buffers -----------------------------------------------------------------------
+def _add_buffer(diffusion: DiffusionRunner) -> torch.Tensor:
+    """A non-persistent buffer (like rotary frequencies): not in the checkpoint, cannot be reloaded."""
+    diffusion.dit.register_buffer("freqs", torch.linspace(0.0, 1.0, 40), persistent=False)
+    return diffusion.dit.freqs
+
+
+def test_non_persistent_buffers_survive_level_2(diffusion):
+    buffer = _add_buffer(diffusion)
+    files = diffusion.weight_files()
+    assert "freqs" not in diffusion.dit.state_dict()
+    values = buffer.clone()
+    state_before = _snapshot(files)
+    controller = SleepController(files, "cpu")
+    assert controller.weight_bytes == sum(t.numel() * t.element_size() for t in _tensor_objects(files))
+    slept = controller.sleep(2)
+    assert diffusion.dit.freqs is buffer and torch.equal(buffer, values)  # kept while asleep
+    _assert_all_released(files, keep=(buffer,))
+    assert slept.freed_bytes >= controller.weight_bytes - buffer.numel() * buffer.element_size()
+    controller.wake()
+    assert diffusion.dit.freqs is buffer and torch.equal(buffer, values)
+    assert _snapshot(files) == state_before
+
+
+def test_non_persistent_buffers_round_trip_level_1(diffusion):
+    buffer = _add_buffer(diffusion)
+    files = diffusion.weight_files()
+    values = buffer.clone()
+    controller = SleepController(files, "cpu")
+    controller.sleep(1)
+    assert buffer.numel() == 0  # level 1 moves everything, buffers included, to the host copy
+    controller.wake()
+    assert diffusion.dit.freqs is buffer and torch.equal(buffer, values)
+
+
+def test_level_2_after_a_level_1_cycle_releases_the_shared_weight_buffer(diffusion):
+    """After a level-1 wake every tensor lives in one flat buffer. A kept non-persistent buffer must
+    not keep that whole buffer (all the weights) alive through a level-2 sleep."""
+    buffer = _add_buffer(diffusion)
+    files = diffusion.weight_files()
+    values = buffer.clone()
+    state_before = _snapshot(files)
+    controller = SleepController(files, "cpu")
+    controller.sleep(1)
+    controller.wake()
+    flat = diffusion.dit.freqs.untyped_storage().data_ptr()
+    assert next(diffusion.dit.parameters()).untyped_storage().data_ptr() == flat  # one shared buffer
+    controller.sleep(2)
+    own = buffer.untyped_storage()
+    assert own.data_ptr() != flat and own.nbytes() == buffer.numel() * buffer.element_size()
+    assert torch.equal(buffer, values)
+    controller.wake()
+    assert _snapshot(files) == state_before
