@@ -111,10 +111,10 @@ class SleepController:
                     e.tensor.data = e.tensor.data.clone()
                 continue
             e.tensor.data = torch.empty(0, dtype=e.dtype, device=self.device)
-        self._device_flat = None
         if level == 2:
             released -= sum(e.nbytes for e in self._entries if not e.key)
         freed = self._release(before, released)
+        self._device_flat = None
         self.level = level
         return SleepResult(level, freed, (time.perf_counter() - started) * 1e3)
 
@@ -190,7 +190,12 @@ class SleepController:
     def _release(self, free_before: int, released_storage: int) -> int:
         """Return memory to the device and measure it; on the CPU, the storage bytes dropped."""
         if platform.is_cuda(self.device):
-            gc.collect()  # reference cycles may still hold device tensors
+            if self._device_flat is None:
+                gc.collect()  # first sleep: reference cycles may still hold the loaded tensors
+            # cuBLAS keeps workspaces in the caching allocator; they count as the stage's memory too.
+            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # noqa: SLF001
+            if clear_workspaces is not None:
+                clear_workspaces()
             torch.cuda.empty_cache()
             return self._free_memory() - free_before
         return released_storage
