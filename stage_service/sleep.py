@@ -113,8 +113,9 @@ class SleepController:
             e.tensor.data = torch.empty(0, dtype=e.dtype, device=self.device)
         if level == 2:
             released -= sum(e.nbytes for e in self._entries if not e.key)
-        freed = self._release(before, released)
-        self._device_flat = None
+        compact = self._device_flat is not None
+        self._device_flat = None  # the last reference: the flat buffer goes back with the release
+        freed = self._release(before, released, collect=not compact)
         self.level = level
         return SleepResult(level, freed, (time.perf_counter() - started) * 1e3)
 
@@ -187,10 +188,10 @@ class SleepController:
             seen[storage.data_ptr()] = storage.nbytes()
         return sum(seen.values())
 
-    def _release(self, free_before: int, released_storage: int) -> int:
+    def _release(self, free_before: int, released_storage: int, collect: bool) -> int:
         """Return memory to the device and measure it; on the CPU, the storage bytes dropped."""
         if platform.is_cuda(self.device):
-            if self._device_flat is None:
+            if collect:
                 gc.collect()  # first sleep: reference cycles may still hold the loaded tensors
             # cuBLAS keeps workspaces in the caching allocator; they count as the stage's memory too.
             clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # noqa: SLF001
