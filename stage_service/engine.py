@@ -175,13 +175,15 @@ class Engine:
         batch = _Batch(rank, requests)
         for r in requests:
             r.batch = batch
+        # Busy from here, not from when the task first runs: a close_admission() in between must
+        # wait for this batch, or its control message would overtake the batch to the worker.
+        self._active_batches += 1
+        self._idle.clear()
         task = asyncio.create_task(self._run_batch(batch))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _run_batch(self, batch: _Batch) -> None:
-        self._active_batches += 1
-        self._idle.clear()
         try:
             await self._execute_batch(batch)
         finally:

@@ -193,7 +193,7 @@ class Executor:
             if pending is not None and pending.on_progress is not None:
                 try:
                     pending.on_progress(msg.step, msg.total)
-                except Exception:  # noqa: BLE001 - a listener's failure must not kill the pump
+                except Exception:  # a listener's failure must not kill the pump
                     log.exception("progress callback failed", rpc_id=msg.rpc_id)
             return
         if isinstance(msg, protocol.OutputReady):

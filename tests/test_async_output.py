@@ -12,6 +12,7 @@ import queue
 import re
 import threading
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -102,8 +103,8 @@ class ObservedOutputThread(AsyncOutputThread):
 
 
 def item(seed: int) -> dict:
-    return dict(request_id=f"req-{seed}", prompt="p", width=16, height=16, num_inference_steps=1,
-                guidance_scale=1.0, seed=seed, inputs={})
+    return {"request_id": f"req-{seed}", "prompt": "p", "width": 16, "height": 16, "num_inference_steps": 1,
+                "guidance_scale": 1.0, "seed": seed, "inputs": {}}
 
 
 class Harness:
@@ -380,7 +381,7 @@ def test_a_half_packed_output_that_fails_leaves_no_segment():
 class FakeGpuEvent:
     """FAKE GPU: stands in for a CUDA event so the ordering of stream operations is observable."""
 
-    log: list = []
+    log: ClassVar[list] = []
 
     def __init__(self, device):
         self.recorded = False

@@ -22,7 +22,12 @@ from structlog.testing import capture_logs
 from stage_service import executor as executor_mod
 from stage_service import ipc, outputs, protocol
 from stage_service.executor import Executor, _Pending, _Worker
-from stage_service.outputs import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, OutputRegistry, output_timeout
+from stage_service.outputs import (
+    DEFAULT_TIMEOUT_S,
+    TIMEOUT_ENV,
+    OutputRegistry,
+    output_timeout,
+)
 from stagemesh import errors
 
 STAGE = "stage 1 (diffusion)"
@@ -115,9 +120,8 @@ def test_timeout_names_what_is_pending_and_a_late_output_leaves_nothing():
     reg.deliver(oid(2), ["cached"])  # arrived, nobody took it yet
     reg.split(oid(3), ["ka", "kb"])
     other = reg.future(oid(3) + "/ka")
-    with capture_logs() as logs:
-        with pytest.raises(errors.Unavailable) as info:
-            reg.wait_output_ready(oid(1), timeout_s=0.05)
+    with capture_logs() as logs, pytest.raises(errors.Unavailable) as info:
+        reg.wait_output_ready(oid(1), timeout_s=0.05)
     assert STAGE in str(info.value) and oid(1) in str(info.value)
     [event] = [e for e in logs if e["event"] == "async output timed out"]
     assert event["log_level"] == "error" and event["output_id"] == oid(1) and event["timeout_s"] == 0.05
@@ -567,8 +571,8 @@ def test_real_pump_notices_a_dead_process_and_fails_everything_it_owed():
     pump = threading.Thread(target=ex._pump, args=(w,), daemon=True)
     pump.start()
     try:
-        rpc_id, fut = ex.submit(0, [dict(request_id="r", prompt="p", width=16, height=16, num_inference_steps=1,
-                                          guidance_scale=1.0, seed=1, inputs={})])
+        _, fut = ex.submit(0, [{"request_id": "r", "prompt": "p", "width": 16, "height": 16,
+                                "num_inference_steps": 1, "guidance_scale": 1.0, "seed": 1, "inputs": {}}])
         ctl = ex.control(0, "ping")
         w.results.put(protocol.ComputeDone("other", oid(1)))  # an output this worker still owes
         ex.outputs.expect(oid(2), 0)
@@ -635,9 +639,9 @@ def tiny_model(model_dir) -> Path:
 
 def diffusion_item(seed: int, size: int, steps: int, cond_dim: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return dict(request_id=f"req-{seed}", prompt="a lighthouse", width=size, height=size,
-                num_inference_steps=steps, guidance_scale=4.0, seed=seed,
-                inputs={"hidden_states": torch.randn(5, cond_dim, generator=g)})
+    return {"request_id": f"req-{seed}", "prompt": "a lighthouse", "width": size, "height": size,
+                "num_inference_steps": steps, "guidance_scale": 4.0, "seed": seed,
+                "inputs": {"hidden_states": torch.randn(5, cond_dim, generator=g)}}
 
 
 def run_one(ex: Executor, item: dict) -> torch.Tensor:

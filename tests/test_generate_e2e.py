@@ -104,5 +104,9 @@ def test_concurrent_requests_each_get_their_own_result(mesh):
         alone = _unary(stub, seed=3).png
     assert [r.seed for r in results] == list(range(6))
     assert len({r.png for r in results}) == 6
-    # Batched with others or run alone, a request gets the same picture.
-    assert results[3].png == alone
+    # Batched with others or run alone, a request gets its own picture. Batch composition may
+    # move float rounding (a pixel by one level), never the content.
+    batched = numpy.asarray(Image.open(io.BytesIO(results[3].png))).astype(int)
+    single = numpy.asarray(Image.open(io.BytesIO(alone))).astype(int)
+    assert numpy.abs(batched - single).max() <= 1
+    assert (batched != single).mean() < 0.01

@@ -154,13 +154,13 @@ def test_level_1_host_buffer_is_exact_and_reused_across_cycles(diffusion):
     expected = _expected_host_bytes(files)
     assert expected % ALIGN == 0 and expected >= controller.weight_bytes
     controller.sleep(1)
-    host = controller._host  # noqa: SLF001 - the buffer itself is what is under test
+    host = controller._host  # the buffer itself is under test
     assert host is not None and host.dtype == torch.uint8 and host.numel() == expected
     pointer = host.data_ptr()
     controller.wake()
     for _ in range(3):
         controller.sleep(1)
-        assert controller._host.data_ptr() == pointer and controller._host.numel() == expected  # noqa: SLF001
+        assert controller._host.data_ptr() == pointer and controller._host.numel() == expected
         controller.wake()
 
 
@@ -171,12 +171,12 @@ def test_level_1_then_level_2_drops_the_host_copy_and_reloads_from_the_checkpoin
     state_before = _snapshot(files)
     controller = SleepController(files, "cpu")
     controller.sleep(1)
-    assert controller._host is not None  # noqa: SLF001
+    assert controller._host is not None
     deeper = controller.sleep(2)
     assert controller.level == 2 and deeper.freed_bytes == 0  # nothing left on the device to free
-    assert controller._host is None  # noqa: SLF001 - the host copy is gone
+    assert controller._host is None  # the host copy is gone
     again = controller.sleep(1)  # shallower than where it is: no-op, it stays at level 2
-    assert controller.level == 2 and again.freed_bytes == 0 and controller._host is None  # noqa: SLF001
+    assert controller.level == 2 and again.freed_bytes == 0 and controller._host is None
     woken = controller.wake()
     assert woken.level == 2
     assert _snapshot(files) == state_before
@@ -213,7 +213,7 @@ def _broken_checkpoint(tmp_path: Path, weights_dir: Path, edit) -> Path:
 
 
 def _drop_one(tensors: dict) -> str:
-    key = sorted(k for k in tensors if k.startswith("dit."))[0]
+    key = min(k for k in tensors if k.startswith("dit."))
     del tensors[key]
     return key
 

@@ -89,9 +89,8 @@ def _read_records(files: list[Path]) -> dict[str, Record]:
     for file in files:
         try:
             found = _read_header(file)
-        except PlanRefused:
-            raise
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError,
+                struct.error) as exc:
             raise PlanRefused(f"{file}: unreadable safetensors header ({exc})") from None
         dup = sorted(records.keys() & found.keys())
         if dup:

@@ -127,6 +127,7 @@ class LayerwiseOffload:
         roots = {b.path for b in self.streamed}
         _check_no_sharing(model, self.layouts, roots)
         _move_rest(model, roots, self.device)
+        self._init_state()
         with torch.inference_mode(False):
             self.store = self._make_store(keep_source, init_block)
             self._make_slots()
@@ -135,7 +136,6 @@ class LayerwiseOffload:
         # Packing from a mapping is host work; a thread keeps it off the compute thread.
         self._stager = (cf.ThreadPoolExecutor(1, thread_name_prefix="dlo-stage")
                         if background_staging and isinstance(self.store, StagedStore) else None)
-        self._init_state()
         self._hooks = self._install_hooks()
         if self.layouts:
             self._load(0, 0)
@@ -158,11 +158,17 @@ class LayerwiseOffload:
         shard = max((self.store.h2d_nbytes(i) for i in range(n)), default=0)
         self._shards = ([torch.empty(shard, dtype=torch.uint8, device=self.device)
                          for _ in range(2)] if self.world > 1 else [])
+        for t in self._slots + self._shards:
+            # Freed slots must not be reused before the side streams' last writes land.
+            platform.record_stream(t, self._copy)
+            if self._comm is not None:
+                platform.record_stream(t, self._comm)
         self._views = [[layout.views(slot) for slot in self._slots] for layout in self.layouts]
         if self.host_mode == "sharded":
             # Drop the full private copies (or the mapping): this rank keeps only its shards.
-            for layout, views in zip(self.layouts, self._views):
+            for i, (layout, views) in enumerate(zip(self.layouts, self._views)):
                 layout.bind(views[0])
+                self._bound[i] = 0
 
     def _init_state(self) -> None:
         n = len(self.layouts)
@@ -173,6 +179,7 @@ class LayerwiseOffload:
         self._free = [platform.DeviceEvent(dev) for _ in range(2)]
         self._copied = [platform.DeviceEvent(dev) for _ in range(2)]
         self._owner: list[int | None] = [None, None]
+        self._bound: list[int | None] = [None] * n  # slot each block's tensors point at
         self._pending: list[cf.Future | None] = [None, None]
         self._next = [(i + 1) % n for i in range(n)]
         self._current = 1
@@ -185,7 +192,9 @@ class LayerwiseOffload:
         for i, block in enumerate(self.streamed):
             hooks.append(block.module.register_forward_pre_hook(
                 functools.partial(self._before, i)))
-            hooks.append(block.module.register_forward_hook(functools.partial(self._after, i)))
+            # always_call: a block that raised must still release its slot.
+            hooks.append(block.module.register_forward_hook(functools.partial(self._after, i),
+                                                            always_call=True))
         return hooks
 
     # runtime ------------------------------------------------------------------------------
@@ -204,7 +213,9 @@ class LayerwiseOffload:
         if pending is not None:
             pending.result()
         compute.wait_event(self._ready[s])
-        self.layouts[i].bind(self._views[i][s])
+        if self._bound[i] != s:
+            self.layouts[i].bind(self._views[i][s])
+            self._bound[i] = s
         self._current = s
         nxt = self._next[i]
         if self._slot_of(nxt) is None:

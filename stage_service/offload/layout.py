@@ -1,7 +1,9 @@
 """Byte layout of one block: every parameter and buffer packed into one flat uint8 buffer.
 
-Offsets are aligned to 64 bytes, the CPU allocator's alignment, so kernels see the same
-alignment as in an ordinary model (identical results on the CPU) and any dtype view is legal.
+Offsets are aligned to 256 bytes: the most alignment PyTorch's GPU matmul heuristics consider
+(device allocations are 512-aligned), and a multiple of the CPU allocator's 64. So a block in a
+slot gets the same kernels as the same block as ordinary tensors (identical results), and any
+dtype view is legal.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-ALIGN = 64
+ALIGN = 256
 
 
 def align_up(n: int, to: int = ALIGN) -> int:
