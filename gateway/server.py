@@ -13,7 +13,6 @@ from gateway.pipeline import DenoisingStep, Pipeline, StageStarted
 from gateway.stages import StageClient
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
-DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
 def _event_proto(event: object) -> gateway_pb2.GenerateResponse:
@@ -74,19 +73,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def ResumeGeneration(self, request, context) -> gateway_pb2.ResumeGenerationResponse:
         self._control.resume()
         return gateway_pb2.ResumeGenerationResponse()
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default: 0)")
-    parser.add_argument(
-        "--stage", action="append", default=[], metavar="ADDRESSES",
-        help="a stage's address, in pipeline order; repeat per stage. Replicas: comma-separated "
-             "addresses or one dns:///name:port target (balanced by gRPC round_robin)")
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                        help="largest request accepted; larger ones get RESOURCE_EXHAUSTED (default: 4 MiB)")
-    parser.add_argument("--ready-file", default=None, help="write {'address', 'pid'} as JSON here once bound")
-    parser.add_argument("--log-level", default="info", help="log level (default: 'info')")
 
 
 async def serve_gateway(args: argparse.Namespace) -> None:

@@ -59,26 +59,17 @@ def read_index(path: str | Path) -> dict[str, TensorRecord]:
 def map_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """name -> CPU tensor viewing the file's bytes (copy-on-write: the file is never modified)."""
     path = Path(path)
+    records = read_index(path)
+    size = path.stat().st_size
+    if not size:
+        return {}
     with open(path, "rb") as f:
-        size = path.stat().st_size
-        if size < 8:
-            raise CheckpointError(f"{path}: too short for a safetensors file")
         mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    (header_len,) = struct.unpack("<Q", mapping[:8])
-    if 8 + header_len > size:
-        raise CheckpointError(f"{path}: header length {header_len} exceeds the file")
-    header = json.loads(mapping[8:8 + header_len])
-    base = 8 + header_len
-    data = torch.frombuffer(mapping, dtype=torch.uint8, offset=base, count=size - base) if size > base else None
+    data = torch.frombuffer(mapping, dtype=torch.uint8)
     tensors: dict[str, torch.Tensor] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise CheckpointError(f"{path}: {name} has unsupported dtype {info['dtype']}")
-        start, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        raw = data[start:end] if data is not None else torch.empty(0, dtype=torch.uint8)
-        tensors[name] = raw.view(dtype).reshape(shape) if end > start else torch.empty(shape, dtype=dtype)
+    for name, r in records.items():
+        if r.file_offset + r.nbytes > size:
+            raise CheckpointError(f"{path}: {name} lies beyond the end of the file")
+        raw = data[r.file_offset:r.file_offset + r.nbytes]
+        tensors[name] = raw.view(r.dtype).reshape(r.shape) if r.nbytes else torch.empty(r.shape, dtype=r.dtype)
     return tensors

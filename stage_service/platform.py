@@ -7,6 +7,7 @@ On a CUDA device these are real streams and events; on the CPU every operation i
 from __future__ import annotations
 
 import contextlib
+import mmap
 import weakref
 from typing import Iterator
 
@@ -90,6 +91,13 @@ def current_stream(device: str | torch.device) -> Stream:
     return stream
 
 
+def _page_backed(nbytes: int) -> torch.Tensor:
+    # An anonymous mapping: page-aligned pages that no other allocation shares, so registering
+    # them can never collide with a neighbour's registration.
+    pages = mmap.mmap(-1, max(1, -(-nbytes // mmap.PAGESIZE)) * mmap.PAGESIZE)
+    return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes)
+
+
 class HostBuffer:
     """A flat uint8 host buffer of exactly `nbytes`.
 
@@ -100,11 +108,13 @@ class HostBuffer:
     """
 
     def __init__(self, nbytes: int, for_device: str | torch.device):
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
         self.pinned = False
         self._finalizer = None
         if nbytes and is_cuda(for_device):
+            self.tensor = _page_backed(nbytes)
             self._pin()
+        else:
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8)
 
     def _pin(self) -> None:
         ptr, size = self.tensor.data_ptr(), self.tensor.numel()

@@ -112,10 +112,6 @@ async def serve_stage(settings: StageSettings) -> None:
     await serve.run(host, ready_file=settings.ready_file, load=load, close=close)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    StageSettings.add_arguments(parser)
-
-
 def main(args: argparse.Namespace) -> None:
     settings = StageSettings.from_args(args)
     logs.configure(f"stage-{settings.stage_id}", args.log_level)

@@ -95,7 +95,8 @@ class SleepController:
                 self._host = None
                 self._reloader.prepare()
                 self.level = 2
-            return SleepResult(level, 0, (time.perf_counter() - started) * 1e3)
+            # A shallower request leaves the deeper state: report the level the stage is at.
+            return SleepResult(self.level, 0, (time.perf_counter() - started) * 1e3)
         before = self._free_memory()
         released = self._storage_bytes()
         if level == 1:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 
 def _parser() -> argparse.ArgumentParser:
+    # Only light modules here: client commands must not pay for importing torch.
     from cache_service import server as cache_server
-    from gateway import server as gateway_server
-    from stage_service import server as stage_server
+    from gateway import options as gateway_options
+    from stage_service.settings import StageSettings
     from stagemesh import client
 
     parser = argparse.ArgumentParser(prog="stagemesh", description=__doc__)
@@ -19,14 +21,14 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--config", default=None, help="mesh.toml (default: the embedded two-stage pipeline)")
     up.add_argument("--log-level", default=None, help="overrides [mesh] log_level")
 
-    for name, module, text in (
-        ("gateway", gateway_server, "run the public gateway service alone"),
-        ("stage", stage_server, "run one stage service alone"),
-        ("cache", cache_server, "run the node-local cache service alone"),
+    for name, add_arguments, main_module, text in (
+        ("gateway", gateway_options.add_arguments, "gateway.server", "run the public gateway service alone"),
+        ("stage", StageSettings.add_arguments, "stage_service.server", "run one stage service alone"),
+        ("cache", cache_server.add_arguments, "cache_service.server", "run the node-local cache service alone"),
     ):
         p = sub.add_parser(name, help=text)
-        module.add_arguments(p)
-        p.set_defaults(service_main=module.main)
+        add_arguments(p)
+        p.set_defaults(service_main=main_module)
 
     for name, text in (("generate", "generate one image through a gateway"),
                        ("status", "list the stages behind a gateway and their state"),
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return launcher.main(args.config, args.log_level)
     if hasattr(args, "service_main"):
-        args.service_main(args)
+        importlib.import_module(args.service_main).main(args)
         return 0
     return args.client_main(args)
 

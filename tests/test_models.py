@@ -272,7 +272,7 @@ def test_runners_end_to_end(model_dir: Path) -> None:
     items = [_item("r1", "hello", 1), _item("r2", "world!", 2)]
     hidden = ar.run(items)
     assert [h["hidden_states"].shape[1] for h in hidden] == [64, 64]
-    assert not any(h["hidden_states"].is_inference() for h in hidden)
+    assert not any(h["hidden_states"].requires_grad for h in hidden)
     for item, h in zip(items, hidden):
         item.inputs = h
     steps: list[tuple[int, int]] = []
@@ -280,8 +280,8 @@ def test_runners_end_to_end(model_dir: Path) -> None:
     assert steps == [(1, 2), (2, 2)]
     for out in images:
         img = out["image"]
-        assert img.shape == (32, 32, 3) and img.device.type == "cpu" and img.is_contiguous()
-        assert not img.is_inference()
+        assert img.shape == (32, 32, 3) and img.device.type == "cpu"  # views are fine: packing copies
+        assert not img.requires_grad
     assert not torch.equal(images[0]["image"], images[1]["image"])
 
 

@@ -18,7 +18,7 @@ from stage_service.offload import LayerwiseOffload, collective
 from stage_service.offload.host import shard_nbytes
 from stage_service.offload.layout import ALIGN
 
-# hidden 36: a block of 36*... bytes that 3 does not divide (asserted below).
+# hidden 36: a block whose byte size 3 does not divide (asserted below).
 CFG = DiTConfig(hidden_size=36, num_heads=3, cond_dim=12, decoder_channels=8, depth=5)
 
 

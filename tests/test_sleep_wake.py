@@ -27,7 +27,14 @@ from grpc_status import rpc_status
 
 from stagemesh import cli
 from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2
-from tests.meshproc import REPO, Mesh, shm_entries, start_mesh, write_config
+from tests.meshproc import (
+    REPO,
+    Mesh,
+    descendants,
+    shm_entries,
+    start_mesh,
+    write_config,
+)
 
 SMALL = generation_pb2.GenerationParams(prompt="a small boat", width=64, height=48, num_inference_steps=2, seed=7)
 # Big enough that its image (512*512*3 float32 = 3 MB) travels through shared memory, long enough
@@ -46,32 +53,39 @@ needs_grpcurl = pytest.mark.skipif(GRPCURL is None, reason="no grpcurl binary on
 
 
 # ---- meshes ---------------------------------------------------------------------------------------
-def _stopped_cleanly(mesh: Mesh, shm_before: set[str]) -> None:
+def _owned_segments(pids: set[int]) -> set[str]:
+    """/dev/shm segments of these processes: `stagemesh-<owner pid>-<rank>-...`. Other meshes (other
+    test runs on this machine) have segments of their own; only ours count."""
+    return {e for e in shm_entries() if e.startswith("stagemesh-") and e.split("-")[1] in {str(p) for p in pids}}
+
+
+def _stopped_cleanly(mesh: Mesh, pids: set[int]) -> None:
     code = mesh.stop()
     assert code == 0, mesh.logs()[-3000:]
-    leaked = {e for e in shm_entries() - shm_before if e.startswith("stagemesh")}
+    leaked = _owned_segments(pids)
     assert not leaked, f"shared-memory segments left behind: {leaked}"
+
+
+def _start(root, model_dir, extra_stage: str = "") -> Mesh:
+    mesh = start_mesh(write_config(root / "mesh.toml", model_dir, extra_stage=extra_stage), root / "mesh.log")
+    mesh.pids = {mesh.process.pid, *descendants(mesh.process.pid)}  # services and their workers
+    assert len(mesh.pids) >= 1 + 4, mesh.pids  # supervisor, cache, 2 stages (+ workers), gateway
+    return mesh
 
 
 @pytest.fixture(scope="module")
 def sleepy(tmp_path_factory, model_dir):
-    root = tmp_path_factory.mktemp("sleepy")
-    shm_before = shm_entries()
-    mesh = start_mesh(write_config(root / "mesh.toml", model_dir), root / "mesh.log")
-    mesh.shm_before = shm_before
+    mesh = _start(tmp_path_factory.mktemp("sleepy"), model_dir)
     yield mesh
     if mesh.process.poll() is None:  # test_zz_... stops it; this covers runs that deselect it
-        _stopped_cleanly(mesh, shm_before)
+        _stopped_cleanly(mesh, mesh.pids)
 
 
 @pytest.fixture(scope="module")
 def sleepless(tmp_path_factory, model_dir):
-    root = tmp_path_factory.mktemp("sleepless")
-    shm_before = shm_entries()
-    mesh = start_mesh(write_config(root / "mesh.toml", model_dir, extra_stage="enable_sleep = false"),
-                      root / "mesh.log")
+    mesh = _start(tmp_path_factory.mktemp("sleepless"), model_dir, extra_stage="enable_sleep = false")
     yield mesh
-    _stopped_cleanly(mesh, shm_before)
+    _stopped_cleanly(mesh, mesh.pids)
 
 
 @pytest.fixture(scope="module")
@@ -610,4 +624,4 @@ def test_grpcurl_sleep_without_support_is_unimplemented(sleepless):
 # ---- last: the mesh stops cleanly after all of the above ------------------------------------------
 def test_zz_mesh_stops_cleanly_and_leaves_no_shared_memory(sleepy, stub, reference):
     assert _generate(stub, BIG)  # one more output through shared memory right before the stop
-    _stopped_cleanly(sleepy, sleepy.shm_before)
+    _stopped_cleanly(sleepy, sleepy.pids)

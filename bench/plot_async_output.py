@@ -1,0 +1,43 @@
+"""Plot QPS vs resolution from bench/async_output.py's JSON (needs matplotlib, a bench-only tool).
+
+Run: python bench/plot_async_output.py bench/results/async_output.json docs/img/async_output_qps.png
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main(source: str, target: str) -> None:
+    data = json.loads(open(source).read())
+    points = data["points"]
+    batches = sorted({p["batch"] for p in points})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 3.6), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        rows = sorted((p for p in points if p["batch"] == batch), key=lambda p: p["size"])
+        sizes = [p["size"] for p in rows]
+        for key, label, style in (("forward_rps", "(a) forward-only limit", "k--"),
+                                  ("sync_qps", "(b) async off (step_execution)", "o-"),
+                                  ("async_qps", "(c) async on", "s-")):
+            ax.plot(sizes, [p[key] for p in rows], style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.set_xlabel("resolution (pixels per side)")
+        ax.set_ylabel("requests / s")
+        ax.set_title(f"batch {batch}")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    env = data["environment"]
+    fig.suptitle(f"async output, {env.get('gpu') or 'cpu'}, commit {env.get('commit')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(target, dpi=110)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
