@@ -88,7 +88,7 @@ class Executor:
     def restart(self, rank: int, timeout_s: float = READY_TIMEOUT_S) -> protocol.Ready:
         old = self._workers.get(rank)
         if old is not None:
-            self._stop_worker(old, graceful=False)
+            self._stop_worker(old, graceful=False, reason="restarted")
             # If the pump had not noticed a death yet (or the worker was alive), _worker_died never
             # ran: what the old worker still owed must fail now, and its segments must go.
             self.outputs.fail_rank(rank, errors.Unavailable(f"{self.stage_name} worker {rank} was restarted"))
@@ -262,7 +262,7 @@ class Executor:
         for p in pending.values():
             resolve_future(p.future, exc=exc)
 
-    def _stop_worker(self, w: _Worker, graceful: bool) -> None:
+    def _stop_worker(self, w: _Worker, graceful: bool, reason: str = "executor shut down") -> None:
         w.stopping = True
         if graceful and w.process.is_alive():
             try:
@@ -273,7 +273,7 @@ class Executor:
         if w.process.is_alive():
             w.process.kill()
             w.process.join(JOIN_TIMEOUT_S)
-        self._fail_pending(w, errors.Unavailable(f"{self.stage_name} executor shut down"))
+        self._fail_pending(w, errors.Unavailable(f"{self.stage_name} worker {w.spec.rank}: {reason}"))
         for q in (w.requests, w.results):
             q.cancel_join_thread()  # a dead reader must not block our exit
             q.close()

@@ -104,24 +104,28 @@ class Packer:
             self.pool.close()
 
     def pack(self, obj):
-        made: list[str] = []
+        made: list[PackedTensor] = []
         try:
             return self._pack(obj, made)
         except BaseException:
-            for name in made:  # a half-packed payload reaches no reader: unlink what it made
-                unlink_segment(name)
+            # A half-packed payload reaches no reader: free what it took.
+            for packed in made:
+                if packed.pooled:
+                    self.pool.free(packed.shm_name)
+                else:
+                    unlink_segment(packed.shm_name)
             raise
 
-    def _pack(self, obj, made: list[str]):
+    def _pack(self, obj, made: list[PackedTensor]):
         if isinstance(obj, torch.Tensor):
             packed = self._pack_tensor(obj)
             if packed.shm_name is not None:
-                made.append(packed.shm_name)
+                made.append(packed)
             return packed
         if isinstance(obj, dict):
             return {k: self._pack(v, made) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
-            return type(obj)(self._pack(v, made) for v in obj)
+            return _rebuild(obj, [self._pack(v, made) for v in obj])
         return obj
 
     def _pack_tensor(self, tensor: torch.Tensor) -> PackedTensor:
@@ -134,6 +138,13 @@ class Packer:
         name = segment_name(self.owner_pid, self.rank)
         _write_segment(name, raw)
         return PackedTensor(dtype, shape, shm_name=name, nbytes=raw.numel())
+
+
+def _rebuild(original: list | tuple, items: list):
+    """A new container of the original's type (namedtuples take their fields positionally)."""
+    if isinstance(original, tuple) and hasattr(original, "_fields"):
+        return type(original)(*items)
+    return type(original)(items)
 
 
 def pack(obj, owner_pid: int | None = None, rank: int = 0):
@@ -164,7 +175,7 @@ def unpack(obj):
     if isinstance(obj, dict):
         return {k: unpack(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(unpack(v) for v in obj)
+        return _rebuild(obj, [unpack(v) for v in obj])
     return obj
 
 

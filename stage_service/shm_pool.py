@@ -63,6 +63,12 @@ class SlotPool:
         slot.mapping[0] = _FULL  # after the data: the reader looks only once the message arrives
         return slot.name
 
+    def free(self, name: str) -> None:
+        """Give a slot back whose payload will never be read (a pack that failed half way)."""
+        for slot in self._slots:
+            if slot.name == name:
+                slot.mapping[0] = _FREE
+
     def _acquire(self, nbytes: int) -> _Slot | None:
         free = [s for s in self._slots if s.is_free() and s.capacity >= nbytes]
         if free:

@@ -194,6 +194,28 @@ def test_a_half_packed_payload_leaves_no_segment():
     assert our_segments() == before
 
 
+def test_a_half_packed_payload_gives_its_pool_slot_back():
+    packer = ipc.Packer(os.getpid(), 5, pool_slots=1)
+    try:
+        with pytest.raises((NotImplementedError, RuntimeError)):
+            packer.pack({"ok": torch.zeros(2_000_000, dtype=torch.uint8), "bad": torch.empty(4, device="meta")})
+        # The only slot is free again: the next large tensor goes to it, not to a one-shot segment.
+        packed = packer.pack(torch.ones(2_000_000, dtype=torch.uint8))
+        assert packed.pooled
+        assert torch.equal(ipc.unpack(packed), torch.ones(2_000_000, dtype=torch.uint8))
+    finally:
+        packer.close()
+
+
+def test_namedtuples_round_trip_as_namedtuples():
+    import collections
+
+    Pair = collections.namedtuple("Pair", "left right")
+    original = Pair(torch.arange(5), {"x": torch.ones(2)})
+    back = ipc.unpack(ipc.pack(original))
+    assert type(back) is Pair and torch.equal(back.left, original.left) and torch.equal(back.right["x"], torch.ones(2))
+
+
 def test_sweep_removes_one_rank_or_all_ranks_of_an_executor():
     p0 = ipc.Packer(os.getpid(), 0).pack([torch.zeros(1_000_001, dtype=torch.uint8)] * 2)
     p1 = ipc.Packer(os.getpid(), 1).pack(torch.zeros(1_000_001, dtype=torch.uint8))
