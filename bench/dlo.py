@@ -1,13 +1,17 @@
-"""DLO step time against the transfer floor, on the FLUX-sized DiT (11.9 B params, bf16).
+"""DLO step time against the transfer floor and the diffusers group-offloading peer.
 
-For each image size: resident step time (whole model on the device), measured pinned H2D
-bandwidth, and DLO (no-AllGather) step time with 0 and with N resident blocks. The floor of a
-streamed step is max(resident step, streamed bytes / H2D bandwidth); the ratio says how close
-DLO gets to it. Weights are random, generated block by block (never twice in host memory) and
-identical between the resident and the DLO model, so their outputs are compared too.
+For each image size: the resident step time (whole model on the device), measured pinned H2D
+bandwidth, diffusers group offloading (block_level, one block per group, CUDA stream) and
+stagemesh DLO (no-AllGather) with 0 and with N resident blocks. The floor of a streamed step is
+max(resident step, streamed bytes / H2D bandwidth); the ratio says how close a case gets to it.
+Weights are random, identical in every build (bench/dlo_models.py), so outputs are compared to
+the resident model's too. Every case frees its model before the next one starts.
 
-Run on a GPU:   python bench/dlo.py
-Check on a CPU: python bench/dlo.py --preset tiny --device cpu
+Run on a GPU:   python bench/dlo.py --model flux        (diffusers FluxTransformer2DModel)
+                python bench/dlo.py                     (the FLUX-sized embedded DiT)
+Check on a CPU: python bench/dlo.py --model flux --tiny-flux --device cpu
+                python bench/dlo.py --preset tiny --device cpu
+Plot:           python bench/plot_dlo.py bench/results/dlo.json docs/img/dlo.png
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import argparse
 import gc
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import torch
@@ -24,69 +27,51 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import dlo_models as models  # noqa: E402
 from bench.common import RESULTS_DIR, print_table, write_json  # noqa: E402
 from stage_service import platform  # noqa: E402
-from stage_service.models.config import DiTConfig, PipelineConfig  # noqa: E402
-from stage_service.models.dit import DiT  # noqa: E402
-from stage_service.offload import LayerwiseOffload  # noqa: E402
+from stage_service.models.config import PipelineConfig  # noqa: E402
+from stage_service.offload import discover  # noqa: E402
 
-TINY = PipelineConfig(dit=DiTConfig(hidden_size=256, depth=12, num_heads=4, cond_dim=64))
+LEFTOVER_WARN_BYTES = 256 << 20
 
 
+# ---- measurement -----------------------------------------------------------------------------
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _fill(t: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
-    """Deterministic values for parameter `name`, generated on `device`."""
-    gen = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
-    return t.normal_(0.0, 0.02, generator=gen)
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # noqa: SLF001
+        if clear is not None:
+            clear()
+        torch.cuda.empty_cache()
+        # torch's pinned host cache keeps a finished case's pinned copies (the peer's) otherwise.
+        host_empty = getattr(torch._C, "_host_emptyCache", None)  # noqa: SLF001
+        if host_empty is not None:
+            host_empty()
+        torch.cuda.reset_peak_memory_stats(device)
 
 
-def _materialize(module: nn.Module, prefix: str, device: torch.device, target: torch.device,
-                 skip: str | None = None) -> None:
-    """Give every parameter under `module` real values (generated on `device`, stored on
-    `target`), one tensor at a time."""
-    for name, sub in module.named_modules():
-        full = f"{prefix}{name}" if name else prefix.rstrip(".")
-        if skip is not None and (full == skip or full.startswith(skip + ".")):
-            continue
-        for key, p in list(sub._parameters.items()):
-            if p is None:
-                continue
-            qual = f"{full}.{key}" if full else key
-            value = _fill(torch.empty(p.shape, dtype=p.dtype, device=device), qual, device)
-            sub._parameters[key] = nn.Parameter(value.to(target), requires_grad=False)
+def _allocated(device: torch.device) -> int:
+    return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0
 
 
-def _meta_dit(config: PipelineConfig) -> DiT:
-    with torch.device("meta"):
-        return DiT(config.dit).to(config.torch_dtype).eval().requires_grad_(False)
+def _peak(device: torch.device) -> int:
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
 
 
-def build_resident(config: PipelineConfig, device: torch.device) -> DiT:
-    dit = _meta_dit(config)
-    _materialize(dit, "", device, device)
-    return dit
-
-
-def build_offloaded(config: PipelineConfig, device: torch.device, resident: int
-                    ) -> tuple[DiT, LayerwiseOffload]:
-    dit = _meta_dit(config)
-    _materialize(dit, "", device, device, skip="blocks")
-    paths = {id(b): f"blocks.{i}" for i, b in enumerate(dit.blocks)}
-
-    def init_block(block: nn.Module) -> None:
-        # Resident blocks are materialised straight on the device, streamed ones on the host.
-        target = device if int(paths[id(block)].split(".")[1]) < resident else torch.device("cpu")
-        _materialize(block, paths[id(block)] + ".", device, target)
-
-    for i in range(resident):
-        init_block(dit.blocks[i])
-    engine = LayerwiseOffload(dit, device, resident_layers=resident, use_allgather=False,
-                              init_block=init_block)
-    return dit, engine
+def _pinned_by_torch(device: torch.device) -> int | None:
+    """Bytes held by torch's pinned host allocator (rounded blocks), where torch reports it."""
+    if device.type != "cuda":
+        return None
+    try:
+        return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def h2d_bandwidth(nbytes: int, device: torch.device, repeats: int = 10) -> float:
@@ -104,129 +89,209 @@ def h2d_bandwidth(nbytes: int, device: torch.device, repeats: int = 10) -> float
     return nbytes * repeats / elapsed
 
 
-def _inputs(config: PipelineConfig, size: int, tokens: int, device: torch.device):
-    c = config.dit
-    side = size // c.vae_scale
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, c.latent_channels, side, side, generator=g)  # guidance: cond + uncond
-    cond = torch.randn(2, tokens, c.cond_dim, generator=g).to(config.torch_dtype)
-    return x.to(device), torch.full((2,), 0.7, device=device), cond.to(device)
-
-
-def step_time(dit: DiT, inputs, device: torch.device, steps: int, warmup: int
-              ) -> tuple[float, torch.Tensor]:
+def step_time(bm: models.BenchModel, model: nn.Module, inputs: dict, device: torch.device,
+              steps: int, warmup: int) -> tuple[float, torch.Tensor]:
     with torch.inference_mode():
         for _ in range(warmup):
-            out = dit(*inputs)
+            out = bm.forward(model, inputs)
         _sync(device)
         start = time.perf_counter()
         for _ in range(steps):
-            out = dit(*inputs)
+            out = bm.forward(model, inputs)
         _sync(device)
     return (time.perf_counter() - start) / steps, out.float().cpu()
 
 
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+def _model_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _peak(device: torch.device) -> int:
-    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
+def _block_bytes(bm: models.BenchModel) -> list[int]:
+    return [_model_bytes(b.module) for b in discover(bm.build_meta(), bm.plan).blocks]
 
 
-def _model_bytes(dit: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in dit.parameters())
+# ---- cases -----------------------------------------------------------------------------------
+def _timed(bm, model, device, args, size: int) -> tuple[float, torch.Tensor]:
+    _free(device)
+    inputs = bm.make_inputs(size, args.text_tokens, device)
+    return step_time(bm, model, inputs, device, args.steps, args.warmup)
 
 
-def _block_bytes(config: PipelineConfig) -> int:
-    return _model_bytes(_meta_dit(config).blocks[0])
+def _row(case: str, size: int, seconds: float, out: torch.Tensor, ref: dict, streamed: int,
+         bandwidth: float, device: torch.device, **extra) -> dict:
+    floor = max(ref["step_s"], streamed / bandwidth)
+    return {"case": case, "size": size, "step_s": seconds, "resident_step_s": ref["step_s"],
+            "floor_s": floor, "ratio": seconds / floor, "streamed_bytes": streamed,
+            "peak_device_bytes": _peak(device),
+            "max_abs_diff": float((out - ref["output"]).abs().max()), **extra}
 
 
-def run_resident(config, device, args) -> dict[int, dict]:
-    dit = build_resident(config, device)
-    weights = _model_bytes(dit)
+def _left_behind(device: torch.device, baseline: int, case: str) -> int:
+    """Device bytes a finished case still holds (should be none: nothing keeps its weights)."""
+    _free(device)
+    left = _allocated(device) - baseline
+    if left > LEFTOVER_WARN_BYTES:
+        print(f"warning: {case} left {left / 1e9:.2f} GB allocated on the device", flush=True)
+    return left
+
+
+def run_resident(bm, device, args, baseline: int) -> dict[int, dict]:
+    model = models.build_resident(bm, device)
+    weights = _model_bytes(model)
     out = {}
     for size in args.sizes:
-        _free(device)
-        seconds, result = step_time(dit, _inputs(config, size, args.text_tokens, device), device,
-                                    args.steps, args.warmup)
+        seconds, result = _timed(bm, model, device, args, size)
         out[size] = {"step_s": seconds, "output": result, "weights_bytes": weights,
+                     "peak_device_bytes": _peak(device),
                      "activation_bytes": max(0, _peak(device) - weights)}
-    del dit
-    _free(device)
+    del model
+    left = _left_behind(device, baseline, "resident")
+    for v in out.values():
+        v["device_bytes_left"] = left
     return out
 
 
-def run_offloaded(config, device, args, resident: int, reference: dict[int, dict],
-                  bandwidth: float) -> list[dict]:
-    dit, engine = build_offloaded(config, device, resident)
-    stats = engine.stats()
-    model_bytes = _model_bytes(dit)
-    slots_and_rest = stats.slot_bytes + model_bytes - stats.payload_bytes
+def run_group_offload(bm, device, args, reference, bandwidth: float, baseline: int) -> list[dict]:
+    """diffusers' group offloading: block_level, one block per group, with a CUDA stream."""
+    try:
+        import accelerate  # noqa: F401 - group offloading moves its inputs with it
+        from diffusers.hooks import apply_group_offloading
+    except ImportError as exc:
+        print(f"diffusers group offloading skipped: {exc}", flush=True)
+        return []
+    pinned_before = _pinned_by_torch(device)
+    model = models.build_host(bm, device)
+    model_bytes = _model_bytes(model)
+    streamed = sum(_block_bytes(bm))
+    use_stream = device.type == "cuda"  # diffusers refuses streams on a CPU onload device
+    options = {"onload_device": device, "offload_device": torch.device("cpu"),
+               "offload_type": "block_level", "num_blocks_per_group": 1, "use_stream": use_stream}
+    if hasattr(model, "enable_group_offload"):
+        model.enable_group_offload(**options)
+    else:
+        apply_group_offloading(model, **options)
     rows = []
     for size in args.sizes:
-        _free(device)
-        seconds, result = step_time(dit, _inputs(config, size, args.text_tokens, device), device,
-                                    args.steps, args.warmup)
+        seconds, result = _timed(bm, model, device, args, size)
+        pinned = _pinned_by_torch(device)
+        host = None if pinned is None else pinned - (pinned_before or 0)
+        rows.append(_row("diffusers group offload", size, seconds, result, reference[size],
+                         streamed, bandwidth, device, resident_blocks=0, host_bytes=host,
+                         host_over_model=None if host is None else host / model_bytes,
+                         use_stream=use_stream))
+    del model
+    left = _left_behind(device, baseline, "diffusers group offload")
+    return [{**r, "device_bytes_left": left} for r in rows]
+
+
+def run_dlo(bm, device, args, resident: int, reference, bandwidth: float,
+            baseline: int) -> list[dict]:
+    model, engine = models.build_offloaded(bm, device, resident)
+    stats = engine.stats()
+    model_bytes = _model_bytes(model)
+    rest = model_bytes - stats.payload_bytes  # non-block weights and resident blocks
+    rows = []
+    for size in args.sizes:
+        seconds, result = _timed(bm, model, device, args, size)
         ref = reference[size]
-        floor = max(ref["step_s"], stats.h2d_bytes_per_iteration / bandwidth)
-        rows.append({
-            "size": size, "resident_blocks": resident, "step_s": seconds, "floor_s": floor,
-            "ratio": seconds / floor, "resident_step_s": ref["step_s"],
-            "streamed_bytes": stats.h2d_bytes_per_iteration, "host_bytes": stats.host_bytes,
-            "host_over_model": stats.host_bytes / model_bytes, "peak_device_bytes": _peak(device),
-            "peak_bound_bytes": slots_and_rest + ref["activation_bytes"],
-            "max_abs_diff": float((result - ref["output"]).abs().max()),
-        })
+        rows.append(_row(
+            "stagemesh DLO", size, seconds, result, ref, stats.h2d_bytes_per_iteration,
+            bandwidth, device, resident_blocks=stats.resident_blocks,
+            host_bytes=stats.host_bytes, host_over_model=stats.host_bytes / model_bytes,
+            peak_bound_bytes=rest + stats.slot_bytes + ref["activation_bytes"]))
     engine.close()
-    del dit, engine
-    _free(device)
-    return rows
+    engine.store.close()  # unpins the host buffers now, not whenever the collector gets to it
+    del model, engine
+    left = _left_behind(device, baseline, f"DLO {resident} resident")
+    return [{**r, "device_bytes_left": left} for r in rows]
+
+
+# ---- report ----------------------------------------------------------------------------------
+def _resident_rows(reference: dict[int, dict], model_bytes: int) -> list[dict]:
+    return [{"case": "resident", "size": size, "step_s": ref["step_s"],
+             "resident_step_s": ref["step_s"], "floor_s": None, "ratio": None,
+             "streamed_bytes": 0, "resident_blocks": None,
+             "peak_device_bytes": ref["peak_device_bytes"],
+             "host_bytes": 0, "host_over_model": 0.0, "max_abs_diff": 0.0,
+             "weights_bytes": model_bytes, "device_bytes_left": ref["device_bytes_left"]}
+            for size, ref in reference.items()]
+
+
+def _fmt(value, scale: float = 1.0, digits: int = 3) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
 
 
 def _table(rows: list[dict]) -> None:
-    gb = 1e9
+    gb = 1e-9
     print_table(
-        ["size", "resident blocks", "step ms", "resident ms", "floor ms", "ratio", "streamed GB",
-         "peak dev GB", "bound GB", "host/model", "max |diff|"],
-        [[r["size"], r["resident_blocks"], r["step_s"] * 1e3, r["resident_step_s"] * 1e3,
-          r["floor_s"] * 1e3, r["ratio"], r["streamed_bytes"] / gb, r["peak_device_bytes"] / gb,
-          r["peak_bound_bytes"] / gb, r["host_over_model"], r["max_abs_diff"]] for r in rows])
+        ["case", "size", "resident blocks", "step ms", "floor ms", "ratio", "streamed GB",
+         "peak dev GB", "bound GB", "pinned/model", "max |diff|"],
+        [[r["case"], r["size"], "-" if r.get("resident_blocks") is None else r["resident_blocks"],
+          _fmt(r["step_s"], 1e3, 1), _fmt(r["floor_s"], 1e3, 1), _fmt(r["ratio"]),
+          _fmt(r["streamed_bytes"], gb, 2), _fmt(r["peak_device_bytes"], gb, 2),
+          _fmt(r.get("peak_bound_bytes"), gb, 2), _fmt(r.get("host_over_model")),
+          _fmt(r["max_abs_diff"], 1.0, 4)]
+         for r in sorted(rows, key=lambda r: r["size"])])
 
 
-def main() -> None:
+def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=("flux-sized", "tiny"), default="flux-sized")
+    parser.add_argument("--model", choices=("dit", "flux"), default="dit",
+                        help="the embedded DiT, or diffusers' FluxTransformer2DModel")
+    parser.add_argument("--preset", choices=("flux-sized", "tiny"), default="flux-sized",
+                        help="--model dit: its dimensions")
+    parser.add_argument("--tiny-flux", action="store_true",
+                        help="--model flux: a small config (5 blocks), for a CPU check")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--sizes", type=int, nargs="+", default=None,
-                        help="image sizes in pixels (default: 512 1024; tiny: 128 256)")
+                        help="image sizes in pixels (default: 512 1024; small models: 128 256)")
     parser.add_argument("--resident-blocks", type=int, nargs="+", default=[0, 8])
     parser.add_argument("--text-tokens", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5, help="timed denoising steps per case")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--no-peer", action="store_true", help="skip diffusers group offloading")
     parser.add_argument("--json", default=str(RESULTS_DIR / "dlo.json"))
-    args = parser.parse_args()
-    config = PipelineConfig.flux_sized() if args.preset == "flux-sized" else TINY
-    args.sizes = args.sizes or ([512, 1024] if args.preset == "flux-sized" else [128, 256])
+    return parser.parse_args()
+
+
+def _bench_model(args) -> models.BenchModel:
+    if args.model == "flux":
+        # bf16 as on the GPU; float32 for the CPU check (CPU bf16 kernels are slow, not wrong).
+        dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+        return models.flux_model(tiny=args.tiny_flux, dtype=dtype)
+    config = PipelineConfig.flux_sized() if args.preset == "flux-sized" else models.TINY_DIT
+    return models.dit_model(config)
+
+
+def main() -> None:
+    args = _parse()
+    small = args.tiny_flux if args.model == "flux" else args.preset == "tiny"
+    args.sizes = args.sizes or ([128, 256] if small else [512, 1024])
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
-    bandwidth = h2d_bandwidth(_block_bytes(config), device)
-    print(f"H2D {bandwidth / 1e9:.1f} GB/s (pinned, one block per copy)", flush=True)
-    reference = run_resident(config, device, args)
-    rows = []
+    bm = _bench_model(args)
+    blocks = _block_bytes(bm)
+    bandwidth = h2d_bandwidth(max(blocks), device)
+    print(f"{bm.name}: {len(blocks)} blocks; H2D {bandwidth / 1e9:.1f} GB/s (pinned, the "
+          "largest block per copy)", flush=True)
+    _free(device)
+    baseline = _allocated(device)
+    reference = run_resident(bm, device, args, baseline)
+    model_bytes = next(iter(reference.values()))["weights_bytes"]
+    rows = _resident_rows(reference, model_bytes)
+    if not args.no_peer:
+        rows += run_group_offload(bm, device, args, reference, bandwidth, baseline)
     for resident in args.resident_blocks:
-        rows += run_offloaded(config, device, args, resident, reference, bandwidth)
+        rows += run_dlo(bm, device, args, resident, reference, bandwidth, baseline)
     _table(rows)
     path = write_json(args.json, "dlo", {
-        "preset": args.preset, "device": str(device), "dtype": config.dtype,
-        "params": sum(p.numel() for p in _meta_dit(config).parameters()),
-        "h2d_bytes_per_s": bandwidth, "text_tokens": args.text_tokens, "steps": args.steps,
+        "model": bm.name, "device": str(device), "dtype": str(bm.dtype).removeprefix("torch."),
+        "params": sum(p.numel() for p in bm.build_meta().parameters()),
+        "model_bytes": model_bytes, "blocks": len(blocks), "h2d_bytes_per_s": bandwidth,
+        "text_tokens": args.text_tokens, "steps": args.steps, "warmup": args.warmup,
         "rows": rows})
     print(f"wrote {path}")
 

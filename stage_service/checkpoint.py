@@ -1,23 +1,27 @@
-"""Zero-copy views of the tensors in a safetensors file, through a private memory map.
+"""Where each tensor lies in a safetensors file, and zero-copy views of those bytes.
 
-Used where weights must come back from the checkpoint fast (wake from sleep level 2): the views
-cost no copy until they are copied to their destination, and the file's page cache serves them.
+`read_index` reads only the header and checks it against the file (header length, offsets
+consistent with shape and dtype, data inside the file); with `validate=True` safetensors' own
+reader must also open the file and agree on the names, so any loader that reads it later accepts
+it. Sleep (level-2 wake) and the DLO mmap plan both read checkpoints through it.
+`map_file` / `map_tensors` give views through a private memory map: no copy until they are copied
+to their destination, and the file's page cache serves them.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-_DTYPES = {
+DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 
 
@@ -32,44 +36,83 @@ class TensorRecord:
     shape: tuple[int, ...]
     file_offset: int  # absolute, from the start of the file
     nbytes: int
+    path: Path  # the file that holds the bytes
 
 
-def read_index(path: str | Path) -> dict[str, TensorRecord]:
-    """Where each tensor's bytes lie in a safetensors file (reads only the header)."""
-    path = Path(path)
+def _header(path: Path, size: int) -> tuple[dict, int]:
     with open(path, "rb") as f:
         raw_len = f.read(8)
         if len(raw_len) < 8:
             raise CheckpointError(f"{path}: too short for a safetensors file")
         (header_len,) = struct.unpack("<Q", raw_len)
-        header = json.loads(f.read(header_len))
-    base = 8 + header_len
-    records = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise CheckpointError(f"{path}: {name} has unsupported dtype {info['dtype']}")
-        start, end = info["data_offsets"]
-        records[name] = TensorRecord(name, dtype, tuple(info["shape"]), base + start, end - start)
+        if header_len > size - 8:
+            raise CheckpointError(f"{path}: header length {header_len} exceeds the file")
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object")
+    return header, 8 + header_len
+
+
+def _record(path: Path, name: str, info, base: int, size: int) -> TensorRecord:
+    try:
+        dtype = DTYPES.get(info["dtype"])
+        start, end = (int(x) for x in info["data_offsets"])
+        shape = tuple(int(d) for d in info["shape"])
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{path}: {name} has a malformed header entry") from None
+    if dtype is None:
+        raise CheckpointError(f"{path}: {name} has unsupported dtype {info['dtype']!r}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if end - start != numel * dtype.itemsize or start < 0 or base + end > size:
+        raise CheckpointError(f"{path}: {name} has inconsistent data offsets")
+    return TensorRecord(name, dtype, shape, base + start, end - start, path)
+
+
+def _names_by_safetensors(path: Path) -> set[str]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return set(f.keys())
+    except Exception as exc:  # noqa: BLE001 - its own error types; the message says why
+        raise CheckpointError(f"{path}: safetensors refuses the file ({exc})") from None
+
+
+def read_index(path: str | Path, *, validate: bool = False) -> dict[str, TensorRecord]:
+    """Where each tensor's bytes lie in a safetensors file (reads only the header)."""
+    path = Path(path)
+    size = path.stat().st_size
+    header, base = _header(path, size)
+    records = {name: _record(path, name, info, base, size)
+               for name, info in header.items() if name != "__metadata__"}
+    if validate and _names_by_safetensors(path) != set(records):
+        raise CheckpointError(f"{path}: header and safetensors disagree on tensor names")
     return records
 
 
-def map_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """name -> CPU tensor viewing the file's bytes (copy-on-write: the file is never modified)."""
-    path = Path(path)
-    records = read_index(path)
-    size = path.stat().st_size
+def map_file(path: str | Path) -> torch.Tensor:
+    """The whole file as a flat uint8 CPU tensor through a private mapping: reads come from the
+    page cache every process shares; writes (never made) would stay private."""
+    size = Path(path).stat().st_size
     if not size:
-        return {}
-    with open(path, "rb") as f:
-        mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    data = torch.frombuffer(mapping, dtype=torch.uint8)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, r in records.items():
-        if r.file_offset + r.nbytes > size:
-            raise CheckpointError(f"{path}: {name} lies beyond the end of the file")
-        raw = data[r.file_offset:r.file_offset + r.nbytes]
-        tensors[name] = raw.view(r.dtype).reshape(r.shape) if r.nbytes else torch.empty(r.shape, dtype=r.dtype)
-    return tensors
+        return torch.empty(0, dtype=torch.uint8)
+    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,), (1,))
+
+
+def record_view(data: torch.Tensor, r: TensorRecord) -> torch.Tensor:
+    """The tensor `r` describes, viewed in `data` (the file mapped by map_file)."""
+    if not r.nbytes:
+        return torch.empty(r.shape, dtype=r.dtype)
+    return data[r.file_offset:r.file_offset + r.nbytes].view(r.dtype).view(r.shape)
+
+
+def map_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """name -> CPU tensor viewing the file's bytes (the file is never modified)."""
+    data = map_file(path)
+    return {name: record_view(data, r) for name, r in read_index(path).items()}

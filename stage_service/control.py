@@ -67,9 +67,12 @@ class StageControl:
 
     async def _undo_partial_sleep(self, acks: list[Ack]) -> None:
         """Some worker could not sleep: wake the ones that did and serve again, as before the call."""
-        for ack in acks:
-            if ack.ok:
-                await asyncio.wrap_future(self._executor.control(ack.rank, "wake"))
+        # DLO AllGather ranks wake through a collective that a rank still awake never joins: the
+        # group restarts instead, and comes up awake.
+        if not self._engine.restart_dp_group("a rank of the DP group could not sleep"):
+            for ack in acks:
+                if ack.ok:
+                    await asyncio.wrap_future(self._executor.control(ack.rank, "wake"))
         self._engine.open_admission()
         log.error("sleep failed; stage stays awake", errors=[a.error for a in acks if not a.ok])
 

@@ -1,4 +1,5 @@
 """Admission, batching of compatible requests, dispatch to free workers, restart of dead ones.
+A stage whose ranks form a DLO AllGather group runs DP waves instead (waves_scheduler.py).
 
 Runs on the service's event loop; all blocking work happens in the executor's processes or
 in threads.
@@ -10,14 +11,16 @@ import asyncio
 import collections
 import uuid
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import torch
 
 from stagemesh import errors, logs
 from stagemesh.params import Params
-from stage_service.executor import Executor
+from stage_service.executor import Executor, ProgressFn
 from stage_service.outputs import output_timeout
+from stage_service.waves_scheduler import WaveScheduler
 
 log = logs.get_logger("stagemesh.engine")
 
@@ -45,6 +48,8 @@ class _Request:
     batch: "_Batch | None" = None
     done: bool = False
     output_id: str = ""
+    # False when the caller left num_inference_steps to the stage's default (DP waves refuse it).
+    explicit_steps: bool = True
     # Unique inside the engine (client request ids may repeat): names this request's share of a batch output.
     key: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -85,6 +90,8 @@ class Engine:
         self._idle = asyncio.Event()
         self._idle.set()
         self.on_worker_restarted: Callable[[int], Awaitable[None]] | None = None
+        # DLO AllGather with dp_size > 1: requests run in DP waves across all ranks.
+        self._waves = WaveScheduler(self, executor) if executor.wave_size > 1 else None
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -103,7 +110,8 @@ class Engine:
         return len(self._dead_ranks) < self._workers
 
     # public -----------------------------------------------------------------------------------
-    async def run(self, request_id: str, params: Params, inputs: dict[str, torch.Tensor]) -> AsyncIterator[Any]:
+    async def run(self, request_id: str, params: Params, inputs: dict[str, torch.Tensor],
+                  explicit_steps: bool = True) -> AsyncIterator[Any]:
         """Admit one request; yield ProgressEvents then one OutputsEvent. Cancelling the
         consumer frees the request's place in the queue or in its batch."""
         if len(self._waiting) >= self._max_queue:
@@ -112,7 +120,9 @@ class Engine:
             raise errors.FailedPrecondition(self._closed_reason)
         if not self.serving:
             raise errors.Unavailable("no worker of this stage is running")
-        req = _Request(request_id, params, inputs)
+        req = _Request(request_id, params, inputs, explicit_steps=explicit_steps)
+        if self._waves is not None:
+            self._waves.admit(req)
         self._waiting.append(req)
         self._wake.set()
         try:
@@ -133,7 +143,7 @@ class Engine:
         until every dispatched batch has delivered its outputs."""
         self._closed_reason = reason
         while self._waiting:
-            self._deliver(self._waiting.popleft(), errors.FailedPrecondition(reason))
+            self.deliver(self._waiting.popleft(), errors.FailedPrecondition(reason))
         await self._idle.wait()
 
     def open_admission(self) -> None:
@@ -163,6 +173,10 @@ class Engine:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if self._waves is not None:
+                while self._waiting and self._waves.ready():
+                    self._launch(self._waves.run(self._waves.next_wave(self._waiting)))
+                continue
             while self._waiting and (rank := self._free_rank()) is not None:
                 self._in_flight[rank] += 1
                 self._dispatch(rank, self._take_batch())
@@ -175,43 +189,58 @@ class Engine:
         batch = _Batch(rank, requests)
         for r in requests:
             r.batch = batch
+        self._launch(self._execute_batch(batch))
+
+    def _launch(self, work: Awaitable[None]) -> None:
         # Busy from here, not from when the task first runs: a close_admission() in between must
-        # wait for this batch, or its control message would overtake the batch to the worker.
+        # wait for this work, or its control message would overtake it to the worker.
         self._active_batches += 1
         self._idle.clear()
-        task = asyncio.create_task(self._run_batch(batch))
+        self.spawn(self._run_active(work))
+
+    def spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run_batch(self, batch: _Batch) -> None:
+    async def _run_active(self, work: Awaitable[None]) -> None:
         try:
-            await self._execute_batch(batch)
+            await work
         finally:
             self._active_batches -= 1
             if not self._active_batches:
                 self._idle.set()
 
-    async def _execute_batch(self, batch: _Batch) -> None:
+    def progress_listener(self, requests: list[_Request]) -> ProgressFn:
         loop = self._loop
 
         def on_progress(step: int, total: int) -> None:  # pump thread
-            loop.call_soon_threadsafe(self._fan_out, batch, ProgressEvent(step, total))
+            loop.call_soon_threadsafe(self._fan_out, requests, ProgressEvent(step, total))
 
+        return on_progress
+
+    async def _execute_batch(self, batch: _Batch) -> None:
+        on_progress = self.progress_listener(batch.requests)
         batch.rpc_id, fut = self._executor.submit(batch.rank, [r.work_item() for r in batch.requests], on_progress)
         try:
             done = await asyncio.wrap_future(fut)
         except Exception as exc:  # noqa: BLE001 - every request of the batch gets the error
-            self._fan_out(batch, exc)
+            self._fan_out(batch.requests, exc)
             return
         finally:
             # COMPUTE_DONE (or the synchronous result) frees the worker for the next batch at once.
             self._release(batch.rank)
-        if isinstance(done, list):  # step mode: the outputs themselves
-            for r, outputs in zip(batch.requests, done):
-                self._deliver(r, OutputsEvent(outputs))
+        await self.collect(batch.requests, done)
+
+    async def collect(self, requests: list[_Request], done: Any) -> None:
+        """Hand each request its outputs: a step-mode result carries them, a COMPUTE_DONE names
+        the batch output to split."""
+        if isinstance(done, list):
+            for r, outputs in zip(requests, done):
+                self.deliver(r, OutputsEvent(outputs))
             return
-        sub_ids = self._executor.outputs.split(done.async_output_id, [r.key for r in batch.requests])
-        await asyncio.gather(*(self._await_output(r, sub_id) for r, sub_id in zip(batch.requests, sub_ids)))
+        sub_ids = self._executor.outputs.split(done.async_output_id, [r.key for r in requests])
+        await asyncio.gather(*(self._await_output(r, sub_id) for r, sub_id in zip(requests, sub_ids)))
 
     async def _await_output(self, req: _Request, output_id: str) -> None:
         registry = self._executor.outputs
@@ -224,26 +253,33 @@ class Engine:
             outputs = await asyncio.wait_for(asyncio.wrap_future(registry.future(output_id)), timeout_s)
         except asyncio.TimeoutError:
             registry.discard(output_id)
-            self._deliver(req, registry.timeout_error(output_id, timeout_s))
+            self.deliver(req, registry.timeout_error(output_id, timeout_s))
         except asyncio.CancelledError:
             registry.discard(output_id)  # the request went away while its output was on its way
         except Exception as exc:  # noqa: BLE001
-            self._deliver(req, exc)
+            self.deliver(req, exc)
         else:
-            self._deliver(req, OutputsEvent(outputs))
+            self.deliver(req, OutputsEvent(outputs))
 
     def _release(self, rank: int) -> None:
         self._in_flight[rank] = max(0, self._in_flight[rank] - 1)
         self._wake.set()
 
-    def _fan_out(self, batch: _Batch, event: Any) -> None:
-        for r in batch.requests:
-            self._deliver(r, event)
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _fan_out(self, requests: list[_Request], event: Any) -> None:
+        for r in requests:
+            self.deliver(r, event)
 
     @staticmethod
-    def _deliver(req: _Request, event: Any) -> None:
+    def deliver(req: _Request, event: Any) -> None:
         if not req.done:
             req.events.put_nowait(event)
+
+    def fail_waiting(self, exc: BaseException) -> None:
+        while self._waiting:
+            self.deliver(self._waiting.popleft(), exc)
 
     def _abandon(self, req: _Request) -> None:
         if req in self._waiting:
@@ -260,12 +296,33 @@ class Engine:
         self._loop.call_soon_threadsafe(self._begin_restart, rank, reason)
 
     def _begin_restart(self, rank: int, reason: str) -> None:
-        self._dead_ranks.add(rank)
+        if self._waves is not None:
+            self._waves.rank_died(rank, reason)  # the whole DP group restarts
+            return
+        self.ranks_down([rank])
+        self.spawn(self._restart(rank))
+
+    def restart_dp_group(self, reason: str) -> bool:
+        """Restart every rank of a DLO AllGather group; False when the stage has none."""
+        if self._waves is None:
+            return False
+        self._waves.recover(reason)
+        return True
+
+    def ranks_down(self, ranks: Iterable[int]) -> None:
+        self._dead_ranks.update(ranks)
         if not self.serving and self._on_health is not None:
             self._on_health(False)
-        task = asyncio.create_task(self._restart(rank))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+
+    async def ranks_up(self, ranks: Iterable[int]) -> None:
+        """Restarted ranks serve again (and sleep again if the stage sleeps)."""
+        self._dead_ranks.difference_update(ranks)
+        self._wake.set()
+        for rank in ranks:
+            if self.on_worker_restarted is not None:
+                await self.on_worker_restarted(rank)
+        if self._on_health is not None:
+            self._on_health(True)
 
     async def _restart(self, rank: int) -> None:
         for attempt, delay in enumerate(RESTART_BACKOFF_S, start=1):
@@ -275,12 +332,7 @@ class Engine:
                 log.error("worker restart failed", rank=rank, attempt=attempt, error=str(exc))
                 await asyncio.sleep(delay)
                 continue
-            self._dead_ranks.discard(rank)
-            self._wake.set()
             log.info("worker restarted", rank=rank, attempt=attempt)
-            if self.on_worker_restarted is not None:
-                await self.on_worker_restarted(rank)
-            if self._on_health is not None:
-                self._on_health(True)
+            await self.ranks_up([rank])
             return
         log.error("worker stays down after repeated restart failures", rank=rank)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import multiprocessing as mp
 import os
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from stage_service import ipc, protocol, worker
+from stage_service.offload.config import DloOptions
 from stage_service.outputs import OutputRegistry
 from stagemesh import errors, logs
 
@@ -63,6 +66,12 @@ class Executor:
                  dlo: dict | None = None):
         self.stage_name = f"stage {stage_id} ({kind})"
         self.step_execution = step_execution
+        opts = DloOptions.from_mapping(dlo)
+        # DLO AllGather: the ranks form one process group and take requests in DP waves.
+        self.wave_size = opts.dp_size if kind == "diffusion" and opts.forms_dp_group else 1
+        if self.wave_size > 1 and workers != self.wave_size:
+            raise ValueError(f"{self.stage_name}: dp_size = {self.wave_size} with DLO AllGather "
+                             f"runs {self.wave_size} worker processes, got workers = {workers}")
         self._specs = [
             protocol.WorkerSpec(rank, stage_id, kind, str(model_dir), device, os.getpid(), threads, step_execution,
                                 dlo=dict(dlo or {}))
@@ -81,11 +90,11 @@ class Executor:
         swept = ipc.sweep_orphans()
         if swept:
             log.warning("removed shared-memory segments of dead executors", count=swept)
-        for spec in self._specs:
-            self._spawn(spec)
-        return [self._await_ready(rank, timeout_s) for rank in sorted(self._workers)]
+        return self._start_all(timeout_s)
 
     def restart(self, rank: int, timeout_s: float = READY_TIMEOUT_S) -> protocol.Ready:
+        if self.wave_size > 1:
+            return self.restart_group(timeout_s)[rank]
         old = self._workers.get(rank)
         if old is not None:
             self._stop_worker(old, graceful=False, reason="restarted")
@@ -95,6 +104,16 @@ class Executor:
             ipc.sweep(os.getpid(), rank)
         self._spawn(self._specs[rank])
         return self._await_ready(rank, timeout_s)
+
+    def restart_group(self, timeout_s: float = READY_TIMEOUT_S) -> list[protocol.Ready]:
+        """Stop every rank and start them as a new process group: a group with a dead or hung
+        member cannot be repaired one rank at a time (its collectives would never complete)."""
+        self._stop_all("restarted with its DP group")
+        return self._start_all(timeout_s)
+
+    def is_alive(self, rank: int) -> bool:
+        w = self._workers.get(rank)
+        return w is not None and not w.stopping and w.process.is_alive()
 
     def shutdown(self) -> None:
         self._closed = True
@@ -140,6 +159,34 @@ class Executor:
             w.requests.put(protocol.Cancel(rpc_id))
 
     # internals ------------------------------------------------------------------------------
+    def _start_all(self, timeout_s: float) -> list[protocol.Ready]:
+        if self._closed:
+            raise errors.Unavailable(f"{self.stage_name}: executor shut down")
+        specs = self._specs
+        if self.wave_size > 1:
+            # A fresh rendezvous for every start: the old group's port may still be held.
+            group = protocol.DpGroup(f"tcp://127.0.0.1:{_free_port()}", self.wave_size, timeout_s)
+            specs = [dataclasses.replace(spec, dp_group=group) for spec in specs]
+        for spec in specs:
+            self._spawn(spec)
+        try:
+            return self._await_all_ready(sorted(self._workers), timeout_s)
+        except errors.Unavailable:
+            if self.wave_size > 1:
+                # The others wait in the group for the rank that failed: they never get ready.
+                self._stop_all("its DP group failed to form")
+            raise
+
+    def _stop_all(self, reason: str) -> None:
+        workers = list(self._workers.values())
+        for w in workers:
+            w.stopping = True  # before any kill: a peer's death is no news while we stop them all
+        for w in workers:
+            self._stop_worker(w, graceful=False, reason=reason)
+            self.outputs.fail_rank(w.spec.rank, errors.Unavailable(
+                f"{self.stage_name} worker {w.spec.rank}: {reason}"))
+            ipc.sweep(os.getpid(), w.spec.rank)
+
     def _spawn(self, spec: protocol.WorkerSpec) -> None:
         requests, results = self._ctx.Queue(), self._ctx.Queue()
         process = self._ctx.Process(
@@ -151,26 +198,40 @@ class Executor:
         log.info("worker started", rank=spec.rank, pid=process.pid)
 
     def _await_ready(self, rank: int, timeout_s: float) -> protocol.Ready:
-        w = self._workers[rank]
+        return self._await_all_ready([rank], timeout_s)[0]
+
+    def _await_all_ready(self, ranks: list[int], timeout_s: float) -> list[protocol.Ready]:
+        """Wait for every rank at once: a rank that fails to load is reported at once, even
+        while the others still load (or wait for it in their process group)."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                msg = w.results.get(timeout=PUMP_POLL_S)
-            except queue.Empty:
-                if not w.process.is_alive():
-                    raise errors.Unavailable(f"{self.stage_name} worker {rank} exited while loading "
-                                             f"(exit code {w.process.exitcode})") from None
-                if time.monotonic() > deadline:
-                    raise errors.Unavailable(f"{self.stage_name} worker {rank} not ready after {timeout_s:.0f} s") from None
-                continue
-            if isinstance(msg, protocol.LoadFailed):
-                raise errors.Unavailable(f"{self.stage_name} worker {rank} failed to load: {msg.message}")
-            if isinstance(msg, protocol.Ready):
-                w.ready = msg
-                w.pump = threading.Thread(target=self._pump, args=(w,), name=f"result-pump-{rank}", daemon=True)
-                w.pump.start()
-                log.info("worker ready", rank=rank, device=msg.device)
-                return msg
+        waiting = list(ranks)
+        while waiting:
+            for rank in list(waiting):
+                if self._poll_ready(rank, PUMP_POLL_S / len(waiting)):
+                    waiting.remove(rank)
+            if waiting and time.monotonic() > deadline:
+                raise errors.Unavailable(f"{self.stage_name} worker {waiting[0]} not ready after "
+                                         f"{timeout_s:.0f} s")
+        return [self._workers[rank].ready for rank in ranks]
+
+    def _poll_ready(self, rank: int, timeout_s: float) -> bool:
+        w = self._workers[rank]
+        try:
+            msg = w.results.get(timeout=timeout_s)
+        except queue.Empty:
+            if not w.process.is_alive():
+                raise errors.Unavailable(f"{self.stage_name} worker {rank} exited while loading "
+                                         f"(exit code {w.process.exitcode})") from None
+            return False
+        if isinstance(msg, protocol.LoadFailed):
+            raise errors.Unavailable(f"{self.stage_name} worker {rank} failed to load: {msg.message}")
+        if not isinstance(msg, protocol.Ready):
+            return False
+        w.ready = msg
+        w.pump = threading.Thread(target=self._pump, args=(w,), name=f"result-pump-{rank}", daemon=True)
+        w.pump.start()
+        log.info("worker ready", rank=rank, device=msg.device)
+        return True
 
     def _pump(self, w: _Worker) -> None:
         """The only reader of a worker's result queue."""
@@ -279,3 +340,10 @@ class Executor:
             q.close()
         if w.pump is not None and w.pump is not threading.current_thread():
             w.pump.join(JOIN_TIMEOUT_S)
+
+
+def _free_port() -> int:
+    """A free loopback port for the DP group's rendezvous (rank 0 binds it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -7,6 +7,15 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class DpGroup:
+    """The torch.distributed group the DP ranks of a stage form (DLO AllGather)."""
+
+    address: str  # tcp://127.0.0.1:PORT; rank 0 hosts the rendezvous store
+    world_size: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
     rank: int
     stage_id: int
@@ -19,6 +28,8 @@ class WorkerSpec:
     step_execution: bool = False
     # DLO options (offload.config.DloOptions fields); empty: DLO off.
     dlo: dict = field(default_factory=dict)
+    # Set when the ranks form one process group; a fresh address for every (re)start of it.
+    dp_group: DpGroup | None = None
 
 
 # executor -> worker

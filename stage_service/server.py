@@ -42,7 +42,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         request_id = logs.current_request_id()
         params = converters.params_from_proto(request.params, self.limits)
         inputs = {name: codec.from_proto(t, f"inputs[{name}]") for name, t in request.inputs.items()}
-        async for event in self._engine.run(request_id, params, inputs):
+        explicit_steps = request.params.HasField("num_inference_steps")
+        async for event in self._engine.run(request_id, params, inputs, explicit_steps):
             if isinstance(event, ProgressEvent):
                 yield stage_pb2.ExecuteResponse(progress=stage_pb2.StageProgress(step=event.step, total=event.total))
             elif isinstance(event, OutputsEvent):
@@ -66,7 +67,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             ),
             device=ready[0].device if ready else s.device,
             device_memory_bytes=sum(r.device_memory_bytes for r in ready),
-            workers=s.workers,
+            workers=s.worker_processes(),
             max_batch_size=s.max_batch_size,
             supports_sleep=self._control.supports_sleep,
             sleep_level=self._control.level,
@@ -90,10 +91,11 @@ async def serve_stage(settings: StageSettings) -> None:
     def on_health(serving: bool) -> None:
         loop.create_task(host.set_serving(serving))
 
+    workers = settings.worker_processes()  # dp_size when the ranks form a DLO AllGather group
     executor = Executor(settings.stage_id, settings.kind, str(settings.resolved_model_dir()), settings.device,
-                        settings.workers, settings.threads, on_death=lambda r, why: engine.worker_died(r, why),
+                        workers, settings.threads, on_death=lambda r, why: engine.worker_died(r, why),
                         step_execution=settings.step_execution, dlo=DloOptions.from_settings(settings).to_dict())
-    engine = Engine(executor, settings.kind, settings.workers, settings.max_batch_size, settings.max_queue, on_health)
+    engine = Engine(executor, settings.kind, workers, settings.max_batch_size, settings.max_queue, on_health)
     control = StageControl(executor.stage_name, engine, executor, settings.enable_sleep)
     servicer = StageServicer(settings, engine, executor, control)
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, host.server)

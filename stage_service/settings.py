@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from stage_service.offload.config import DEFAULT_RUNTIME_CACHE_DIR
+from stage_service.offload.config import DEFAULT_RUNTIME_CACHE_DIR, DloOptions
 from stage_service.offload.config import HELP as DLO_HELP
 from stage_service.offload.config import validate as validate_dlo
 from stagemesh.params import Limits
@@ -77,6 +77,24 @@ class StageSettings:
 
     def __post_init__(self) -> None:
         validate_dlo(self)  # refused DLO combinations fail at start, saying what to change
+        if self.dp_group_size() > 1 and self.workers not in (1, self.dp_size):
+            raise ValueError(
+                f"workers = {self.workers} with enable_dlo, AllGather and dp_size = "
+                f"{self.dp_size}: the DP ranks are the workers; set workers = {self.dp_size} "
+                "(or leave it at 1)")
+        if self.dp_group_size() > 1 and self.device.startswith("cuda:"):
+            raise ValueError(
+                f"device = {self.device!r} with enable_dlo, AllGather and dp_size = "
+                f"{self.dp_size}: every DP rank needs its own GPU; use device = 'cuda' "
+                "(rank i uses cuda:i)")
+
+    def dp_group_size(self) -> int:
+        """Ranks of the stage's DP group (DLO AllGather on a diffusion stage); 1: no group."""
+        grouped = self.kind == "diffusion" and DloOptions.from_settings(self).forms_dp_group
+        return self.dp_size if grouped else 1
+
+    def worker_processes(self) -> int:
+        return max(self.workers, self.dp_group_size())
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:

@@ -5,15 +5,21 @@ cycles) and frees the device copies; level 2 frees them without a copy. Waking a
 device buffer for all weights and fills it from the host buffer (level 1) or from the
 checkpoint through a memory map (level 2). The Parameter and buffer objects stay the same
 throughout: only their storage changes, so nothing that holds a module sees a difference.
+
+The controller manages what a runner's `weight_files()` names; a runner may leave tensors out
+(`WeightFile.skip`: those a layerwise offload engine streams from its own host copies) and hand
+over `DeviceHolder`s for other device memory it owns (the engine's slots): they are released
+inside the measured window of a sleep and restored on wake.
 """
 
 from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -27,10 +33,23 @@ _ALIGN = 64  # bytes: every tensor starts on a 64-byte boundary of the flat buff
 
 @dataclass(frozen=True)
 class WeightFile:
-    """A checkpoint file and the modules it fills, by key prefix (e.g. {"dit.": dit})."""
+    """A checkpoint file and the modules it fills, by key prefix (e.g. {"dit.": dit}). Tensors
+    whose key starts with one of `skip` (e.g. "dit.blocks.3.") are someone else's to manage."""
 
     path: Path
     parts: dict[str, nn.Module]
+    skip: tuple[str, ...] = ()
+
+    def manages(self, key: str) -> bool:
+        return not key.startswith(self.skip) if self.skip else True
+
+
+class DeviceHolder(Protocol):
+    """Device memory outside the weight files (e.g. DLO slots) that sleeps with them."""
+
+    def release_device(self) -> int: ...  # bytes released
+
+    def restore_device(self) -> int: ...  # bytes taken back
 
 
 @dataclass
@@ -68,6 +87,7 @@ class SleepController:
         self._host: torch.Tensor | None = None  # level-1 copy, kept for reuse across cycles
         self._device_flat: torch.Tensor | None = None  # set once the weights live in one buffer
         self._reloader = Reloader(self.device)
+        self._holders: list[DeviceHolder] = []  # released by the last sleep, restored on wake
 
     def _collect(self) -> Iterator[_Entry]:
         offset = 0
@@ -75,8 +95,12 @@ class SleepController:
             for prefix, module in weight_file.parts.items():
                 persistent = module.state_dict(keep_vars=True)
                 ids = {id(t) for t in persistent.values()}
-                extra = [("", t) for _, t in module.named_buffers() if id(t) not in ids]
-                for key, tensor in [*((prefix + k, t) for k, t in persistent.items()), *extra]:
+                # (checkpoint key, qualified name, tensor); key "" marks a non-persistent buffer.
+                tensors = [(prefix + k, prefix + k, t) for k, t in persistent.items()]
+                tensors += [("", prefix + n, t) for n, t in module.named_buffers() if id(t) not in ids]
+                for key, name, tensor in tensors:
+                    if not weight_file.manages(name):
+                        continue
                     nbytes = tensor.numel() * tensor.element_size()
                     yield _Entry(key, tensor, tensor.shape, tensor.dtype, offset, nbytes)
                     offset += _aligned(nbytes)
@@ -86,7 +110,8 @@ class SleepController:
         return sum(e.nbytes for e in self._entries)
 
     # sleep ------------------------------------------------------------------------------------
-    def sleep(self, level: int) -> SleepResult:
+    def sleep(self, level: int, holders: Sequence[DeviceHolder] = ()) -> SleepResult:
+        """`holders`: further device memory to release with the weights (restored by wake)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         started = time.perf_counter()
@@ -103,6 +128,8 @@ class SleepController:
             self._copy_to_host()
         else:
             self._reloader.prepare()  # pin the staging chunks now, not on the wake path
+        self._holders = list(holders)
+        released += sum(h.release_device() for h in self._holders)
         for e in self._entries:
             if level == 2 and not e.key:
                 # Non-persistent buffers cannot be reloaded from the checkpoint: keep them, but not
@@ -150,12 +177,15 @@ class SleepController:
             if level == 2 and not e.key:
                 continue
             e.tensor.data = flat[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+        restored = sum(h.restore_device() for h in self._holders)
+        self._holders = []
         if platform.is_cuda(self.device):
             torch.cuda.synchronize(self.device)
         self._device_flat = flat
         self._reloader.release()
         self.level = 0
-        taken = before - self._free_memory() if platform.is_cuda(self.device) else self._storage_bytes()
+        cuda = platform.is_cuda(self.device)
+        taken = before - self._free_memory() if cuda else self._storage_bytes() + restored
         return SleepResult(level, taken, (time.perf_counter() - started) * 1e3)
 
     def _fill_from_checkpoint(self, flat: torch.Tensor) -> None:
@@ -183,11 +213,15 @@ class SleepController:
         return 0
 
     def _storage_bytes(self) -> int:
-        seen: dict[int, int] = {}
+        """CPU stand-in for a device measurement: the bytes the managed tensors occupy, each
+        storage counted once and never beyond what they view (a mapped file is not theirs)."""
+        seen: dict[int, tuple[int, int]] = {}
         for e in self._entries:
-            storage = e.tensor.data.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-        return sum(seen.values())
+            t = e.tensor.data
+            storage = t.untyped_storage()
+            cap, used = seen.get(storage.data_ptr(), (storage.nbytes(), 0))
+            seen[storage.data_ptr()] = (cap, used + t.numel() * t.element_size())
+        return sum(min(cap, used) for cap, used in seen.values())
 
     def _release(self, free_before: int, released_storage: int, collect: bool) -> int:
         """Return memory to the device and measure it; on the CPU, the storage bytes dropped."""

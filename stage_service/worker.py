@@ -130,15 +130,22 @@ class Worker:
         return {"ping": self._ping, "drain": self._drain, "sleep": self._sleep, "wake": self._wake}
 
     def _ping(self) -> dict[str, Any]:
-        return {"rank": self.spec.rank, "device_memory_bytes": platform.memory_allocated(self.device),
-                "sleep_level": self.sleep.level}
+        out = {"rank": self.spec.rank, "device_memory_bytes": platform.memory_allocated(self.device),
+               "sleep_level": self.sleep.level}
+        offload = getattr(self.runner, "offload", None)
+        if offload is not None:
+            stats = offload.stats()
+            out["dlo"] = {"world": stats.world, "host_mode": stats.host_mode,
+                          "host_bytes": stats.host_bytes}
+        return out
 
     def _sleep(self, level: int) -> dict[str, Any]:
         # Outputs still being copied reference device memory: they must be out before it is freed.
         drained = self._drain()["drained"]
         if not drained:
             raise RuntimeError("async outputs still in flight after 10 s; not sleeping")
-        result = self.sleep.sleep(level)
+        # DLO: the runner's offload engine frees its device slots within the same measurement.
+        result = self.sleep.sleep(level, holders=getattr(self.runner, "device_holders", list)())
         return {"level": result.level, "freed_bytes": result.freed_bytes, "latency_ms": result.latency_ms}
 
     def _wake(self) -> dict[str, Any]:
@@ -160,6 +167,10 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
     from stagemesh import procutil
 
     procutil.die_with_parent(spec.parent_pid)
+    from stagemesh import logs
+
+    # A spawned process starts with structlog unconfigured (it would print to stdout).
+    logs.configure(f"stage-{spec.stage_id}-worker-{spec.rank}")
     # Ctrl-C reaches the whole process group; the service decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # SIGTERM comes when the executor died (PDEATHSIG): nobody will read our segments any more.
@@ -172,10 +183,26 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
 
     device = resolve_device(spec.device, spec.rank)
     try:
-        runner = build_runner(spec.kind, Path(spec.model_dir), device, dlo=spec.dlo)
+        group = _join_dp_group(spec, device)
+        runner = build_runner(spec.kind, Path(spec.model_dir), device, dlo=spec.dlo, group=group)
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
         results.put(protocol.LoadFailed(spec.rank, f"{type(exc).__name__}: {exc}"))
         return
     results.put(protocol.Ready(spec.rank, runner.limits(), device, platform.memory_allocated(device)))
     Worker(spec, runner, device, requests, results).serve()
+    if group is not None:
+        from stage_service.offload.collective import leave_group
+
+        leave_group()
+
+
+def _join_dp_group(spec: protocol.WorkerSpec, device: str):
+    """Before loading: with DLO AllGather each rank keeps only its shard of the weights, so
+    the group must exist when the model is packed."""
+    if spec.dp_group is None:
+        return None
+    from stage_service.offload.collective import join_group
+
+    g = spec.dp_group
+    return join_group(g.address, spec.rank, g.world_size, device, g.timeout_s)

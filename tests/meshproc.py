@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +101,9 @@ class Mesh:
         return self.process.wait(timeout)
 
 
-def write_config(path: Path, model_dir: Path, extra_stage: str = "", cache_root: Path | None = None) -> Path:
+def write_config(path: Path, model_dir: Path, extra_stage: str = "", cache_root: Path | None = None,
+                 extra_diffusion: str = "") -> Path:
+    """`extra_stage` lines go into every [[stages]] table, `extra_diffusion` only into stage 1's."""
     cache_root = cache_root or path.parent / "cache-root"
     path.write_text(f"""
 [mesh]
@@ -126,6 +129,7 @@ max_size = 512
 max_steps = 50
 max_prompt_bytes = 256
 {extra_stage}
+{extra_diffusion}
 """)
     return path
 
@@ -151,4 +155,6 @@ def start_mesh(config_path: Path, log_path: Path) -> Mesh:
         process.kill()
         process.wait()
         raise RuntimeError(f"mesh did not start; log:\n{log_path.read_text()[-4000:]}")
+    # Keep reading stdout so nothing the mesh prints later can fill the pipe and block it.
+    threading.Thread(target=process.stdout.read, daemon=True).start()
     return Mesh(process, address, log_path, config_path)

@@ -3,6 +3,8 @@ before the model is touched, and the reason is logged."""
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from safetensors.torch import save_file
 from structlog.testing import capture_logs
 from torch import nn
 
+from stage_service.checkpoint import CheckpointError, map_tensors, read_index
 from stage_service.offload import load_or_fallback
 
 
@@ -160,3 +163,35 @@ def test_meta_non_persistent_buffers_and_load_callbacks_fall_back(tmp_path: Path
     net = _Net()
     net.embed = Fused(6, 8)
     assert "load callback" in load_or_fallback([path], {"net.": net}, lambda: None)
+
+
+def _raw_safetensors(path: Path, header: dict, data: bytes) -> Path:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+def test_one_header_reader_serves_the_plan_and_sleep(tmp_path: Path):
+    """stage_service.checkpoint.read_index is the only safetensors header reader: it checks the
+    header against the file, and the plan refuses what it refuses."""
+    state = _state()
+    path = _write(tmp_path, state)
+    index = read_index(path, validate=True)
+    mapped = map_tensors(path)
+    assert set(index) == set(mapped) == set(state)
+    for name, t in state.items():
+        r = index[name]
+        assert (r.path, r.dtype, r.shape, r.nbytes) == (path, t.dtype, tuple(t.shape),
+                                                        t.numel() * t.element_size())
+        assert torch.equal(mapped[name], t)
+    # 12 bytes for a float32 [2] tensor: the offsets disagree with shape and dtype.
+    entry = {"dtype": "F32", "shape": [2], "data_offsets": [0, 12]}
+    bad = _raw_safetensors(tmp_path / "bad.safetensors", {"net.embed.bias": entry}, bytes(12))
+    with pytest.raises(CheckpointError, match="inconsistent data offsets"):
+        read_index(bad)
+    reason = load_or_fallback([bad], {"net.": _Net()}, lambda: None)
+    assert "inconsistent data offsets" in reason
+    # The data would run past the end of the file.
+    entry = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
+    short = _raw_safetensors(tmp_path / "short.safetensors", {"x": entry}, bytes(8))
+    assert "inconsistent data offsets" in load_or_fallback([short], {"net.": _Net()}, lambda: None)

@@ -51,6 +51,10 @@ class ArRunner:
         """Where each weight comes from: what sleep level 2 reloads on wake."""
         return [WeightFile(self.model_dir / LM_FILE, {"": self.lm})]
 
+    def device_holders(self) -> list:
+        """Device memory beyond the weight files that sleeps with them: none here."""
+        return []
+
     def run(self, batch: list[WorkItem], progress: Progress | None = None
             ) -> list[dict[str, torch.Tensor]]:
         """One output per item, in order. `progress(k, len(batch))` follows each item and may
@@ -75,19 +79,30 @@ class DiffusionRunner:
 
     kind = "diffusion"
 
-    def __init__(self, model_dir: Path, device: str = "cpu", dlo: dict | None = None) -> None:
+    def __init__(self, model_dir: Path, device: str = "cpu", dlo: dict | None = None,
+                 group=None) -> None:
         self.model_dir = Path(model_dir)
         self.device = device
         self.config = read_config(self.model_dir)
         self.offload = None  # the DLO engine when enable_dlo is set
         opts = DloOptions.from_mapping(dlo)
         if opts.enable_dlo:
-            self.dit, self.decoder, self.offload = load_offloaded_dit(self.model_dir, device, opts)
+            self.dit, self.decoder, self.offload = load_offloaded_dit(self.model_dir, device, opts,
+                                                                      group=group)
         else:
             self.dit, self.decoder = load_dit(self.model_dir, device)
 
     def weight_files(self) -> list[WeightFile]:
-        return [WeightFile(self.model_dir / DIT_FILE, {DIT_PREFIX: self.dit, DECODER_PREFIX: self.decoder})]
+        # Under DLO the streamed blocks belong to the offload engine (host copies or the
+        # checkpoint mapping, plus its device slots): sleep manages only what stays resident.
+        streamed = self.offload.streamed if self.offload is not None else ()
+        skip = tuple(f"{DIT_PREFIX}{block.path}." for block in streamed)
+        parts = {DIT_PREFIX: self.dit, DECODER_PREFIX: self.decoder}
+        return [WeightFile(self.model_dir / DIT_FILE, parts, skip)]
+
+    def device_holders(self) -> list:
+        """The DLO engine's device slots sleep and wake with the resident weights."""
+        return [self.offload] if self.offload is not None else []
 
     def _cond(self, item: WorkItem) -> torch.Tensor:
         cond = item.inputs.get("hidden_states")
@@ -137,13 +152,14 @@ _RUNNERS: dict[str, type[ArRunner | DiffusionRunner]] = {
 
 
 def build_runner(kind: str, model_dir: Path, device: str = "cpu",
-                 dlo: dict | None = None) -> ArRunner | DiffusionRunner:
-    """Load the runner for a stage kind from an existing model folder (see ensure_model_dir)."""
+                 dlo: dict | None = None, group=None) -> ArRunner | DiffusionRunner:
+    """Load the runner for a stage kind from an existing model folder (see ensure_model_dir).
+    `group`: the stage's DP process group (DLO AllGather with dp_size > 1)."""
     try:
         cls = _RUNNERS[kind]
     except KeyError:
         raise ValueError(f"unknown runner kind {kind!r}; expected one of {sorted(_RUNNERS)}") \
             from None
     if cls is DiffusionRunner:
-        return cls(model_dir, device, dlo)
+        return cls(model_dir, device, dlo, group)
     return cls(model_dir, device)

@@ -10,87 +10,46 @@ hooks. `load_or_fallback` runs the ordinary loader instead, and logs why, whenev
 
 from __future__ import annotations
 
-import json
-import os
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
+from stage_service.checkpoint import (
+    CheckpointError,
+    TensorRecord,
+    map_file,
+    read_index,
+    record_view,
+)
 from stagemesh import logs
 
 log = logs.get_logger("stagemesh.offload.checkpoint")
-
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
 
 
 class PlanRefused(Exception):
     """The checkpoint cannot be proven to map onto the model; the message says why."""
 
 
-@dataclass(frozen=True)
-class Record:
-    file: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # absolute byte offset in the file
-    nbytes: int
-
-
 @dataclass
 class MmapPlan:
     parts: dict[str, nn.Module]
-    records: dict[str, Record]
+    records: dict[str, TensorRecord]
     owners: dict[str, tuple[str, str]]  # checkpoint name -> (part prefix, name in the part)
     mappings: dict[Path, torch.Tensor] = field(default_factory=dict)
 
 
-def _read_header(file: Path) -> dict[str, Record]:
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > size - 8:
-            raise PlanRefused(f"{file.name}: header length {n} exceeds the file")
-        header = json.loads(f.read(n))
-    # safe_open must accept the file too: the ordinary loader reads it that way.
-    with safe_open(str(file), framework="pt") as f:
-        names = set(f.keys())
-    base, out = 8 + n, {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise PlanRefused(f"{file.name}: {name} has unsupported dtype {info.get('dtype')!r}")
-        lo, hi = info["data_offsets"]
-        shape = tuple(int(d) for d in info["shape"])
-        numel = 1
-        for d in shape:
-            numel *= d
-        if hi - lo != numel * dtype.itemsize or base + hi > size:
-            raise PlanRefused(f"{file.name}: {name} has inconsistent data offsets")
-        out[name] = Record(file, dtype, shape, base + lo, hi - lo)
-    if names != set(out):
-        raise PlanRefused(f"{file.name}: header and safetensors disagree on tensor names")
-    return out
-
-
-def _read_records(files: list[Path]) -> dict[str, Record]:
-    records: dict[str, Record] = {}
+def _read_records(files: list[Path]) -> dict[str, TensorRecord]:
+    records: dict[str, TensorRecord] = {}
     for file in files:
         try:
-            found = _read_header(file)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError,
-                struct.error) as exc:
+            # validate: safetensors itself must accept the file, as the ordinary loader reads it.
+            found = read_index(file, validate=True)
+        except CheckpointError as exc:
+            raise PlanRefused(str(exc)) from None
+        except OSError as exc:
             raise PlanRefused(f"{file}: unreadable safetensors header ({exc})") from None
         dup = sorted(records.keys() & found.keys())
         if dup:
@@ -131,7 +90,7 @@ def _non_persistent(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: b for name, b in module.named_buffers() if name not in persistent}
 
 
-def _check(records: dict[str, Record], expected: dict[str, torch.Tensor]) -> None:
+def _check(records: dict[str, TensorRecord], expected: dict[str, torch.Tensor]) -> None:
     missing = sorted(expected.keys() - records.keys())
     if missing:
         raise PlanRefused(f"missing tensor(s) {', '.join(missing[:5])}")
@@ -145,8 +104,8 @@ def _check(records: dict[str, Record], expected: dict[str, torch.Tensor]) -> Non
                               "in the model")
         if r.dtype != t.dtype:
             raise PlanRefused(f"{name}: dtype {r.dtype} in the checkpoint, {t.dtype} in the model")
-        if r.start % r.dtype.itemsize:
-            raise PlanRefused(f"{name}: offset {r.start} is not aligned to its dtype")
+        if r.file_offset % r.dtype.itemsize:
+            raise PlanRefused(f"{name}: offset {r.file_offset} is not aligned to its dtype")
 
 
 def plan_checkpoint(files: list[Path], parts: dict[str, nn.Module],
@@ -165,19 +124,11 @@ def plan_checkpoint(files: list[Path], parts: dict[str, nn.Module],
     return MmapPlan(dict(parts), records, owners)
 
 
-def _map(file: Path) -> torch.Tensor:
-    size = os.path.getsize(file)
-    # shared=False: a private mapping; reads come from the page cache every process shares.
-    storage = torch.UntypedStorage.from_file(str(file), shared=False, nbytes=size)
-    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,), (1,))
-
-
 def _view(plan: MmapPlan, name: str) -> torch.Tensor:
     r = plan.records[name]
-    if r.file not in plan.mappings:
-        plan.mappings[r.file] = _map(r.file)
-    raw = plan.mappings[r.file][r.start:r.start + r.nbytes]
-    return raw.view(r.dtype).view(r.shape)
+    if r.path not in plan.mappings:
+        plan.mappings[r.path] = map_file(r.path)
+    return record_view(plan.mappings[r.path], r)
 
 
 def apply_plan(plan: MmapPlan) -> None:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
+
+from stage_service import platform
 
 # Backends found to lack the single-tensor gather; they use the list form from then on. Every
 # rank of a group shares the backend, so all of them take the same path in the same order.
@@ -41,3 +45,22 @@ def gather_into(out: torch.Tensor, shard: torch.Tensor, group) -> None:
             _LIST_ONLY.add(backend)
     # Chunks of `out` are contiguous views, so the list form writes in place: no concatenation.
     dist.all_gather(list(out.chunk(world)), shard, group=group)
+
+
+def join_group(address: str, rank: int, world_size: int, device: str, timeout_s: float):
+    """Join the stage's DP group (NCCL on CUDA, gloo otherwise) and return it. Every rank
+    blocks here until all `world_size` ranks have arrived at `address`."""
+    kwargs = {}
+    backend = "gloo"
+    if platform.is_cuda(device):
+        backend = "nccl"
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = torch.device(device)
+    dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s), **kwargs)
+    return dist.group.WORLD
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -69,11 +69,18 @@ class DloOptions:
         """AllGather moves weights only when there is more than one rank to gather from."""
         return self.dlo_use_allgather and self.dp_size > 1
 
+    @property
+    def forms_dp_group(self) -> bool:
+        """The stage's dp_size ranks form one process group and run requests in DP waves."""
+        return self.enable_dlo and self.allgather_active
+
 
 HELP = {
     "enable_dlo": "stream the DiT's blocks from host memory through two device slots "
                   "(distributed layerwise offload, DLO)",
-    "dp_size": "data-parallel ranks of the stage; with DLO AllGather, the weight-sharding group",
+    "dp_size": "data-parallel ranks of the stage; with DLO AllGather on a diffusion stage, "
+               "that many worker processes form the weight-sharding group and run requests in "
+               "DP waves (see docs/DLO.md)",
     "dlo_use_allgather": "DLO: each DP rank keeps 1/dp_size of every block and rebuilds it with "
                          "AllGather; --dlo-no-use-allgather streams complete rank-local blocks",
     "dlo_resident_layers": "DLO: keep this many leading blocks on the device (needs "

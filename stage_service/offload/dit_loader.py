@@ -11,6 +11,7 @@ from stage_service.models.weights import (DECODER_PREFIX, DIT_FILE, DIT_PREFIX, 
                                           load_dit, read_config)
 
 from .checkpoint import load_or_fallback
+from .collective import group_shape
 from .config import DloOptions
 from .engine import LayerwiseOffload
 
@@ -39,9 +40,13 @@ def load_offloaded_dit(model_dir: Path, device: str | torch.device, opts: DloOpt
                        group=None):
     """(dit, decoder, engine). `group`: the DP process group for AllGather (dp_size > 1)."""
     if opts.allgather_active and group is None:
-        raise ValueError(f"dp_size = {opts.dp_size} with AllGather needs a process group of "
-                         "the stage's DP ranks, which this stage does not form yet: use "
-                         "dp_size = 1 or --dlo-no-use-allgather")
+        # The stage's executor forms the group; only a caller outside a stage gets here.
+        raise ValueError(f"dp_size = {opts.dp_size} with AllGather needs the process group of "
+                         "the stage's DP ranks: pass group=, or use dp_size = 1 or "
+                         "--dlo-no-use-allgather")
+    if opts.allgather_active and group_shape(group)[0] != opts.dp_size:
+        raise ValueError(f"dp_size = {opts.dp_size} but the process group has "
+                         f"{group_shape(group)[0]} ranks")
     dit, decoder, mapped, _ = load_host_dit(model_dir, opts.tensor_parallel_size)
     decoder.to(device)
     # A group of one runs no collective: it streams its own complete blocks, like no-AllGather.

@@ -152,6 +152,14 @@ class LayerwiseOffload:
         return PackedStore(self.layouts, self.device, init_block)
 
     def _make_slots(self) -> None:
+        self._alloc_slots()
+        if self.host_mode == "sharded":
+            # Drop the full private copies (or the mapping): this rank keeps only its shards.
+            for i, (layout, views) in enumerate(zip(self.layouts, self._views)):
+                layout.bind(views[0])
+                self._bound[i] = 0
+
+    def _alloc_slots(self) -> None:
         n = len(self.layouts)
         size = max((self.store.slot_nbytes(i) for i in range(n)), default=0)
         self._slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
@@ -164,11 +172,6 @@ class LayerwiseOffload:
             if self._comm is not None:
                 platform.record_stream(t, self._comm)
         self._views = [[layout.views(slot) for slot in self._slots] for layout in self.layouts]
-        if self.host_mode == "sharded":
-            # Drop the full private copies (or the mapping): this rank keeps only its shards.
-            for i, (layout, views) in enumerate(zip(self.layouts, self._views)):
-                layout.bind(views[0])
-                self._bound[i] = 0
 
     def _init_state(self) -> None:
         n = len(self.layouts)
@@ -185,6 +188,7 @@ class LayerwiseOffload:
         self._current = 1
         self._prev: int | None = None
         self._closed = False
+        self._released = False
         self.transfers = 0
 
     def _install_hooks(self) -> list:
@@ -199,8 +203,9 @@ class LayerwiseOffload:
 
     # runtime ------------------------------------------------------------------------------
     def _before(self, i: int, module: nn.Module, args) -> None:
-        if self._closed:
-            raise RuntimeError("layerwise offload is closed; this block has no weights")
+        if self._closed or self._released:
+            state = "closed" if self._closed else "released (asleep)"
+            raise RuntimeError(f"layerwise offload is {state}; this block has no weights")
         compute = platform.current_stream(self.device)
         if self._prev is not None and self._prev != i:
             self._next[self._prev] = i
@@ -263,7 +268,7 @@ class LayerwiseOffload:
             block_bytes=sum(layout.nbytes for layout in self.layouts),
             payload_bytes=sum(layout.payload_bytes() for layout in self.layouts),
             host_bytes=self.store.host_bytes,
-            slot_bytes=sum(t.numel() for t in self._slots + self._shards),
+            slot_bytes=self._device_bytes(),
             h2d_bytes_per_iteration=sum(self.store.h2d_nbytes(i) for i in range(n)),
             world=self.world, host_mode=self.host_mode, discovery=self.discovery.source)
 
@@ -276,6 +281,39 @@ class LayerwiseOffload:
         self._copy.synchronize()
         if self._comm is not None:
             self._comm.synchronize()
+
+    def _device_bytes(self) -> int:
+        return sum(t.numel() for t in self._slots + self._shards)
+
+    def release_device(self) -> int:
+        """Free the device slots (sleep). Host copies stay; streamed blocks point at empty
+        tensors until restore_device(). Returns the slot bytes released."""
+        if self._closed or self._released:
+            return 0
+        self.synchronize()
+        freed = self._device_bytes()
+        for layout in self.layouts:
+            # Views into a slot would keep it alive.
+            layout.bind([torch.empty(0, dtype=e.dtype, device=self.device)
+                         for e in layout.entries])
+        self._slots, self._shards, self._views = [], [], []
+        self._owner, self._pending = [None, None], [None, None]
+        self._bound = [None] * len(self.layouts)
+        self._current, self._prev = 1, None
+        self._released = True
+        return freed
+
+    def restore_device(self) -> int:
+        """Re-create the slots after release_device() and prefetch the first block, as at start
+        (every AllGather rank calls it, so the collectives stay in step). Returns slot bytes."""
+        if self._closed or not self._released:
+            return 0
+        with torch.inference_mode(False):
+            self._alloc_slots()
+        self._released = False
+        if self.layouts:
+            self._load(0, 0)
+        return self._device_bytes()
 
     def close(self) -> None:
         """Remove the hooks; a packed model is pointed back at its host copy."""

@@ -2,7 +2,8 @@
 
 Every rank must enter every weight collective in the same order, so all requests of a wave
 follow the same denoising path: the same explicit num_inference_steps, size and guidance. A rank
-without a request of its own runs a shadow pass with the wave's shape (its output is dropped).
+without a request of its own runs a filler: a copy of the wave's first request (its output is
+dropped).
 A wave is checked before anything is dispatched; a wave whose ranks do not all answer within
 the wave timeout fails for every request in it (fail closed), and the next wave runs as usual.
 """
@@ -83,7 +84,7 @@ def check_wave(requests: Sequence[WaveRequest], dp_size: int) -> None:
 
 
 def assign(requests: Sequence[WaveRequest], dp_size: int) -> list[WaveRequest | None]:
-    """Rank -> its request; None: that rank runs a shadow pass."""
+    """Rank -> its request; None: that rank runs a filler."""
     return list(requests) + [None] * (dp_size - len(requests))
 
 
@@ -92,14 +93,15 @@ Dispatch = Callable[[int, WaveRequest | None, WaveRequest], cf.Future]
 
 def run_wave(requests: Sequence[WaveRequest], dp_size: int, dispatch: Dispatch,
              timeout_s: float | None = None) -> list[Any]:
-    """Check, dispatch one request (or a shadow of `requests[0]`) per rank, and wait for all of
-    them. Returns the results of the real requests, in order; raises WaveRejected before any
+    """Check, dispatch one request (or a filler copy of `requests[0]`) per rank, and wait for
+    all of them. Returns the results of the real requests, in order; raises WaveRejected before any
     dispatch, WaveFailed when a rank fails or does not answer in time."""
     check_wave(requests, dp_size)
     timeout_s = wave_timeout() if timeout_s is None else timeout_s
     futures = [dispatch(rank, request, requests[0])
                for rank, request in enumerate(assign(requests, dp_size))]
-    done, pending = cf.wait(futures, timeout=timeout_s)
+    # A failed rank ends the wave at once: its peers would wait for it in a collective.
+    done, pending = cf.wait(futures, timeout=timeout_s, return_when=cf.FIRST_EXCEPTION)
     missing = [rank for rank, f in enumerate(futures) if f in pending]
     failed = [rank for rank, f in enumerate(futures)
               if f in done and (f.cancelled() or f.exception() is not None)]
@@ -110,8 +112,8 @@ def run_wave(requests: Sequence[WaveRequest], dp_size: int, dispatch: Dispatch,
         log.error("dp wave failed closed", missing_ranks=missing, failed_ranks=failed,
                   requests=ids, timeout_s=timeout_s)
         first = futures[failed[0]] if failed else None
-        why = (f"rank(s) {missing} did not answer within {timeout_s:g} s" if missing
-               else f"rank(s) {failed} failed: "
-                    f"{'cancelled' if first.cancelled() else first.exception()}")
+        why = (f"rank(s) {failed} failed: "
+               f"{'cancelled' if first.cancelled() else first.exception()}" if failed
+               else f"rank(s) {missing} did not answer within {timeout_s:g} s")
         raise WaveFailed(f"DP wave of {ids} failed: {why}")
     return [futures[rank].result() for rank in range(len(requests))]
