@@ -4,16 +4,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
+
+from cache_service import evict, locks
 from cache_service.store import CacheStore, EntryInfo, StoreStats, default_root
-from stagemesh import logs, serve as lifecycle
+from stagemesh import errors, logs
+from stagemesh import serve as lifecycle
 from stagemesh.rpc import ServiceHost, servicer_method
 from stagemesh.v1 import cache_pb2, cache_pb2_grpc
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
 
 log = logs.get_logger("cache_service.server")
+
+DEFAULT_LOCK_TIMEOUT_S = 600.0
+
+# Called with (context, method name) before every cache-mutating RPC; raises a domain error to
+# refuse. The bearer-token check plugs in here.
+MutationGuard = Callable[[grpc.aio.ServicerContext, str], None]
+
+# Lock waits may last the whole lock timeout; their own pool keeps them from starving the
+# default executor that ListEntries, GetStats and Evict use.
+_LOCK_WAITERS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="publication-lock")
 
 
 def entry_to_proto(entry: EntryInfo) -> cache_pb2.CacheEntry:
@@ -39,8 +57,14 @@ def stats_to_proto(stats: StoreStats) -> cache_pb2.GetStatsResponse:
 
 
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
-    def __init__(self, store: CacheStore):
+    def __init__(self, store: CacheStore, *, max_bytes: int | None = None, guard: MutationGuard | None = None):
         self.store = store
+        self.max_bytes = max_bytes
+        self.guard = guard
+
+    def _authorize_mutation(self, context, method: str) -> None:
+        if self.guard is not None:
+            self.guard(context, method)
 
     @servicer_method
     async def ListEntries(self, request, context):
@@ -53,6 +77,80 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         stats = await asyncio.to_thread(self.store.stats)
         return stats_to_proto(stats)
 
+    @servicer_method
+    async def Evict(self, request, context):
+        self._authorize_mutation(context, "Evict")
+        target = request.WhichOneof("target")
+        if target == "key":
+            key = locks.require_key(request.key, "key")
+            result = await asyncio.to_thread(evict.evict_keys, self.store, [key])
+        elif target == "budget_bytes":
+            if request.budget_bytes < 0:
+                raise errors.InvalidArgument.field("budget_bytes", "must be >= 0")
+            result = await asyncio.to_thread(evict.evict_to_budget, self.store, request.budget_bytes)
+        else:
+            raise errors.InvalidArgument.field("target", "set key or budget_bytes")
+        log.info("evicted", keys=result.evicted, freed_bytes=result.freed_bytes, skipped=result.skipped_in_use)
+        return evict_to_proto(result)
+
+    @servicer_method
+    async def PublishSession(self, request_iterator, context):
+        self._authorize_mutation(context, "PublishSession")
+        first = await anext(aiter(request_iterator), None)
+        if first is None:
+            return  # the client went away before naming a key
+        key = locks.require_key(first.key, "key")
+        timeout_s = first.lock_timeout_seconds or DEFAULT_LOCK_TIMEOUT_S
+        if not math.isfinite(timeout_s) or timeout_s <= 0:
+            raise errors.InvalidArgument.field("lock_timeout_seconds", "must be a positive finite number")
+        held = await _acquire_publication_lock(self.store.root, key, timeout_s)
+        if held is None:
+            raise errors.DeadlineExceeded(f"publication lock of {key} not granted within {timeout_s:g} s")
+        published = False
+        try:
+            problems = await asyncio.to_thread(self.store.entry_problems, key, deep=False)
+            log.info("publication lock granted", key=key, existing=problems is not None)
+            yield cache_pb2.PublishSessionResponse(granted=True, existing_valid=problems == [])
+            # Hold the lock until the client says done, half-closes, cancels or dies.
+            async for message in request_iterator:
+                if message.done:
+                    published = message.published
+                    break
+        finally:
+            held.release()
+            log.info("publication lock released", key=key, published=published)
+        if published and self.max_bytes is not None:
+            result = await asyncio.to_thread(evict.evict_to_budget, self.store, self.max_bytes)
+            log.info("budget enforced", max_bytes=self.max_bytes, evicted=result.evicted,
+                     remaining_bytes=result.remaining_bytes)
+
+
+async def _acquire_publication_lock(root: Path, key: str, timeout_s: float) -> locks.FileLock | None:
+    """Wait for the lock in a thread; if the session is cancelled meanwhile, a lock the thread
+    still obtains is released at once instead of leaking."""
+    cancelled = threading.Event()
+    future = asyncio.get_running_loop().run_in_executor(_LOCK_WAITERS, locks.publication_lock, root, key, timeout_s, cancelled)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        cancelled.set()
+        future.add_done_callback(_release_result)
+        raise
+
+
+def _release_result(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is None and future.result() is not None:
+        future.result().release()
+
+
+def evict_to_proto(result: evict.EvictResult) -> cache_pb2.EvictResponse:
+    return cache_pb2.EvictResponse(
+        evicted_keys=result.evicted,
+        freed_bytes=result.freed_bytes,
+        skipped_in_use_keys=result.skipped_in_use,
+        remaining_bytes=result.remaining_bytes,
+    )
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
@@ -61,7 +159,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--root",
         type=Path,
         default=default_root(),
-        help="runtime-weight cache root; created if missing (default: %(default)s)",
+        help="runtime-weight cache root; created 0700 if missing (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-bytes",
+        type=_byte_count,
+        default=None,
+        help="byte budget of the cache; after each publication least recently used entries that "
+        "nobody maps are evicted down to it (default: no budget)",
     )
     parser.add_argument(
         "--ready-file",
@@ -76,10 +181,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _byte_count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return value
+
+
 async def serve(args: argparse.Namespace) -> None:
     store = CacheStore(Path(args.root))
     host = ServiceHost(args.host, args.port, [SERVICE_NAME])
-    cache_pb2_grpc.add_CacheServiceServicer_to_server(CacheServicer(store), host.server)
+    servicer = CacheServicer(store, max_bytes=getattr(args, "max_bytes", None))
+    cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, host.server)
 
     async def load() -> None:
         await asyncio.to_thread(store.ensure_root)

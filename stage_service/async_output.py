@@ -35,6 +35,12 @@ class ResultWriter:
         with self._lock:
             self._results.put(message)
 
+    def flush(self) -> None:
+        """Close the queue and wait until what was put reached the pipe (before os._exit)."""
+        with self._lock:
+            self._results.close()
+            self._results.join_thread()
+
 
 def copy_to_host(obj: Any, stream: platform.Stream) -> Any:
     """Queue device->host copies of every tensor in `obj` on `stream` (pinned, non-blocking);

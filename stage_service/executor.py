@@ -72,6 +72,15 @@ class Executor:
         if self.wave_size > 1 and workers != self.wave_size:
             raise ValueError(f"{self.stage_name}: dp_size = {self.wave_size} with DLO AllGather "
                              f"runs {self.wave_size} worker processes, got workers = {workers}")
+        # Tensor parallelism: the processes are the TP ranks of one model. The engine sees one
+        # worker (rank 0); every batch and control call goes to all ranks, rank 0 answers.
+        self.tp_size = opts.tensor_parallel_size
+        if self.tp_size > 1 and (kind != "diffusion" or workers != self.tp_size
+                                 or self.wave_size > 1):
+            raise ValueError(f"{self.stage_name}: tensor_parallel_size = {self.tp_size} needs a "
+                             f"diffusion stage with {self.tp_size} worker processes and no DP "
+                             f"group (got kind {kind!r}, workers = {workers})")
+        self.engine_workers = 1 if self.tp_size > 1 else workers
         self._specs = [
             protocol.WorkerSpec(rank, stage_id, kind, str(model_dir), device, os.getpid(), threads, step_execution,
                                 dlo=dict(dlo or {}))
@@ -93,7 +102,7 @@ class Executor:
         return self._start_all(timeout_s)
 
     def restart(self, rank: int, timeout_s: float = READY_TIMEOUT_S) -> protocol.Ready:
-        if self.wave_size > 1:
+        if self.wave_size > 1 or self.tp_size > 1:
             return self.restart_group(timeout_s)[rank]
         old = self._workers.get(rank)
         if old is not None:
@@ -134,11 +143,19 @@ class Executor:
         if w is None or not w.process.is_alive() or self._closed:
             resolve_future(fut, exc=errors.Unavailable(f"{self.stage_name} worker {rank} is not running"))
             return rpc_id, fut
-        packed = [{**item, "inputs": ipc.pack(item["inputs"])} for item in items]
         with self._lock:
             w.pending[rpc_id] = _Pending(fut, on_progress)
-        w.requests.put(protocol.Execute(rpc_id, packed))
+        for target in self._group_of(w):
+            # Packed per rank: each reader unlinks the shared-memory segments it unpacks.
+            packed = [{**item, "inputs": ipc.pack(item["inputs"])} for item in items]
+            target.requests.put(protocol.Execute(rpc_id, packed))
         return rpc_id, fut
+
+    def _group_of(self, w: _Worker) -> list[_Worker]:
+        """The processes a call to `w` reaches: all TP ranks (rank 0 first), else `w` alone."""
+        if self.tp_size == 1:
+            return [w]
+        return [self._workers[r] for r in sorted(self._workers)]
 
     def control(self, rank: int, op: str, **args: Any) -> cf.Future:
         """Send a control call to one worker; the future resolves with its Ack's result."""
@@ -148,12 +165,41 @@ class Executor:
         if w is None or not w.process.is_alive() or self._closed:
             resolve_future(fut, exc=errors.Unavailable(f"{self.stage_name} worker {rank} is not running"))
             return fut
+        if self.tp_size > 1:
+            return self._control_all(op, args)
         with self._lock:
             w.pending[rpc_id] = _Pending(fut, None)
         w.requests.put(protocol.Control(rpc_id, op, args))
         return fut
 
+    def _control_all(self, op: str, args: dict[str, Any]) -> cf.Future:
+        """A control call to every TP rank; resolves with rank 0's result once all answered,
+        or with the first error."""
+        combined: cf.Future = cf.Future()
+        parts: list[cf.Future] = []
+        for w in self._group_of(self._workers[0]):
+            fut: cf.Future = cf.Future()
+            rpc_id = uuid.uuid4().hex
+            with self._lock:
+                w.pending[rpc_id] = _Pending(fut, None)
+            w.requests.put(protocol.Control(rpc_id, op, args))
+            parts.append(fut)
+
+        def settle(_: cf.Future) -> None:
+            if not all(p.done() for p in parts):
+                return
+            failed = next((p.exception() for p in parts if p.exception() is not None), None)
+            resolve_future(combined, result=None if failed else parts[0].result(), exc=failed)
+
+        for p in parts:
+            p.add_done_callback(settle)
+        return combined
+
     def cancel(self, rank: int, rpc_id: str) -> None:
+        if self.tp_size > 1:
+            # A TP rank that stopped between steps would leave the others in a collective:
+            # the batch runs to its end and its output is dropped.
+            return
         w = self._workers.get(rank)
         if w is not None and w.process.is_alive():
             w.requests.put(protocol.Cancel(rpc_id))
@@ -163,16 +209,17 @@ class Executor:
         if self._closed:
             raise errors.Unavailable(f"{self.stage_name}: executor shut down")
         specs = self._specs
-        if self.wave_size > 1:
+        if self.wave_size > 1 or self.tp_size > 1:
             # A fresh rendezvous for every start: the old group's port may still be held.
-            group = protocol.DpGroup(f"tcp://127.0.0.1:{_free_port()}", self.wave_size, timeout_s)
-            specs = [dataclasses.replace(spec, dp_group=group) for spec in specs]
+            group = protocol.DpGroup(f"tcp://127.0.0.1:{_free_port()}", len(specs), timeout_s)
+            key = "dp_group" if self.wave_size > 1 else "tp_group"
+            specs = [dataclasses.replace(spec, **{key: group}) for spec in specs]
         for spec in specs:
             self._spawn(spec)
         try:
             return self._await_all_ready(sorted(self._workers), timeout_s)
         except errors.Unavailable:
-            if self.wave_size > 1:
+            if self.wave_size > 1 or self.tp_size > 1:
                 # The others wait in the group for the rank that failed: they never get ready.
                 self._stop_all("its DP group failed to form")
             raise
@@ -311,11 +358,25 @@ class Executor:
             return
         reason = f"{self.stage_name} worker {w.spec.rank} died (exit code {w.process.exitcode})"
         log.error("worker died", rank=w.spec.rank, exitcode=w.process.exitcode)
+        if self.tp_size > 1:
+            self._tp_rank_died(reason)
+            return
         self._fail_pending(w, errors.Unavailable(reason))
         self.outputs.fail_rank(w.spec.rank, errors.Unavailable(reason))
         ipc.sweep(os.getpid(), w.spec.rank)
         if self._on_death is not None:
             self._on_death(w.spec.rank, reason)
+
+    def _tp_rank_died(self, reason: str) -> None:
+        """One dead TP rank takes the group down: the engine restarts it as a whole (rank 0)."""
+        group = list(self._workers.values())
+        for w in group:
+            w.stopping = True  # the peers' deaths during the restart are no news
+        for w in group:
+            self._fail_pending(w, errors.Unavailable(reason))
+        self.outputs.fail_rank(0, errors.Unavailable(reason))
+        if self._on_death is not None:
+            self._on_death(0, reason)
 
     def _fail_pending(self, w: _Worker, exc: BaseException) -> None:
         with self._lock:

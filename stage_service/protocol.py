@@ -8,7 +8,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class DpGroup:
-    """The torch.distributed group the DP ranks of a stage form (DLO AllGather)."""
+    """A torch.distributed group the ranks of a stage form: the DP ranks (DLO AllGather) or
+    the TP ranks (tensor_parallel_size > 1)."""
 
     address: str  # tcp://127.0.0.1:PORT; rank 0 hosts the rendezvous store
     world_size: int
@@ -30,6 +31,8 @@ class WorkerSpec:
     dlo: dict = field(default_factory=dict)
     # Set when the ranks form one process group; a fresh address for every (re)start of it.
     dp_group: DpGroup | None = None
+    # Set when the ranks are the TP ranks of one model; rank > 0 then only follows rank 0.
+    tp_group: DpGroup | None = None
 
 
 # executor -> worker

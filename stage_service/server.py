@@ -95,7 +95,7 @@ async def serve_stage(settings: StageSettings) -> None:
     executor = Executor(settings.stage_id, settings.kind, str(settings.resolved_model_dir()), settings.device,
                         workers, settings.threads, on_death=lambda r, why: engine.worker_died(r, why),
                         step_execution=settings.step_execution, dlo=DloOptions.from_settings(settings).to_dict())
-    engine = Engine(executor, settings.kind, workers, settings.max_batch_size, settings.max_queue, on_health)
+    engine = Engine(executor, settings.kind, executor.engine_workers, settings.max_batch_size, settings.max_queue, on_health)
     control = StageControl(executor.stage_name, engine, executor, settings.enable_sleep)
     servicer = StageServicer(settings, engine, executor, control)
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, host.server)

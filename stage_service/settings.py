@@ -46,6 +46,7 @@ class StageSettings:
     dlo_runtime_cache_dir: str = DEFAULT_RUNTIME_CACHE_DIR
     dlo_runtime_cache_lock_timeout: float = 600.0
     tensor_parallel_size: int = 1
+    dlo_checkpoint_mmap: bool = True
     ready_file: str | None = None
 
     _HELP = {
@@ -87,6 +88,24 @@ class StageSettings:
                 f"device = {self.device!r} with enable_dlo, AllGather and dp_size = "
                 f"{self.dp_size}: every DP rank needs its own GPU; use device = 'cuda' "
                 "(rank i uses cuda:i)")
+        self._check_tp()
+
+    def _check_tp(self) -> None:
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return
+        if self.kind != "diffusion":
+            raise ValueError(f"tensor_parallel_size = {tp} on a {self.kind!r} stage: tensor "
+                             "parallelism covers the diffusion stage only; set it to 1")
+        if self.dp_size > 1:
+            raise ValueError(f"tensor_parallel_size = {tp} with dp_size = {self.dp_size}: "
+                             "run more stage replicas instead, or set dp_size = 1")
+        if self.workers not in (1, tp):
+            raise ValueError(f"workers = {self.workers} with tensor_parallel_size = {tp}: the "
+                             f"TP ranks are the workers; set workers = {tp} (or leave it at 1)")
+        if self.device.startswith("cuda:"):
+            raise ValueError(f"device = {self.device!r} with tensor_parallel_size = {tp}: every "
+                             "TP rank needs its own GPU; use device = 'cuda' (rank i uses cuda:i)")
 
     def dp_group_size(self) -> int:
         """Ranks of the stage's DP group (DLO AllGather on a diffusion stage); 1: no group."""
@@ -94,7 +113,7 @@ class StageSettings:
         return self.dp_size if grouped else 1
 
     def worker_processes(self) -> int:
-        return max(self.workers, self.dp_group_size())
+        return max(self.workers, self.dp_group_size(), self.tensor_parallel_size)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:

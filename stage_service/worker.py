@@ -69,8 +69,12 @@ class Worker:
         self.device = device
         self.inbox = _Inbox(requests)
         self.writer = ResultWriter(results)
+        # A TP rank other than 0 runs every batch with rank 0 (same collectives, same order);
+        # rank 0 alone reports progress and outputs.
+        self.follower = spec.tp_group is not None and spec.rank > 0
         self.packer = ipc.Packer(spec.parent_pid, spec.rank, pool_slots=ipc.WORKER_POOL_SLOTS)
-        self.async_output = None if spec.step_execution else AsyncOutputThread(device, self.packer, self.writer)
+        self.async_output = None if spec.step_execution or self.follower else \
+            AsyncOutputThread(device, self.packer, self.writer)
         self.sleep = SleepController(runner.weight_files(), device)
 
     def serve(self) -> None:
@@ -100,7 +104,9 @@ class Worker:
             return
         try:
             items = [WorkItem(**{**item, "inputs": ipc.unpack(item["inputs"])}) for item in msg.items]
-            outputs = self.runner.run(items, progress)
+            outputs = self.runner.run(items, None if self.follower else progress)
+            if self.follower:
+                return
             if self.async_output is None:
                 # One pack call: if any output fails to pack, the segments of the others are unlinked.
                 self.writer.put(protocol.Result(msg.rpc_id, self.packer.pack(list(outputs))))
@@ -114,6 +120,11 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - reported to the executor, the worker lives on
             traceback.print_exc()
             self.writer.put(protocol.Failure(msg.rpc_id, f"{type(exc).__name__}: {exc}"))
+            if self.spec.tp_group is not None:
+                # The other TP ranks may wait in a collective this rank never reaches: end the
+                # process so the stage restarts the group instead of running out of lockstep.
+                self.writer.flush()
+                os._exit(1)
 
     def control(self, msg: protocol.Control) -> None:
         """Control calls answer with an Ack straight away; they never go through the output path."""
@@ -140,6 +151,10 @@ class Worker:
         return out
 
     def _sleep(self, level: int) -> dict[str, Any]:
+        if level == 2 and getattr(self.runner, "tp", None) is not None:
+            # Wake from level 2 reloads whole checkpoint tensors; a TP rank holds shards.
+            raise RuntimeError("sleep level 2 is not available with tensor_parallel_size > 1; "
+                               "use level 1")
         # Outputs still being copied reference device memory: they must be out before it is freed.
         drained = self._drain()["drained"]
         if not drained:
@@ -164,16 +179,17 @@ def _exit_orphaned(spec: protocol.WorkerSpec) -> None:
 
 
 def main(spec: protocol.WorkerSpec, requests, results) -> None:
-    from stagemesh import procutil
+    from stagemesh import logs, procutil
 
-    procutil.die_with_parent(spec.parent_pid)
-    from stagemesh import logs
+    # Not PR_SET_PDEATHSIG: Linux ties it to the *thread* that spawned us, and the executor may
+    # spawn from a pool thread that ends before the service does.
+    procutil.watch_parent(spec.parent_pid, lambda: _exit_orphaned(spec))
 
     # A spawned process starts with structlog unconfigured (it would print to stdout).
     logs.configure(f"stage-{spec.stage_id}-worker-{spec.rank}")
     # Ctrl-C reaches the whole process group; the service decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # SIGTERM comes when the executor died (PDEATHSIG): nobody will read our segments any more.
+    # SIGTERM (e.g. to the whole process group): nobody will read our segments any more.
     signal.signal(signal.SIGTERM, lambda *_: _exit_orphaned(spec))
     import torch
 
@@ -184,14 +200,16 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
     device = resolve_device(spec.device, spec.rank)
     try:
         group = _join_dp_group(spec, device)
-        runner = build_runner(spec.kind, Path(spec.model_dir), device, dlo=spec.dlo, group=group)
+        tp = _join_tp_group(spec, device)
+        runner = build_runner(spec.kind, Path(spec.model_dir), device, dlo=spec.dlo, group=group,
+                              tp=tp)
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
         results.put(protocol.LoadFailed(spec.rank, f"{type(exc).__name__}: {exc}"))
         return
     results.put(protocol.Ready(spec.rank, runner.limits(), device, platform.memory_allocated(device)))
     Worker(spec, runner, device, requests, results).serve()
-    if group is not None:
+    if group is not None or tp is not None:
         from stage_service.offload.collective import leave_group
 
         leave_group()
@@ -206,3 +224,15 @@ def _join_dp_group(spec: protocol.WorkerSpec, device: str):
 
     g = spec.dp_group
     return join_group(g.address, spec.rank, g.world_size, device, g.timeout_s)
+
+
+def _join_tp_group(spec: protocol.WorkerSpec, device: str):
+    """Before loading: each TP rank builds and loads only its shards of the DiT."""
+    if spec.tp_group is None:
+        return None
+    from stage_service.models.tp import TpGroup
+    from stage_service.offload.collective import join_group
+
+    g = spec.tp_group
+    group = join_group(g.address, spec.rank, g.world_size, device, g.timeout_s)
+    return TpGroup(g.world_size, spec.rank, group)

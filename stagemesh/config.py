@@ -22,6 +22,7 @@ class GatewayConfig:
 class CacheConfig:
     port: int = 0
     root: str = "~/.cache/stagemesh/dlo-runtime-weights"
+    max_bytes: int | None = None  # byte budget enforced after each publication; None: none
 
 
 @dataclass(frozen=True)

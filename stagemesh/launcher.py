@@ -16,8 +16,9 @@ log = logs.get_logger("stagemesh.up")
 
 def _children(config: MeshConfig, stage_addresses: list[str]) -> tuple[Child, list[Child], Child]:
     level = ["--log-level", config.log_level]
+    budget = ["--max-bytes", str(config.cache.max_bytes)] if config.cache.max_bytes is not None else []
     cache = Child("cache", lambda port: service_argv(
-        "cache", "--host", config.host, "--port", str(port), "--root", config.cache.root, *level),
+        "cache", "--host", config.host, "--port", str(port), "--root", config.cache.root, *budget, *level),
         port=config.cache.port)
     stages = [
         Child(f"stage-{s.stage_id}", lambda port, s=s: service_argv(

@@ -6,6 +6,9 @@ import ctypes
 import os
 import signal
 import sys
+import threading
+import time
+from typing import Callable
 
 _PR_SET_PDEATHSIG = 1
 PARENT_PID_ENV = "STAGEMESH_PARENT_PID"
@@ -29,6 +32,18 @@ def die_with_parent(parent_pid: int | None = None, sig: int = signal.SIGTERM) ->
     # The parent may have died before prctl took effect.
     if os.getppid() != parent_pid:
         os.kill(os.getpid(), sig)
+
+
+def watch_parent(parent_pid: int, on_orphaned: Callable[[], None], interval_s: float = 0.5) -> None:
+    """Call `on_orphaned` (in a daemon thread) once `parent_pid` is no longer our parent."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval_s)
+        on_orphaned()
+
+    if os.getppid() != parent_pid:
+        on_orphaned()
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:

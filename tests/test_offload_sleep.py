@@ -20,7 +20,7 @@ from stage_service.sleep import SleepController
 
 STAGED = {"enable_dlo": True}
 RESIDENT = {"enable_dlo": True, "dlo_use_allgather": False, "dlo_resident_layers": 1}
-PACKED = {"enable_dlo": True, "tensor_parallel_size": 2}  # no mmap plan: packed host buffers
+PACKED = {"enable_dlo": True, "dlo_checkpoint_mmap": False}  # ordinary loader: packed buffers
 OPTIONS = {"staged": STAGED, "resident-1": RESIDENT, "packed": PACKED}
 
 

@@ -12,6 +12,7 @@ from torch import nn
 from stage_service.offload.plan import OffloadPlan
 
 from .config import DiTConfig
+from .tp import TpGroup, column, row, split
 
 TIME_FREQ_DIM = 256
 Progress = Callable[[int, int], None]
@@ -44,14 +45,15 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    """Multi-head attention; self-attention when no context is given."""
+    """Multi-head attention; self-attention when no context is given. Under TP each rank
+    runs its own heads (q, k, v column-parallel) and the output projection is row-parallel."""
 
-    def __init__(self, hidden: int, heads: int) -> None:
+    def __init__(self, hidden: int, heads: int, tp: TpGroup | None = None) -> None:
         super().__init__()
-        self.heads = heads
-        self.q = nn.Linear(hidden, hidden)
-        self.kv = nn.Linear(hidden, 2 * hidden)
-        self.proj = nn.Linear(hidden, hidden)
+        self.heads = heads if tp is None else split(heads, tp, "num_heads")  # this rank's heads
+        self.q = column(hidden, hidden, tp)
+        self.kv = column(hidden, 2 * hidden, tp, chunks=2)
+        self.proj = row(hidden, hidden, tp)
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         b, n, d = t.shape
@@ -70,15 +72,16 @@ class Attention(nn.Module):
 
 
 class DiTBlock(nn.Module):
-    def __init__(self, hidden: int, heads: int, mlp_hidden: int) -> None:
+    def __init__(self, hidden: int, heads: int, mlp_hidden: int,
+                 tp: TpGroup | None = None) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
-        self.attn = Attention(hidden, heads)
+        self.attn = Attention(hidden, heads, tp)
         self.norm_cross = nn.LayerNorm(hidden, eps=1e-6)
-        self.cross_attn = Attention(hidden, heads)
+        self.cross_attn = Attention(hidden, heads, tp)
         self.norm2 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
-        self.mlp = nn.Sequential(nn.Linear(hidden, mlp_hidden), nn.GELU(approximate="tanh"),
-                                 nn.Linear(mlp_hidden, hidden))
+        self.mlp = nn.Sequential(column(hidden, mlp_hidden, tp), nn.GELU(approximate="tanh"),
+                                 row(mlp_hidden, hidden, tp))
         self.adaLN = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 6 * hidden))
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, context: torch.Tensor,
@@ -107,9 +110,10 @@ class DiT(nn.Module):
     # DLO streams `blocks`; its leading blocks may stay resident on the device.
     _offload_plan = OffloadPlan(block_attrs={"": ("blocks",)}, resident_paths=("blocks",))
 
-    def __init__(self, config: DiTConfig) -> None:
+    def __init__(self, config: DiTConfig, tp: TpGroup | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp  # None: TP1; the blocks' attention and MLP are split across tp.size ranks
         c, p, hid = config.latent_channels, config.patch_size, config.hidden_size
         self.x_embed = nn.Linear(c * p * p, hid)
         self.t_embed = nn.Sequential(nn.Linear(TIME_FREQ_DIM, hid), nn.SiLU(), nn.Linear(hid, hid))
@@ -118,7 +122,7 @@ class DiT(nn.Module):
         # Unconditional tokens for classifier-free guidance.
         self.null_cond = nn.Parameter(torch.zeros(1, config.cond_dim))
         self.blocks = nn.ModuleList(
-            DiTBlock(hid, config.num_heads, config.mlp_hidden) for _ in range(config.depth))
+            DiTBlock(hid, config.num_heads, config.mlp_hidden, tp) for _ in range(config.depth))
         self.final = FinalLayer(hid, c * p * p)
 
     def _patchify(self, x: torch.Tensor) -> torch.Tensor:

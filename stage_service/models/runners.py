@@ -11,6 +11,7 @@ import torch
 from ..offload.config import DloOptions
 from ..offload.dit_loader import load_offloaded_dit
 from .dit import sample
+from .tp import TpGroup
 from ..sleep import WeightFile
 from .weights import DECODER_PREFIX, DIT_FILE, DIT_PREFIX, LM_FILE, load_dit, load_lm, read_config
 
@@ -80,17 +81,19 @@ class DiffusionRunner:
     kind = "diffusion"
 
     def __init__(self, model_dir: Path, device: str = "cpu", dlo: dict | None = None,
-                 group=None) -> None:
+                 group=None, tp: TpGroup | None = None) -> None:
         self.model_dir = Path(model_dir)
         self.device = device
         self.config = read_config(self.model_dir)
         self.offload = None  # the DLO engine when enable_dlo is set
+        self.runtime_cache = None  # the runtime-cache result when dlo_enable_runtime_cache is set
         opts = DloOptions.from_mapping(dlo)
+        self.tp = _tp_coordinate(opts, tp)
         if opts.enable_dlo:
-            self.dit, self.decoder, self.offload = load_offloaded_dit(self.model_dir, device, opts,
-                                                                      group=group)
+            self.dit, self.decoder, self.offload, self.runtime_cache = load_offloaded_dit(
+                self.model_dir, device, opts, group=group, tp=self.tp)
         else:
-            self.dit, self.decoder = load_dit(self.model_dir, device)
+            self.dit, self.decoder = load_dit(self.model_dir, device, tp=self.tp)
 
     def weight_files(self) -> list[WeightFile]:
         # Under DLO the streamed blocks belong to the offload engine (host copies or the
@@ -145,6 +148,18 @@ class DiffusionRunner:
                 "vae_scale": dit.vae_scale}
 
 
+def _tp_coordinate(opts: DloOptions, tp: TpGroup | None) -> TpGroup | None:
+    """The rank's TP coordinate, checked against tensor_parallel_size; None at TP1."""
+    size = opts.tensor_parallel_size
+    if size == 1 and (tp is None or tp.size == 1):
+        return None
+    if tp is None or tp.size != size:
+        have = "none" if tp is None else f"{tp.size} ranks"
+        raise ValueError(f"tensor_parallel_size = {size} needs the process group of the "
+                         f"stage's TP ranks (got {have}): pass tp=, or run it in a stage")
+    return tp
+
+
 _RUNNERS: dict[str, type[ArRunner | DiffusionRunner]] = {
     ArRunner.kind: ArRunner,
     DiffusionRunner.kind: DiffusionRunner,
@@ -152,14 +167,18 @@ _RUNNERS: dict[str, type[ArRunner | DiffusionRunner]] = {
 
 
 def build_runner(kind: str, model_dir: Path, device: str = "cpu",
-                 dlo: dict | None = None, group=None) -> ArRunner | DiffusionRunner:
+                 dlo: dict | None = None, group=None,
+                 tp: TpGroup | None = None) -> ArRunner | DiffusionRunner:
     """Load the runner for a stage kind from an existing model folder (see ensure_model_dir).
-    `group`: the stage's DP process group (DLO AllGather with dp_size > 1)."""
+    `group`: the stage's DP process group (DLO AllGather with dp_size > 1); `tp`: the rank's
+    TP coordinate (tensor_parallel_size > 1, diffusion only)."""
     try:
         cls = _RUNNERS[kind]
     except KeyError:
         raise ValueError(f"unknown runner kind {kind!r}; expected one of {sorted(_RUNNERS)}") \
             from None
     if cls is DiffusionRunner:
-        return cls(model_dir, device, dlo, group)
+        return cls(model_dir, device, dlo, group, tp)
+    if tp is not None and tp.size > 1:
+        raise ValueError(f"tensor parallelism covers the diffusion stage only, not {kind!r}")
     return cls(model_dir, device)

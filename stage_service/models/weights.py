@@ -22,6 +22,7 @@ from .config import PipelineConfig
 from .dit import DiT, LatentDecoder
 from .lm import CausalLM
 from .safetensors_writer import write_streamed
+from .tp import TpGroup, shard_functions
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -49,10 +50,11 @@ def build_lm(config: PipelineConfig, device: str | torch.device = "meta") -> Cau
         return CausalLM(config.lm).to(config.torch_dtype)
 
 
-def build_dit(config: PipelineConfig, device: str | torch.device = "meta"
-              ) -> tuple[DiT, LatentDecoder]:
+def build_dit(config: PipelineConfig, device: str | torch.device = "meta",
+              tp: TpGroup | None = None) -> tuple[DiT, LatentDecoder]:
+    """`tp`: this rank's TP coordinate; the DiT's blocks then hold only its shards."""
     with torch.device(device):
-        return (DiT(config.dit).to(config.torch_dtype),
+        return (DiT(config.dit, tp).to(config.torch_dtype),
                 LatentDecoder(config.dit).to(config.torch_dtype))
 
 
@@ -191,9 +193,11 @@ def ensure_model_dir(path: Path, config: PipelineConfig) -> Path:
 
 def _load_state(file: Path, parts: dict[str, nn.Module], device: str | torch.device,
                 dtype: torch.dtype) -> None:
-    """Load `file` into meta-built modules with strict key, shape and dtype checks."""
+    """Load `file` into meta-built modules with strict key, shape and dtype checks. A TP rank
+    slices each sharded tensor out of the full one (shapes are checked after slicing)."""
     expected = {f"{prefix}{k}": (prefix, k, tuple(v.shape))
                 for prefix, module in parts.items() for k, v in module.state_dict().items()}
+    shards = shard_functions(parts)
     states: dict[str, dict[str, torch.Tensor]] = {prefix: {} for prefix in parts}
     with safe_open(str(file), framework="pt", device=str(device)) as f:
         keys = set(f.keys())
@@ -204,6 +208,8 @@ def _load_state(file: Path, parts: dict[str, nn.Module], device: str | torch.dev
             raise ValueError(f"{file}: unexpected key(s) {', '.join(unexpected[:8])}")
         for key, (prefix, local, shape) in expected.items():
             tensor = f.get_tensor(key)
+            if key in shards:
+                tensor = shards[key](tensor)
             if tuple(tensor.shape) != shape or tensor.dtype != dtype:
                 raise ValueError(f"{file}: {key} is {tuple(tensor.shape)} {tensor.dtype}, "
                                  f"expected {shape} {dtype}")
@@ -221,10 +227,11 @@ def load_lm(path: Path, device: str | torch.device = "cpu") -> CausalLM:
     return lm
 
 
-def load_dit(path: Path, device: str | torch.device = "cpu") -> tuple[DiT, LatentDecoder]:
+def load_dit(path: Path, device: str | torch.device = "cpu",
+             tp: TpGroup | None = None) -> tuple[DiT, LatentDecoder]:
     path = Path(path)
     config = read_config(path)
-    dit, decoder = build_dit(config)
+    dit, decoder = build_dit(config, tp=tp)
     _load_state(path / DIT_FILE, {DIT_PREFIX: dit, DECODER_PREFIX: decoder}, device,
                 config.torch_dtype)
     return dit, decoder

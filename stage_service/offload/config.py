@@ -45,6 +45,7 @@ class DloOptions:
     dlo_runtime_cache_dir: str = DEFAULT_RUNTIME_CACHE_DIR
     dlo_runtime_cache_lock_timeout: float = 600.0
     tensor_parallel_size: int = 1
+    dlo_checkpoint_mmap: bool = True
 
     def __post_init__(self) -> None:
         validate(self)
@@ -90,5 +91,9 @@ HELP = {
     "dlo_runtime_cache_dir": "DLO runtime-weight cache root on a local disk",
     "dlo_runtime_cache_lock_timeout": "DLO: seconds to wait for another process publishing the "
                                       "same runtime-cache layout (finite, > 0)",
-    "tensor_parallel_size": "tensor-parallel ranks; the direct mmap plan needs 1",
+    "tensor_parallel_size": "tensor-parallel ranks of a diffusion stage: that many worker "
+                            "processes form one group and run every batch together; the direct "
+                            "mmap plan needs 1",
+    "dlo_checkpoint_mmap": "DLO: try the direct checkpoint mmap plan first; "
+                           "--no-dlo-checkpoint-mmap always uses the ordinary loader",
 }

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18stagemesh/v1/cache.proto\x12\x0cstagemesh.v1\"\x96\x01\n\nCacheEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x12\n\nfile_count\x18\x03 \x01(\x05\x12\x14\n\x0ctensor_count\x18\x04 \x01(\x05\x12\x16\n\x0elast_used_unix\x18\x05 \x01(\x01\x12\x16\n\x0elive_consumers\x18\x06 \x01(\x05\x12\r\n\x05valid\x18\x07 \x01(\x08\"\x14\n\x12ListEntriesRequest\"@\n\x13ListEntriesResponse\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.stagemesh.v1.CacheEntry\"\x11\n\x0fGetStatsRequest\"\x80\x01\n\x10GetStatsResponse\x12\x0c\n\x04root\x18\x01 \x01(\t\x12\x13\n\x0b\x65ntry_count\x18\x02 \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x1b\n\x13invalid_entry_count\x18\x04 \x01(\x05\x12\x17\n\x0fstale_temp_dirs\x18\x05 \x01(\x05\x32\xad\x01\n\x0c\x43\x61\x63heService\x12R\n\x0bListEntries\x12 .stagemesh.v1.ListEntriesRequest\x1a!.stagemesh.v1.ListEntriesResponse\x12I\n\x08GetStats\x12\x1d.stagemesh.v1.GetStatsRequest\x1a\x1e.stagemesh.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18stagemesh/v1/cache.proto\x12\x0cstagemesh.v1\"\x96\x01\n\nCacheEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x12\n\nfile_count\x18\x03 \x01(\x05\x12\x14\n\x0ctensor_count\x18\x04 \x01(\x05\x12\x16\n\x0elast_used_unix\x18\x05 \x01(\x01\x12\x16\n\x0elive_consumers\x18\x06 \x01(\x05\x12\r\n\x05valid\x18\x07 \x01(\x08\"\x14\n\x12ListEntriesRequest\"@\n\x13ListEntriesResponse\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.stagemesh.v1.CacheEntry\"\x11\n\x0fGetStatsRequest\"\x80\x01\n\x10GetStatsResponse\x12\x0c\n\x04root\x18\x01 \x01(\t\x12\x13\n\x0b\x65ntry_count\x18\x02 \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x1b\n\x13invalid_entry_count\x18\x04 \x01(\x05\x12\x17\n\x0fstale_temp_dirs\x18\x05 \x01(\x05\"?\n\x0c\x45victRequest\x12\r\n\x03key\x18\x01 \x01(\tH\x00\x12\x16\n\x0c\x62udget_bytes\x18\x02 \x01(\x03H\x00\x42\x08\n\x06target\"p\n\rEvictResponse\x12\x14\n\x0c\x65victed_keys\x18\x01 \x03(\t\x12\x13\n\x0b\x66reed_bytes\x18\x02 \x01(\x03\x12\x1b\n\x13skipped_in_use_keys\x18\x03 \x03(\t\x12\x17\n\x0fremaining_bytes\x18\x04 \x01(\x03\"c\n\x15PublishSessionRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x1c\n\x14lock_timeout_seconds\x18\x02 \x01(\x01\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\x11\n\tpublished\x18\x04 \x01(\x08\"A\n\x16PublishSessionResponse\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12\x16\n\x0e\x65xisting_valid\x18\x02 \x01(\x08\x32\xd0\x02\n\x0c\x43\x61\x63heService\x12R\n\x0bListEntries\x12 .stagemesh.v1.ListEntriesRequest\x1a!.stagemesh.v1.ListEntriesResponse\x12I\n\x08GetStats\x12\x1d.stagemesh.v1.GetStatsRequest\x1a\x1e.stagemesh.v1.GetStatsResponse\x12@\n\x05\x45vict\x12\x1a.stagemesh.v1.EvictRequest\x1a\x1b.stagemesh.v1.EvictResponse\x12_\n\x0ePublishSession\x12#.stagemesh.v1.PublishSessionRequest\x1a$.stagemesh.v1.PublishSessionResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,6 +41,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATSREQUEST']._serialized_end=300
   _globals['_GETSTATSRESPONSE']._serialized_start=303
   _globals['_GETSTATSRESPONSE']._serialized_end=431
-  _globals['_CACHESERVICE']._serialized_start=434
-  _globals['_CACHESERVICE']._serialized_end=607
+  _globals['_EVICTREQUEST']._serialized_start=433
+  _globals['_EVICTREQUEST']._serialized_end=496
+  _globals['_EVICTRESPONSE']._serialized_start=498
+  _globals['_EVICTRESPONSE']._serialized_end=610
+  _globals['_PUBLISHSESSIONREQUEST']._serialized_start=612
+  _globals['_PUBLISHSESSIONREQUEST']._serialized_end=711
+  _globals['_PUBLISHSESSIONRESPONSE']._serialized_start=713
+  _globals['_PUBLISHSESSIONRESPONSE']._serialized_end=778
+  _globals['_CACHESERVICE']._serialized_start=781
+  _globals['_CACHESERVICE']._serialized_end=1117
 # @@protoc_insertion_point(module_scope)

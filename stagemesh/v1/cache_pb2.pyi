@@ -51,3 +51,43 @@ class GetStatsResponse(_message.Message):
     invalid_entry_count: int
     stale_temp_dirs: int
     def __init__(self, root: _Optional[str] = ..., entry_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., invalid_entry_count: _Optional[int] = ..., stale_temp_dirs: _Optional[int] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("key", "budget_bytes")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    budget_bytes: int
+    def __init__(self, key: _Optional[str] = ..., budget_bytes: _Optional[int] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("evicted_keys", "freed_bytes", "skipped_in_use_keys", "remaining_bytes")
+    EVICTED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_IN_USE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    evicted_keys: _containers.RepeatedScalarFieldContainer[str]
+    freed_bytes: int
+    skipped_in_use_keys: _containers.RepeatedScalarFieldContainer[str]
+    remaining_bytes: int
+    def __init__(self, evicted_keys: _Optional[_Iterable[str]] = ..., freed_bytes: _Optional[int] = ..., skipped_in_use_keys: _Optional[_Iterable[str]] = ..., remaining_bytes: _Optional[int] = ...) -> None: ...
+
+class PublishSessionRequest(_message.Message):
+    __slots__ = ("key", "lock_timeout_seconds", "done", "published")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    LOCK_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    lock_timeout_seconds: float
+    done: bool
+    published: bool
+    def __init__(self, key: _Optional[str] = ..., lock_timeout_seconds: _Optional[float] = ..., done: _Optional[bool] = ..., published: _Optional[bool] = ...) -> None: ...
+
+class PublishSessionResponse(_message.Message):
+    __slots__ = ("granted", "existing_valid")
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    EXISTING_VALID_FIELD_NUMBER: _ClassVar[int]
+    granted: bool
+    existing_valid: bool
+    def __init__(self, granted: _Optional[bool] = ..., existing_valid: _Optional[bool] = ...) -> None: ...

@@ -45,6 +45,16 @@ class CacheServiceStub:
                 request_serializer=stagemesh_dot_v1_dot_cache__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_cache__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.Evict = channel.unary_unary(
+                '/stagemesh.v1.CacheService/Evict',
+                request_serializer=stagemesh_dot_v1_dot_cache__pb2.EvictRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_cache__pb2.EvictResponse.FromString,
+                _registered_method=True)
+        self.PublishSession = channel.stream_stream(
+                '/stagemesh.v1.CacheService/PublishSession',
+                request_serializer=stagemesh_dot_v1_dot_cache__pb2.PublishSessionRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_cache__pb2.PublishSessionResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -63,6 +73,25 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Evict(self, request, context):
+        """Removes entries by key or down to a byte budget (least recently used first). Entries that a
+        live consumer maps, or that are being published, are skipped. Cache-mutating.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PublishSession(self, request_iterator, context):
+        """A publication session. The client's first message names the key; the service takes the
+        key's publication lock (waiting up to lock_timeout_seconds) and answers once with
+        granted = true, or fails with DEADLINE_EXCEEDED. The lock is held exactly as long as the
+        stream lives: the client ends it (a message with done = true, or closing its side), cancels
+        it, or dies. Cache-mutating.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +104,16 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=stagemesh_dot_v1_dot_cache__pb2.GetStatsRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_cache__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'Evict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evict,
+                    request_deserializer=stagemesh_dot_v1_dot_cache__pb2.EvictRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_cache__pb2.EvictResponse.SerializeToString,
+            ),
+            'PublishSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.PublishSession,
+                    request_deserializer=stagemesh_dot_v1_dot_cache__pb2.PublishSessionRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_cache__pb2.PublishSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +171,60 @@ class CacheService:
             '/stagemesh.v1.CacheService/GetStats',
             stagemesh_dot_v1_dot_cache__pb2.GetStatsRequest.SerializeToString,
             stagemesh_dot_v1_dot_cache__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.CacheService/Evict',
+            stagemesh_dot_v1_dot_cache__pb2.EvictRequest.SerializeToString,
+            stagemesh_dot_v1_dot_cache__pb2.EvictResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/stagemesh.v1.CacheService/PublishSession',
+            stagemesh_dot_v1_dot_cache__pb2.PublishSessionRequest.SerializeToString,
+            stagemesh_dot_v1_dot_cache__pb2.PublishSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
