@@ -45,6 +45,7 @@ class StageSettings:
     dlo_enable_runtime_cache: bool = False
     dlo_runtime_cache_dir: str = DEFAULT_RUNTIME_CACHE_DIR
     dlo_runtime_cache_lock_timeout: float = 600.0
+    dlo_runtime_cache_service: str = ""
     tensor_parallel_size: int = 1
     dlo_checkpoint_mmap: bool = True
     ready_file: str | None = None

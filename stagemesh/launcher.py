@@ -10,11 +10,26 @@ from dataclasses import replace
 from stagemesh import logs
 from stagemesh.config import MeshConfig
 from stagemesh.supervisor import Child, StartFailed, Supervisor, service_argv
+from stage_service.offload.config import DEFAULT_RUNTIME_CACHE_DIR
+from stage_service.settings import StageSettings
 
 log = logs.get_logger("stagemesh.up")
 
 
-def _children(config: MeshConfig, stage_addresses: list[str]) -> tuple[Child, list[Child], Child]:
+def _with_cache(stage: StageSettings, config: MeshConfig, cache_address: list[str]) -> StageSettings:
+    """A stage that uses the runtime cache publishes through this mesh's cache service, into the
+    directory that service manages, unless its table says otherwise."""
+    if not stage.dlo_enable_runtime_cache:
+        return stage
+    return replace(
+        stage,
+        dlo_runtime_cache_service=stage.dlo_runtime_cache_service or (cache_address[0] if cache_address else ""),
+        dlo_runtime_cache_dir=(config.cache.root if stage.dlo_runtime_cache_dir == DEFAULT_RUNTIME_CACHE_DIR
+                               else stage.dlo_runtime_cache_dir))
+
+
+def _children(config: MeshConfig, stage_addresses: list[str],
+              cache_address: list[str]) -> tuple[Child, list[Child], Child]:
     level = ["--log-level", config.log_level]
     budget = ["--max-bytes", str(config.cache.max_bytes)] if config.cache.max_bytes is not None else []
     cache = Child("cache", lambda port: service_argv(
@@ -22,7 +37,8 @@ def _children(config: MeshConfig, stage_addresses: list[str]) -> tuple[Child, li
         port=config.cache.port)
     stages = [
         Child(f"stage-{s.stage_id}", lambda port, s=s: service_argv(
-            "stage", *replace(s, port=port, ready_file=None).to_flags(), *level), port=s.port)
+            "stage", *replace(_with_cache(s, config, cache_address), port=port, ready_file=None).to_flags(),
+            *level), port=s.port)
         for s in config.stages
     ]
     gateway = Child("gateway", lambda port: service_argv(
@@ -49,9 +65,10 @@ async def up(config: MeshConfig) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     stage_addresses: list[str] = []
-    cache, stages, gateway = _children(config, stage_addresses)
+    cache_address: list[str] = []
+    cache, stages, gateway = _children(config, stage_addresses, cache_address)
     try:
-        starting = asyncio.ensure_future(_start_all(supervisor, cache, stages, gateway, stage_addresses))
+        starting = asyncio.ensure_future(_start_all(supervisor, cache, stages, gateway, stage_addresses, cache_address))
         stopper = asyncio.ensure_future(stop.wait())
         await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
@@ -69,8 +86,8 @@ async def up(config: MeshConfig) -> int:
 
 
 async def _start_all(supervisor: Supervisor, cache: Child, stages: list[Child], gateway: Child,
-                     stage_addresses: list[str]) -> str:
-    await supervisor.start(cache)
+                     stage_addresses: list[str], cache_address: list[str]) -> str:
+    cache_address.append(await supervisor.start(cache))
     # Stages load their models in parallel; the gateway needs all their addresses.
     stage_addresses.extend(await asyncio.gather(*(supervisor.start(s) for s in stages)))
     return await supervisor.start(gateway)

@@ -44,6 +44,7 @@ class DloOptions:
     dlo_enable_runtime_cache: bool = False
     dlo_runtime_cache_dir: str = DEFAULT_RUNTIME_CACHE_DIR
     dlo_runtime_cache_lock_timeout: float = 600.0
+    dlo_runtime_cache_service: str = ""
     tensor_parallel_size: int = 1
     dlo_checkpoint_mmap: bool = True
 
@@ -91,6 +92,9 @@ HELP = {
     "dlo_runtime_cache_dir": "DLO runtime-weight cache root on a local disk",
     "dlo_runtime_cache_lock_timeout": "DLO: seconds to wait for another process publishing the "
                                       "same runtime-cache layout (finite, > 0)",
+    "dlo_runtime_cache_service": "DLO: address of the node's cache service, which holds the "
+                                 "publication locks; empty (or unreachable): the same lock "
+                                 "protocol on the directory itself. `stagemesh up` fills it in",
     "tensor_parallel_size": "tensor-parallel ranks of a diffusion stage: that many worker "
                             "processes form one group and run every batch together; the direct "
                             "mmap plan needs 1",

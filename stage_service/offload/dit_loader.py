@@ -62,7 +62,8 @@ def load_offloaded_dit(model_dir: Path, device: str | torch.device, opts: DloOpt
         from .runtime_weights import load_through_cache
 
         dit, decoder, mapped, cached = load_through_cache(
-            model_dir, opts, tp, lambda: load_host_dit(model_dir, tp, opts.dlo_checkpoint_mmap))
+            model_dir, opts, tp, lambda: load_host_dit(model_dir, tp, opts.dlo_checkpoint_mmap),
+            service_address=opts.dlo_runtime_cache_service or None)
     else:
         dit, decoder, mapped, _ = load_host_dit(model_dir, tp, opts.dlo_checkpoint_mmap)
     decoder.to(device)
