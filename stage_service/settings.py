@@ -7,9 +7,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from stage_service.offload.config import DEFAULT_RUNTIME_CACHE_DIR, DloOptions
+from stage_service.offload.config import DloOptions
 from stage_service.offload.config import HELP as DLO_HELP
-from stage_service.offload.config import validate as validate_dlo
 from stagemesh.params import Limits
 
 KINDS = ("ar", "diffusion")
@@ -17,7 +16,10 @@ PRESETS = ("tiny", "flux-sized")
 
 
 @dataclass(frozen=True)
-class StageSettings:
+class StageSettings(DloOptions):
+    """The DLO options (enable_dlo, dp_size, dlo_*, tensor_parallel_size) come from DloOptions,
+    their one definition; the fields below are the stage's own."""
+
     stage_id: int = 0
     kind: str = "ar"
     host: str = "127.0.0.1"
@@ -38,16 +40,6 @@ class StageSettings:
     default_steps: int = 8
     default_guidance: float = 4.0
     max_guidance: float = 30.0
-    enable_dlo: bool = False
-    dp_size: int = 1
-    dlo_use_allgather: bool = True
-    dlo_resident_layers: int = 0
-    dlo_enable_runtime_cache: bool = False
-    dlo_runtime_cache_dir: str = DEFAULT_RUNTIME_CACHE_DIR
-    dlo_runtime_cache_lock_timeout: float = 600.0
-    dlo_runtime_cache_service: str = ""
-    tensor_parallel_size: int = 1
-    dlo_checkpoint_mmap: bool = True
     ready_file: str | None = None
 
     _HELP = {
@@ -78,7 +70,7 @@ class StageSettings:
     }
 
     def __post_init__(self) -> None:
-        validate_dlo(self)  # refused DLO combinations fail at start, saying what to change
+        super().__post_init__()  # refused DLO combinations fail at start, saying what to change
         if self.dp_group_size() > 1 and self.workers not in (1, self.dp_size):
             raise ValueError(
                 f"workers = {self.workers} with enable_dlo, AllGather and dp_size = "
@@ -118,7 +110,9 @@ class StageSettings:
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        for f in fields(cls):
+        dlo = {f.name for f in fields(DloOptions)}
+        # The stage's own options first in --help, then the offload ones.
+        for f in sorted(fields(cls), key=lambda f: f.name in dlo):
             flag = "--" + f.name.replace("_", "-")
             kwargs: dict[str, Any] = {"default": f.default, "help": cls._HELP[f.name] + f" (default: {f.default!r})"}
             if f.name == "kind":
