@@ -9,19 +9,17 @@ import hashlib
 import json
 import os
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from stagemesh.safetensors_header import read_header
 
 SCHEMA_VERSION = 1
 SHARD_SUFFIX = ".safetensors"
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _HASH_CHUNK = 1 << 20
-# A safetensors header is JSON behind an 8-byte length; cap it so a corrupt length cannot
-# make validation read a whole shard into memory.
-_MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
 class ManifestError(ValueError):
@@ -172,21 +170,7 @@ def file_record(path: str | os.PathLike) -> FileRecord:
 
 def read_safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
     """Tensor name -> {"dtype", "shape", "data_offsets"} from a safetensors file's header."""
-    with open(path, "rb") as fh:
-        raw_len = fh.read(8)
-        if len(raw_len) != 8:
-            raise ValueError("file shorter than the header length")
-        (length,) = struct.unpack("<Q", raw_len)
-        if length > _MAX_HEADER_BYTES:
-            raise ValueError(f"header length {length} is implausible")
-        raw = fh.read(length)
-    if len(raw) != length:
-        raise ValueError("header truncated")
-    header = json.loads(raw)
-    if not isinstance(header, dict):
-        raise ValueError("header is not an object")
-    header.pop("__metadata__", None)
-    return header
+    return read_header(path)[0]
 
 
 def _check_file(directory: Path, name: str, record: FileRecord, deep: bool = True) -> list[str]:

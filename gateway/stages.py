@@ -55,12 +55,15 @@ class StageClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def describe(self, timeout: float, wait_for_ready: bool = False) -> stage_pb2.DescribeStageResponse:
+    async def _unary(self, method, request, **kwargs):
         try:
-            reply = await self._stub.DescribeStage(
-                stage_pb2.DescribeStageRequest(), timeout=timeout, wait_for_ready=wait_for_ready)
+            return await method(request, **kwargs)
         except grpc.aio.AioRpcError as exc:
             raise self._domain_error(exc) from None
+
+    async def describe(self, timeout: float, wait_for_ready: bool = False) -> stage_pb2.DescribeStageResponse:
+        reply = await self._unary(self._stub.DescribeStage, stage_pb2.DescribeStageRequest(),
+                                  timeout=timeout, wait_for_ready=wait_for_ready)
         self.kind = reply.kind
         self.limits = limits_from_proto(reply.limits)
         self.supports_sleep = reply.supports_sleep
@@ -68,17 +71,11 @@ class StageClient:
         return reply
 
     async def sleep(self, level: int, timeout: float | None) -> list:
-        try:
-            reply = await self._stub.SleepStage(stage_pb2.SleepStageRequest(level=level), timeout=timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise self._domain_error(exc) from None
+        reply = await self._unary(self._stub.SleepStage, stage_pb2.SleepStageRequest(level=level), timeout=timeout)
         return list(reply.acks)
 
     async def wake(self, timeout: float | None) -> list:
-        try:
-            reply = await self._stub.WakeUpStage(stage_pb2.WakeUpStageRequest(), timeout=timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise self._domain_error(exc) from None
+        reply = await self._unary(self._stub.WakeUpStage, stage_pb2.WakeUpStageRequest(), timeout=timeout)
         return list(reply.acks)
 
     async def execute(self, request_id: str, params: generation_pb2.GenerationParams, inputs,

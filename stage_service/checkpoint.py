@@ -10,12 +10,12 @@ to their destination, and the file's page cache serves them.
 
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from stagemesh.safetensors_header import HeaderError, read_header
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -37,23 +37,6 @@ class TensorRecord:
     file_offset: int  # absolute, from the start of the file
     nbytes: int
     path: Path  # the file that holds the bytes
-
-
-def _header(path: Path, size: int) -> tuple[dict, int]:
-    with open(path, "rb") as f:
-        raw_len = f.read(8)
-        if len(raw_len) < 8:
-            raise CheckpointError(f"{path}: too short for a safetensors file")
-        (header_len,) = struct.unpack("<Q", raw_len)
-        if header_len > size - 8:
-            raise CheckpointError(f"{path}: header length {header_len} exceeds the file")
-        try:
-            header = json.loads(f.read(header_len))
-        except ValueError as exc:
-            raise CheckpointError(f"{path}: header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: header is not a JSON object")
-    return header, 8 + header_len
 
 
 def _record(path: Path, name: str, info, base: int, size: int) -> TensorRecord:
@@ -87,9 +70,11 @@ def read_index(path: str | Path, *, validate: bool = False) -> dict[str, TensorR
     """Where each tensor's bytes lie in a safetensors file (reads only the header)."""
     path = Path(path)
     size = path.stat().st_size
-    header, base = _header(path, size)
-    records = {name: _record(path, name, info, base, size)
-               for name, info in header.items() if name != "__metadata__"}
+    try:
+        header, base = read_header(path)
+    except HeaderError as exc:
+        raise CheckpointError(str(exc)) from None
+    records = {name: _record(path, name, info, base, size) for name, info in header.items()}
     if validate and _names_by_safetensors(path) != set(records):
         raise CheckpointError(f"{path}: header and safetensors disagree on tensor names")
     return records

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from stage_service import ipc, protocol, worker
 from stage_service.offload.config import DloOptions
-from stage_service.outputs import OutputRegistry
+from stage_service.outputs import OutputRegistry, resolve_future
 from stagemesh import errors, logs
 
 log = logs.get_logger("stagemesh.executor")
@@ -27,19 +27,6 @@ JOIN_TIMEOUT_S = 10.0
 
 ProgressFn = Callable[[int, int], None]
 DeathFn = Callable[[int, str], None]
-
-
-def resolve_future(fut: cf.Future, *, result: Any = None, exc: BaseException | None = None) -> bool:
-    """Settle a future unless someone cancelled or settled it first; never raises.
-    Returns whether this call settled it."""
-    try:
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-    except cf.InvalidStateError:
-        return False
-    return True
 
 
 @dataclass

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from stagemesh.codec import dtype_name, host_bytes
 from stage_service.shm_pool import SlotPool, SlotReader, map_fd
 
 SHM_THRESHOLD_BYTES = 1_000_000
@@ -50,11 +51,6 @@ def _storage_nbytes(tensor: torch.Tensor) -> int:
 def goes_to_shm(tensor: torch.Tensor) -> bool:
     view_bytes = tensor.numel() * tensor.element_size()
     return max(view_bytes, _storage_nbytes(tensor)) > SHM_THRESHOLD_BYTES
-
-
-def _as_bytes_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 def _write_segment(name: str, raw: torch.Tensor) -> None:
@@ -129,8 +125,8 @@ class Packer:
         return obj
 
     def _pack_tensor(self, tensor: torch.Tensor) -> PackedTensor:
-        dtype, shape = str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
-        raw = _as_bytes_tensor(tensor)
+        dtype, shape = dtype_name(tensor.dtype), tuple(tensor.shape)
+        raw = host_bytes(tensor)
         if not goes_to_shm(tensor):
             return PackedTensor(dtype, shape, data=bytearray(raw.numpy()))
         if self.pool is not None and (slot := self.pool.write(raw)) is not None:
@@ -156,8 +152,7 @@ def _unpack_tensor(packed: PackedTensor) -> torch.Tensor:
     if packed.shm_name is None:
         if not packed.data:
             return torch.empty(packed.shape, dtype=dtype)
-        data = packed.data if isinstance(packed.data, bytearray) else bytearray(packed.data)
-        raw = torch.frombuffer(data, dtype=torch.uint8)
+        raw = torch.frombuffer(packed.data, dtype=torch.uint8)
     elif packed.pooled:
         raw = _SLOT_READER.read(packed.shm_name, packed.nbytes)
     else:

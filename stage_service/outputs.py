@@ -8,12 +8,10 @@ nothing is left behind once each request has taken its result.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import math
-import os
 import threading
 from typing import Any
 
-from stagemesh import errors, logs
+from stagemesh import envconfig, errors, logs
 
 log = logs.get_logger("stagemesh.outputs")
 
@@ -24,30 +22,22 @@ _warned_values: set[str] = set()
 
 def output_timeout() -> float:
     """Seconds to wait for an output, read from the environment at every wait."""
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if math.isfinite(value) and value > 0:
-        return value
-    if raw not in _warned_values:  # one warning per bad value, not one per request
-        _warned_values.add(raw)
-        log.warning("ignoring bad async output timeout", variable=TIMEOUT_ENV, value=raw, default_s=DEFAULT_TIMEOUT_S)
-    return DEFAULT_TIMEOUT_S
+    return envconfig.positive_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, _warned_values, log,
+                                      "ignoring bad async output timeout")
 
 
 def split_id(batch_id: str, request_key: str) -> str:
     return f"{batch_id}/{request_key}"
 
 
-def _settle(fut: cf.Future, result: Any = None, exc: BaseException | None = None) -> None:
+def resolve_future(fut: cf.Future, result: Any = None, exc: BaseException | None = None) -> bool:
+    """Settle a future unless its waiter cancelled (or someone settled) it first; never raises.
+    Returns whether this call settled it."""
     try:
         fut.set_exception(exc) if exc is not None else fut.set_result(result)
     except cf.InvalidStateError:
-        pass  # cancelled by its waiter meanwhile
+        return False
+    return True
 
 
 class OutputRegistry:
@@ -103,7 +93,7 @@ class OutputRegistry:
             fut = cf.Future()
             if output_id in self._cached:
                 cached = self._cached.pop(output_id)
-                _settle(fut, *((None, cached) if isinstance(cached, BaseException) else (cached, None)))
+                resolve_future(fut, *((None, cached) if isinstance(cached, BaseException) else (cached, None)))
             else:
                 self._waiting[output_id] = fut
             return fut
@@ -159,7 +149,7 @@ class OutputRegistry:
             self._splits.clear()
             self._owner.clear()
         for fut in waiting.values():
-            _settle(fut, exc=exc)
+            resolve_future(fut, exc=exc)
 
     def pending_summary(self) -> dict[str, Any]:
         with self._lock:
@@ -176,7 +166,7 @@ class OutputRegistry:
             return
         fut = self._waiting.pop(output_id, None)
         if fut is not None:
-            _settle(fut, result, exc)
+            resolve_future(fut, result, exc)
         elif exc is not None:
             self._cached[output_id] = exc
         else:

@@ -191,6 +191,7 @@ class SleepController:
     def _fill_from_checkpoint(self, flat: torch.Tensor) -> None:
         by_key = {e.key: e for e in self._entries if e.key}
         copies: list[Copy] = []
+        found: set[str] = set()
         for weight_file in self.files:
             for key, record in read_index(weight_file.path).items():
                 e = by_key.get(key)
@@ -200,7 +201,8 @@ class SleepController:
                     raise ValueError(f"{weight_file.path}: {key} is {record.shape} {record.dtype}, "
                                      f"the model holds {tuple(e.shape)} {e.dtype}")
                 copies.append(Copy(weight_file.path, record.file_offset, e.offset, e.nbytes))
-        missing = sorted(by_key.keys() - {k for w in self.files for k in read_index(w.path)})
+                found.add(key)
+        missing = sorted(by_key.keys() - found)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) to reload, e.g. {missing[:3]}")
         self._reloader.fill(flat, copies)

@@ -19,9 +19,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def to_proto(tensor: torch.Tensor) -> tensor_pb2.Tensor:
+def host_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's own elements as a flat uint8 CPU tensor (a view when already contiguous on
+    the CPU; otherwise one copy of just this view, never its whole storage)."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def to_proto(tensor: torch.Tensor) -> tensor_pb2.Tensor:
+    raw = host_bytes(tensor).numpy().tobytes()
     return tensor_pb2.Tensor(dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), data=raw)
 
 

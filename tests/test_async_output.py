@@ -22,22 +22,11 @@ from stage_service import async_output, ipc, platform, protocol
 from stage_service.async_output import AsyncOutputThread, ResultWriter, new_output_id
 from stage_service.worker import Worker
 
+from tests.shm_guard import no_segment_left_behind, our_segments  # noqa: F401 - autouse fixture
+
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 CTX = mp.get_context("spawn")
 WAIT_S = 10.0
-
-
-def our_segments() -> set[str]:
-    return {e for e in os.listdir("/dev/shm") if e.startswith(f"stagemesh-{os.getpid()}-")}
-
-
-@pytest.fixture(autouse=True)
-def no_segment_left_behind():
-    before = our_segments()
-    yield
-    leaked = our_segments() - before
-    ipc.sweep(os.getpid())
-    assert not leaked, f"segments left in /dev/shm: {leaked}"
 
 
 # ---- helpers: a tiny real runner, a packer that can be held, a worker on real queues -----------

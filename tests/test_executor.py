@@ -30,21 +30,10 @@ from stage_service.outputs import (
 )
 from stagemesh import errors
 
+from tests.shm_guard import no_segment_left_behind, our_segments  # noqa: F401 - autouse fixture
+
 STAGE = "stage 1 (diffusion)"
 WAIT_S = 10.0
-
-
-def our_segments() -> set[str]:
-    return {e for e in os.listdir("/dev/shm") if e.startswith(f"stagemesh-{os.getpid()}-")}
-
-
-@pytest.fixture(autouse=True)
-def no_segment_left_behind():
-    before = our_segments()
-    yield
-    leaked = our_segments() - before
-    ipc.sweep(os.getpid())
-    assert not leaked, f"segments left in /dev/shm: {leaked}"
 
 
 def oid(n: int) -> str:

@@ -15,28 +15,9 @@ import pytest
 import torch
 
 from stage_service import ipc
+from tests.shm_guard import no_segment_left_behind, our_segments  # noqa: F401 - autouse fixture
 
 SHM = Path("/dev/shm")
-
-
-def our_segments(pid: int | None = None) -> set[str]:
-    """Segments named for executor `pid` (default: this test process)."""
-    prefix = f"{ipc.SHM_PREFIX}-{os.getpid() if pid is None else pid}-"
-    return {e for e in os.listdir(SHM) if e.startswith(prefix)}
-
-
-def stagemesh_segments() -> set[str]:
-    return {e for e in os.listdir(SHM) if e.startswith("stagemesh-")}
-
-
-@pytest.fixture(autouse=True)
-def no_segment_left_behind():
-    before = stagemesh_segments()
-    yield
-    # Only segments this process owns: another test session may run on the same machine.
-    leaked = (stagemesh_segments() - before) & our_segments()
-    ipc.sweep(os.getpid())
-    assert not leaked, f"segments left in /dev/shm: {leaked}"
 
 
 def roundtrip(obj, rank: int = 0):

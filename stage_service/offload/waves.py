@@ -11,18 +11,17 @@ the wave timeout fails for every request in it (fail closed), and the next wave 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stagemesh import logs
+from stagemesh import envconfig, logs
 
 log = logs.get_logger("stagemesh.offload.waves")
 
 WAVE_TIMEOUT_ENV = "STAGEMESH_DLO_DP_WAVE_TIMEOUT"
 DEFAULT_WAVE_TIMEOUT_S = 600.0
+_warned_values: set[str] = set()  # bad values already reported
 
 
 class WaveRejected(ValueError):
@@ -49,18 +48,8 @@ class WaveRequest:
 
 def wave_timeout() -> float:
     """Seconds a wave may take, from the environment at each call (bad values: the default)."""
-    raw = os.environ.get(WAVE_TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_WAVE_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        log.warning("invalid wave timeout; using the default", variable=WAVE_TIMEOUT_ENV,
-                    value=raw, default=DEFAULT_WAVE_TIMEOUT_S)
-        return DEFAULT_WAVE_TIMEOUT_S
-    return value
+    return envconfig.positive_seconds(WAVE_TIMEOUT_ENV, DEFAULT_WAVE_TIMEOUT_S, _warned_values, log,
+                                      "invalid wave timeout; using the default")
 
 
 def check_wave(requests: Sequence[WaveRequest], dp_size: int) -> None:
