@@ -189,7 +189,7 @@ def _byte_count(text: str) -> int:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    store = CacheStore(Path(args.root))
+    store = CacheStore(Path(args.root).expanduser())
     host = ServiceHost(args.host, args.port, [SERVICE_NAME])
     servicer = CacheServicer(store, max_bytes=getattr(args, "max_bytes", None))
     cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, host.server)
