@@ -87,10 +87,11 @@ def build_host(bm: BenchModel, device: torch.device) -> nn.Module:
     return model
 
 
-def build_offloaded(bm: BenchModel, device: torch.device, resident: int
+def build_offloaded(bm: BenchModel, device: torch.device, resident: int, group=None
                     ) -> tuple[nn.Module, LayerwiseOffload]:
     """Non-block weights on the device; streamed blocks materialised on the host one at a time
-    (inside the engine, straight into their packed buffers); resident blocks on the device."""
+    (inside the engine, straight into their packed buffers); resident blocks on the device.
+    With a `group` the blocks are sharded across its ranks and rebuilt by AllGather."""
     model = bm.build_meta()
     found = discover(model, bm.plan)
     paths = {id(b.module): b.path for b in found.blocks}
@@ -105,7 +106,8 @@ def build_offloaded(bm: BenchModel, device: torch.device, resident: int
         if block.path in kept:
             init_block(block.module)
     engine = LayerwiseOffload(model, device, plan=bm.plan, resident_layers=resident,
-                              use_allgather=False, init_block=init_block)
+                              group=group, use_allgather=group is not None,
+                              init_block=init_block)
     return model, engine
 
 
