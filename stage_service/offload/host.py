@@ -6,10 +6,16 @@
   last shard is zero-padded so all shards have the same size S.
 - `StagedStore`: the block tensors stay where they are (a checkpoint mapping); each transfer packs
   the block into one of two bounded pinned staging buffers.
+- `LockedMappingStore`: the block tensors stay in a file mapping whose pages are page-locked in
+  place, so each transfer is DMA straight from the page cache (which every engine mapping the
+  same runtime-cache entry shares): no staging copy, no private copy.
+
+Every store fills a device buffer with block i's bytes on the current (copy) stream: `fill`.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -59,11 +65,12 @@ class PackedStore:
     def h2d_nbytes(self, i: int) -> int:
         return self.layouts[i].nbytes
 
-    def host_view(self, i: int) -> torch.Tensor:
-        return self.buffers[i].tensor
-
-    def after_copy(self, stream: platform.Stream) -> None:
-        pass
+    def fill(self, i: int, target: torch.Tensor, stream: platform.Stream) -> int:
+        """Copy block i's host bytes (this rank's shard, for a ShardStore) into the front of
+        `target` on `stream`; returns how many bytes that is."""
+        src = self.buffers[i].tensor
+        target[:src.numel()].copy_(src, non_blocking=True)
+        return src.numel()
 
     def close(self) -> None:
         for b in self.buffers:
@@ -102,22 +109,62 @@ class StagedStore(PackedStore):
         self.buffers = [platform.HostBuffer(size, device) for _ in range(2)]
         self._done = [platform.DeviceEvent(device) for _ in range(2)]
         self._next = 0
-        self._last = 0
 
-    def host_view(self, i: int) -> torch.Tensor:
+    def fill(self, i: int, target: torch.Tensor, stream: platform.Stream) -> int:
         k, self._next = self._next, self._next ^ 1
         # The H2D copy that last read this staging buffer must be finished before we refill it.
         self._done[k].synchronize()
         n = self.layouts[i].nbytes
         out = self.buffers[k].tensor[:n]
         self.layouts[i].pack_range(self.sources[i], 0, n, out)
-        self._last = k
-        return out
-
-    def after_copy(self, stream: platform.Stream) -> None:
-        self._done[self._last].record(stream)
+        target[:n].copy_(out, non_blocking=True)
+        self._done[k].record(stream)
+        return n
 
     def close(self) -> None:
         for e in self._done:
             e.synchronize()
         super().close()
+
+
+class LockedMappingStore(PackedStore):
+    """Blocks copied straight from their (page-locked) mapping into the device slot, tensor by
+    tensor. Built by `locked_mapping_store` only when every mapping could be locked."""
+
+    def __init__(self, layouts: list[BlockLayout], sources: list, unlock: list) -> None:
+        self.layouts = layouts
+        self.sources = sources  # byte views: they keep the mappings alive while locked
+        self.buffers = []
+        self._unlock = unlock
+        # Unlocked before the mappings can go away, also when close() is never called.
+        self._finalizer = weakref.finalize(self, _run_all, unlock)
+
+    def fill(self, i: int, target: torch.Tensor, stream: platform.Stream) -> int:
+        n = self.layouts[i].nbytes
+        self.layouts[i].pack_range(self.sources[i], 0, n, target[:n], non_blocking=True)
+        return n
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _run_all(functions: list) -> None:
+    for f in functions:
+        f()
+
+
+def locked_mapping_store(layouts: list[BlockLayout], device: str | torch.device
+                         ) -> LockedMappingStore | None:
+    """Lock every storage the blocks' tensors live in (once each); None, with nothing left
+    locked, when that is not possible (a CPU target, or the driver refuses)."""
+    sources = [layout.sources() for layout in layouts]
+    storages = {src.untyped_storage().data_ptr(): src for block in sources for _, src in block}
+    unlock = []
+    for src in storages.values():
+        undo = platform.lock_pages_in_place(src, device)
+        if undo is None:
+            _run_all(unlock)
+            return None
+        unlock.append(undo)
+    return LockedMappingStore(layouts, sources, unlock)
+
