@@ -14,12 +14,14 @@ import grpc
 
 from cache_service import evict, locks
 from cache_service.store import CacheStore, EntryInfo, StoreStats, default_root
-from stagemesh import errors, logs
+from stagemesh import auth, errors, logs, metrics, tls
 from stagemesh import serve as lifecycle
 from stagemesh.rpc import ServiceHost, servicer_method
 from stagemesh.v1 import cache_pb2, cache_pb2_grpc
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
+# The cache mutations need the bearer token when one is configured; ListEntries and GetStats stay open.
+CONTROL_METHODS = auth.control_methods(SERVICE_NAME, ("Evict", "PublishSession"))
 
 log = logs.get_logger("cache_service.server")
 
@@ -61,6 +63,13 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         self.store = store
         self.max_bytes = max_bytes
         self.guard = guard
+        self.evicted_entries = 0  # since start, for the metrics
+        self.evicted_bytes = 0
+
+    def _count(self, result: evict.EvictResult) -> evict.EvictResult:
+        self.evicted_entries += len(result.evicted)
+        self.evicted_bytes += result.freed_bytes
+        return result
 
     def _authorize_mutation(self, context, method: str) -> None:
         if self.guard is not None:
@@ -83,11 +92,11 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         target = request.WhichOneof("target")
         if target == "key":
             key = locks.require_key(request.key, "key")
-            result = await asyncio.to_thread(evict.evict_keys, self.store, [key])
+            result = self._count(await asyncio.to_thread(evict.evict_keys, self.store, [key]))
         elif target == "budget_bytes":
             if request.budget_bytes < 0:
                 raise errors.InvalidArgument.field("budget_bytes", "must be >= 0")
-            result = await asyncio.to_thread(evict.evict_to_budget, self.store, request.budget_bytes)
+            result = self._count(await asyncio.to_thread(evict.evict_to_budget, self.store, request.budget_bytes))
         else:
             raise errors.InvalidArgument.field("target", "set key or budget_bytes")
         log.info("evicted", keys=result.evicted, freed_bytes=result.freed_bytes, skipped=result.skipped_in_use)
@@ -120,7 +129,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             held.release()
             log.info("publication lock released", key=key, published=published)
         if published and self.max_bytes is not None:
-            result = await asyncio.to_thread(evict.evict_to_budget, self.store, self.max_bytes)
+            result = self._count(await asyncio.to_thread(evict.evict_to_budget, self.store, self.max_bytes))
             log.info("budget enforced", max_bytes=self.max_bytes, evicted=result.evicted,
                      remaining_bytes=result.remaining_bytes)
 
@@ -168,10 +177,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="byte budget of the cache; after each publication least recently used entries that "
         "nobody maps are evicted down to it (default: no budget)",
     )
+    tls.add_arguments(parser, client=False)  # the cache service calls no other service
+    auth.add_arguments(parser)
+    metrics.add_argument(parser)
     parser.add_argument(
         "--ready-file",
         default=None,
-        help="write {address, pid} as JSON here once listening, for supervisors of port-0 services",
+        help="write {address, pid} (and metrics with a metrics port) as JSON here once listening, for supervisors "
+        "of port-0 services",
     )
     parser.add_argument(
         "--log-level",
@@ -190,15 +203,21 @@ def _byte_count(text: str) -> int:
 
 async def serve(args: argparse.Namespace) -> None:
     store = CacheStore(Path(args.root).expanduser())
-    host = ServiceHost(args.host, args.port, [SERVICE_NAME])
+    token = auth.load_token(getattr(args, "token_file", None))
+    service_metrics = metrics.ServiceMetrics("cache", args.host, getattr(args, "metrics_port", None))
+    # Metrics first: they also count the calls the auth interceptor refuses.
+    interceptors = [*service_metrics.interceptors(), *auth.interceptors(token, CONTROL_METHODS)]
+    host = ServiceHost(args.host, args.port, [SERVICE_NAME], interceptors=interceptors,
+                       credentials=tls.server_credentials(getattr(args, "tls_cert", None), getattr(args, "tls_key", None)))
     servicer = CacheServicer(store, max_bytes=getattr(args, "max_bytes", None))
     cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, host.server)
+    service_metrics.add_readings(metrics.cache_readings(store, servicer))
 
     async def load() -> None:
         await asyncio.to_thread(store.ensure_root)
         log.info("cache root ready", root=str(store.root))
 
-    await lifecycle.run(host, ready_file=args.ready_file, load=load)
+    await lifecycle.run(host, ready_file=args.ready_file, load=load, metrics=service_metrics)
 
 
 def main(args: argparse.Namespace) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from stagemesh import auth, metrics, tls
+
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
@@ -16,5 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "addresses or one dns:///name:port target (balanced by gRPC round_robin)")
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help="largest request accepted; larger ones get RESOURCE_EXHAUSTED (default: 4 MiB)")
-    parser.add_argument("--ready-file", default=None, help="write {'address', 'pid'} as JSON here once bound")
+    tls.add_arguments(parser)  # --tls-ca verifies the stages
+    auth.add_arguments(parser)  # the token also authorizes the gateway's control calls to the stages
+    metrics.add_argument(parser)
+    parser.add_argument("--ready-file", default=None, help="write {'address', 'pid'} (and 'metrics' with a metrics port) as JSON here once bound")
     parser.add_argument("--log-level", default="info", help="log level (default: 'info')")

@@ -90,7 +90,7 @@ class Pipeline:
             # Admission ends once the first stage has the request (a Sleep waits for that).
             async for response in stage.execute(request_id, wire_params, inputs, remaining, ticket.release):
                 if response.HasField("progress"):
-                    if stage.kind == "diffusion":
+                    if stage.kind in ("diffusion", "denoise"):  # denoising steps, not encoder items
                         yield DenoisingStep(stage.stage_id, response.progress.step, response.progress.total)
                 else:
                     inputs = dict(response.outputs.outputs)

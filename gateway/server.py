@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from stagemesh import logs, serve
+from stagemesh import auth, logs, serve, tls
+from stagemesh.metrics import ServiceMetrics, gateway_readings
 from stagemesh.rpc import ServiceHost, servicer_method
 from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
 from gateway.control import Admission, ControlPlane
@@ -13,6 +14,8 @@ from gateway.pipeline import DenoisingStep, Pipeline, StageStarted
 from gateway.stages import StageClient
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+# Need the bearer token when one is configured; Generate and ListStages stay open.
+CONTROL_METHODS = auth.control_methods(SERVICE_NAME, ("Sleep", "WakeUp", "PauseGeneration", "ResumeGeneration"))
 
 
 def _event_proto(event: object) -> gateway_pb2.GenerateResponse:
@@ -78,11 +81,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 async def serve_gateway(args: argparse.Namespace) -> None:
     if not args.stage:
         raise SystemExit("stagemesh gateway: give at least one --stage ADDRESS")
-    stages = [StageClient(i, [a.strip() for a in spec.split(",") if a.strip()]) for i, spec in enumerate(args.stage)]
+    token = auth.load_token(args.token_file)
+    credentials = tls.server_credentials(args.tls_cert, args.tls_key)
+    stages = [StageClient(i, [a.strip() for a in spec.split(",") if a.strip()], tls_ca=args.tls_ca, token=token)
+              for i, spec in enumerate(args.stage)]
     admission = Admission()
     pipeline = Pipeline(stages, admission)
     control = ControlPlane(stages, admission)
-    host = ServiceHost(args.host, args.port, [SERVICE_NAME], max_receive_bytes=args.max_request_bytes)
+    metrics = ServiceMetrics("gateway", args.host, args.metrics_port)
+    metrics.add_readings(gateway_readings(admission, len(stages)))
+    # Metrics first: they also count the calls the auth interceptor refuses.
+    host = ServiceHost(args.host, args.port, [SERVICE_NAME], max_receive_bytes=args.max_request_bytes,
+                       interceptors=[*metrics.interceptors(), *auth.interceptors(token, CONTROL_METHODS)],
+                       credentials=credentials)
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(pipeline, control), host.server)
 
     async def load() -> None:
@@ -92,7 +103,7 @@ async def serve_gateway(args: argparse.Namespace) -> None:
     async def close() -> None:
         await asyncio.gather(*(s.close() for s in stages))
 
-    await serve.run(host, ready_file=args.ready_file, load=load, close=close)
+    await serve.run(host, ready_file=args.ready_file, load=load, close=close, metrics=metrics)
 
 
 def main(args: argparse.Namespace) -> None:

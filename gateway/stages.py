@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import grpc
 
-from stagemesh import errors, rpc
+from stagemesh import auth, errors, rpc, tls
 from stagemesh.params import Limits
 from stagemesh.v1 import generation_pb2, stage_pb2, stage_pb2_grpc
 
@@ -42,10 +42,16 @@ class StageClient:
     limits: Limits | None = None
     supports_sleep: bool = False
     sleep_level: int = 0
+    tls_ca: str | None = None  # CA bundle verifying the stage's certificate; None: plaintext
+    token: str | None = field(default=None, repr=False)  # sent on SleepStage/WakeUpStage
 
     def __post_init__(self) -> None:
         options = [*rpc.channel_options(), ("grpc.service_config", _ROUND_ROBIN)]
-        self._channel = grpc.aio.insecure_channel(channel_target(self.addresses), options=options)
+        if self.tls_ca and len(self.addresses) > 1:
+            # An ipv4:/ipv6: list is no host name; verify the replicas' certificates against the first host.
+            options.append(("grpc.ssl_target_name_override", self.addresses[0].rsplit(":", 1)[0].strip("[]")))
+        self._channel = tls.channel(channel_target(self.addresses), self.tls_ca, options, aio=True)
+        self._control_metadata = auth.bearer_metadata(self.token)
         self._stub = stage_pb2_grpc.StageServiceStub(self._channel)
 
     @property
@@ -71,11 +77,13 @@ class StageClient:
         return reply
 
     async def sleep(self, level: int, timeout: float | None) -> list:
-        reply = await self._unary(self._stub.SleepStage, stage_pb2.SleepStageRequest(level=level), timeout=timeout)
+        reply = await self._unary(self._stub.SleepStage, stage_pb2.SleepStageRequest(level=level), timeout=timeout,
+                                  metadata=self._control_metadata)
         return list(reply.acks)
 
     async def wake(self, timeout: float | None) -> list:
-        reply = await self._unary(self._stub.WakeUpStage, stage_pb2.WakeUpStageRequest(), timeout=timeout)
+        reply = await self._unary(self._stub.WakeUpStage, stage_pb2.WakeUpStageRequest(), timeout=timeout,
+                                  metadata=self._control_metadata)
         return list(reply.acks)
 
     async def execute(self, request_id: str, params: generation_pb2.GenerationParams, inputs,

@@ -87,6 +87,7 @@ class Engine:
         self._tasks: set[asyncio.Task] = set()
         self._closed_reason: str | None = None  # set while the stage sleeps: new requests refused
         self._active_batches = 0
+        self._admitted = 0  # requests inside run(): waiting, running or delivering
         self._idle = asyncio.Event()
         self._idle.set()
         self.on_worker_restarted: Callable[[int], Awaitable[None]] | None = None
@@ -109,6 +110,16 @@ class Engine:
     def serving(self) -> bool:
         return len(self._dead_ranks) < self._workers
 
+    @property
+    def queue_depth(self) -> int:
+        """Requests admitted and not finished."""
+        return self._admitted
+
+    @property
+    def waiting(self) -> int:
+        """Admitted requests not yet handed to a worker."""
+        return len(self._waiting)
+
     # public -----------------------------------------------------------------------------------
     async def run(self, request_id: str, params: Params, inputs: dict[str, torch.Tensor],
                   explicit_steps: bool = True) -> AsyncIterator[Any]:
@@ -124,6 +135,7 @@ class Engine:
         if self._waves is not None:
             self._waves.admit(req)
         self._waiting.append(req)
+        self._admitted += 1
         self._wake.set()
         try:
             while True:
@@ -134,6 +146,7 @@ class Engine:
                 if isinstance(event, OutputsEvent):
                     return
         finally:
+            self._admitted -= 1
             req.done = True
             self._abandon(req)
 
@@ -155,7 +168,8 @@ class Engine:
 
     # scheduling -------------------------------------------------------------------------------
     def _compatible(self, a: Params, b: Params) -> bool:
-        return self._kind != "diffusion" or a.batch_key() == b.batch_key()
+        # A denoising stage samples a batch as one: same size, steps and guidance.
+        return self._kind not in ("diffusion", "denoise") or a.batch_key() == b.batch_key()
 
     def _take_batch(self) -> list[_Request]:
         head = self._waiting.popleft()

@@ -44,6 +44,7 @@ class _Worker:
     pending: dict[str, _Pending] = field(default_factory=dict)
     pump: threading.Thread | None = None
     ready: protocol.Ready | None = None
+    stats: protocol.WorkerStats | None = None  # from the worker's latest reply
     stopping: bool = False
 
 
@@ -79,6 +80,7 @@ class Executor:
         self._lock = threading.Lock()
         self._on_death = on_death
         self._closed = False
+        self.offload_bytes_streamed = 0  # every worker's DLO host -> device bytes, restarts included
 
     # life cycle -----------------------------------------------------------------------------
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> list[protocol.Ready]:
@@ -121,6 +123,11 @@ class Executor:
 
     def ready_info(self) -> list[protocol.Ready]:
         return [w.ready for w in self._workers.values() if w.ready is not None]
+
+    def device_memory_bytes(self) -> int:
+        """Device memory of the workers, as each last reported it (at load, then with each reply)."""
+        return sum(w.stats.device_memory_bytes if w.stats is not None else w.ready.device_memory_bytes
+                   for w in list(self._workers.values()) if w.ready is not None)
 
     # requests -------------------------------------------------------------------------------
     def submit(self, rank: int, items: list[dict[str, Any]], on_progress: ProgressFn | None = None) -> tuple[str, cf.Future]:
@@ -294,6 +301,8 @@ class Executor:
         if isinstance(msg, protocol.OutputReady):
             self._output_ready(msg)
             return
+        if getattr(msg, "stats", None) is not None:
+            self._note_stats(w, msg.stats)
         if isinstance(msg, protocol.ComputeDone):
             # Registered before the RPC future resolves, so a death in between fails the output too.
             self.outputs.expect(msg.async_output_id, w.spec.rank)
@@ -324,6 +333,15 @@ class Executor:
             exc = errors.Cancelled(msg.message) if msg.cancelled else errors.StagemeshError(
                 f"{self.stage_name} failed: {msg.message}")
             resolve_future(pending.future, exc=exc)
+
+    def _note_stats(self, w: _Worker, stats: protocol.WorkerStats) -> None:
+        # The worker's offload count is cumulative; it starts again from 0 in a new process (a new
+        # _Worker) or a rebuilt DLO engine (a smaller value).
+        before = w.stats.offload_bytes if w.stats is not None else 0
+        grown = stats.offload_bytes - before if stats.offload_bytes >= before else stats.offload_bytes
+        with self._lock:  # one pump thread per worker: they may add at the same time
+            self.offload_bytes_streamed += grown
+        w.stats = stats
 
     def _output_ready(self, msg: protocol.OutputReady) -> None:
         # Unpack first, whoever waits: a shared-memory segment never outlives its reader.

@@ -11,7 +11,7 @@ Containers are walked recursively into new containers; the input is never mutate
 from __future__ import annotations
 
 import os
-import uuid
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +38,7 @@ class PackedTensor:
 
 def segment_name(owner_pid: int, rank: int) -> str:
     """Unguessable, and tells a sweeper which executor (pid) and worker (rank) it belongs to."""
-    return f"{SHM_PREFIX}-{owner_pid}-{rank}-{uuid.uuid4().hex}"
+    return f"{SHM_PREFIX}-{owner_pid}-{rank}-{secrets.token_hex(16)}"  # 128 random bits
 
 
 def _storage_nbytes(tensor: torch.Tensor) -> int:

@@ -63,6 +63,14 @@ class Control:
 
 # worker -> executor
 @dataclass(frozen=True)
+class WorkerStats:
+    """Figures a worker attaches to its replies (the stage service exports them as metrics)."""
+
+    device_memory_bytes: int = 0  # allocated on the worker's device now
+    offload_bytes: int = 0  # copied host -> device by the DLO engine since the process started
+
+
+@dataclass(frozen=True)
 class Ready:
     rank: int
     limits: dict[str, Any]
@@ -89,6 +97,7 @@ class ComputeDone:
 
     rpc_id: str
     async_output_id: str
+    stats: WorkerStats | None = None
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,7 @@ class Ack:
     rpc_id: str
     result: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    stats: WorkerStats | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +121,7 @@ class Result:
 
     rpc_id: str
     outputs: list[Any] = field(default_factory=list)  # one packed dict per item
+    stats: WorkerStats | None = None
 
 
 @dataclass(frozen=True)

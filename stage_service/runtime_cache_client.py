@@ -10,6 +10,7 @@ import queue
 
 import grpc
 
+from stagemesh import auth, tls
 from stagemesh.v1 import cache_pb2, cache_pb2_grpc
 
 
@@ -29,13 +30,15 @@ class PublishLease:
         self._channel = channel
         self._outbox: queue.Queue = queue.Queue()
         self._outbox.put(cache_pb2.PublishSessionRequest(key=key, lock_timeout_seconds=lock_timeout_s))
-        self._responses = cache_pb2_grpc.CacheServiceStub(channel).PublishSession(self._requests())
+        # A publication session is a cache mutation: it carries the token when one is configured.
+        self._responses = cache_pb2_grpc.CacheServiceStub(channel).PublishSession(
+            self._requests(), metadata=auth.bearer_metadata(auth.load_token(None)))
         self.existing_valid = False
         self._open = True
 
     @classmethod
     def open(cls, address: str, key: str, lock_timeout_s: float, connect_timeout_s: float = 1.0) -> PublishLease:
-        channel = grpc.insecure_channel(address)
+        channel = tls.channel(address, tls.env_ca())  # the stage exports its --tls-ca for us
         try:
             grpc.channel_ready_future(channel).result(timeout=connect_timeout_s)
         except grpc.FutureTimeoutError:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from typing import Any
 
-from stagemesh import codec, converters, logs, serve
+from stagemesh import auth, codec, converters, logs, serve, tls
+from stagemesh.metrics import ServiceMetrics, stage_readings
 from stagemesh.params import Limits
 from stagemesh.rpc import ServiceHost, servicer_method
 from stagemesh.v1 import control_pb2, stage_pb2, stage_pb2_grpc
@@ -19,6 +21,7 @@ from stage_service.settings import StageSettings
 log = logs.get_logger("stagemesh.stage")
 
 SERVICE_NAME = stage_pb2.DESCRIPTOR.services_by_name["StageService"].full_name
+CONTROL_METHODS = auth.control_methods(SERVICE_NAME, ("SleepStage", "WakeUpStage"))
 
 
 def _ack_proto(stage_id: int, ack: Ack) -> control_pb2.WorkerAck:
@@ -66,7 +69,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 default_guidance_scale=lim.default_guidance_scale, max_guidance_scale=lim.max_guidance_scale,
             ),
             device=ready[0].device if ready else s.device,
-            device_memory_bytes=sum(r.device_memory_bytes for r in ready),
+            device_memory_bytes=self._executor.device_memory_bytes(),
             workers=s.worker_processes(),
             max_batch_size=s.max_batch_size,
             supports_sleep=self._control.supports_sleep,
@@ -84,8 +87,24 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         return stage_pb2.WakeUpStageResponse(acks=[_ack_proto(self._settings.stage_id, a) for a in acks])
 
 
+def _export_cache_security(token: str | None, tls_ca: str) -> None:
+    """Workers publish to the cache service with the stage's token and CA; they inherit both
+    through the environment, never through a command line."""
+    if token:
+        os.environ[auth.TOKEN_ENV] = token
+    if tls_ca:
+        tls.read_pem(tls_ca, "--tls-ca")  # an unreadable CA fails the start, not a later publication
+        os.environ[tls.CA_ENV] = os.path.abspath(os.path.expanduser(tls_ca))
+
+
 async def serve_stage(settings: StageSettings) -> None:
-    host = ServiceHost(settings.host, settings.port, [SERVICE_NAME])
+    token = auth.load_token(settings.token_file or None)
+    metrics = ServiceMetrics(f"stage-{settings.stage_id}", settings.host, settings.metrics_port)
+    # Metrics first: they also count the calls the auth interceptor refuses.
+    host = ServiceHost(settings.host, settings.port, [SERVICE_NAME],
+                       interceptors=[*metrics.interceptors(), *auth.interceptors(token, CONTROL_METHODS)],
+                       credentials=tls.server_credentials(settings.tls_cert, settings.tls_key))
+    _export_cache_security(token, settings.tls_ca)
     loop = asyncio.get_running_loop()
 
     def on_health(serving: bool) -> None:
@@ -99,6 +118,7 @@ async def serve_stage(settings: StageSettings) -> None:
     control = StageControl(executor.stage_name, engine, executor, settings.enable_sleep)
     servicer = StageServicer(settings, engine, executor, control)
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, host.server)
+    metrics.add_readings(stage_readings(engine, executor, control, lambda: servicer.ready and engine.serving))
 
     async def load() -> None:
         await asyncio.to_thread(settings.prepare_model_dir)
@@ -111,7 +131,7 @@ async def serve_stage(settings: StageSettings) -> None:
         await engine.close()
         await asyncio.to_thread(executor.shutdown)
 
-    await serve.run(host, ready_file=settings.ready_file, load=load, close=close)
+    await serve.run(host, ready_file=settings.ready_file, load=load, close=close, metrics=metrics)
 
 
 def main(args: argparse.Namespace) -> None:

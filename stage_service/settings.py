@@ -9,9 +9,11 @@ from typing import Any
 
 from stage_service.offload.config import DloOptions
 from stage_service.offload.config import HELP as DLO_HELP
+from stagemesh import metrics
 from stagemesh.params import Limits
 
-KINDS = ("ar", "diffusion")
+# encoder / denoise / decode: stages of a diffusers-format folder (docs/MODELS.md)
+KINDS = ("ar", "diffusion", "encoder", "denoise", "decode")
 PRESETS = ("tiny", "flux-sized")
 
 
@@ -40,17 +42,25 @@ class StageSettings(DloOptions):
     default_steps: int = 8
     default_guidance: float = 4.0
     max_guidance: float = 30.0
+    metrics_port: int | None = None
     ready_file: str | None = None
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    token_file: str = ""
 
     _HELP = {
         "stage_id": "position of this stage in the pipeline (0 = first)",
-        "kind": "what the stage runs: 'ar' (the language model) or 'diffusion' (DiT + decoder)",
+        "kind": "what the stage runs: 'ar' (the language model) or 'diffusion' (DiT + decoder); "
+                "for a diffusers-format model_dir also 'encoder' (text encoders), 'denoise' "
+                "(diffusion without the VAE) and 'decode' (the VAE); see MODELS.md",
         "host": "address to bind (loopback by default)",
         "port": "port to bind; 0 picks a free one (see --ready-file)",
         "workers": "worker processes (one per rank / GPU)",
         "device": "torch device for the workers: 'cpu', 'cuda' (rank i uses cuda:i) or 'cuda:N'",
         "threads": "torch CPU threads per worker; 0 keeps torch's default",
-        "model_dir": "model folder (config.json + safetensors); default: the embedded model's cache folder",
+        "model_dir": "model folder: the embedded model's (config.json + safetensors) or a diffusers-format "
+                     "checkpoint (model_index.json); default: the embedded model's cache folder",
         "model_preset": "dimensions used when the folder holds no weights yet: 'tiny' or 'flux-sized'",
         "max_batch_size": "most compatible requests run together as one batch",
         "enable_sleep": "accept SleepStage/WakeUpStage (freeing device memory on demand); "
@@ -65,7 +75,13 @@ class StageSettings(DloOptions):
         "default_steps": "num_inference_steps used when a request leaves it unset",
         "default_guidance": "guidance_scale used when a request leaves it unset",
         "max_guidance": "largest guidance_scale accepted",
-        "ready_file": "write {'address', 'pid'} as JSON here once the port is bound",
+        "metrics_port": metrics.PORT_HELP,
+        "ready_file": "write {'address', 'pid'} (and 'metrics' with a metrics port) as JSON here once the port is bound",
+        "tls_cert": "serve TLS with this certificate chain (PEM); needs --tls-key; empty: plaintext",
+        "tls_key": "private key (PEM) of --tls-cert",
+        "tls_ca": "CA bundle (PEM) verifying the cache service when it serves TLS; empty: plaintext channel",
+        "token_file": "file holding the bearer token that SleepStage/WakeUpStage must carry, also sent to the "
+                      "cache service when publishing; empty: $STAGEMESH_TOKEN, or none",
         **DLO_HELP,
     }
 
@@ -82,6 +98,7 @@ class StageSettings(DloOptions):
                 f"{self.dp_size}: every DP rank needs its own GPU; use device = 'cuda' "
                 "(rank i uses cuda:i)")
         self._check_tp()
+        metrics.check_port(self.metrics_port, "metrics_port")
 
     def _check_tp(self) -> None:
         tp = self.tensor_parallel_size
@@ -119,6 +136,8 @@ class StageSettings(DloOptions):
                 kwargs["choices"] = KINDS
             elif f.name == "model_preset":
                 kwargs["choices"] = PRESETS
+            elif f.name == "metrics_port":
+                kwargs["type"] = metrics.port_argument  # int | None: unset is off
             if f.type in ("bool", bool):
                 kwargs["action"] = argparse.BooleanOptionalAction
             elif f.type in ("int", int):
@@ -162,7 +181,13 @@ class StageSettings(DloOptions):
         return Path(self.model_dir).expanduser() if self.model_dir else default_model_dir()
 
     def prepare_model_dir(self) -> Path:
-        """Generate the embedded model's weights on first use (deterministic, no download)."""
+        """Generate the embedded model's weights on first use (deterministic, no download); a
+        diffusers-format folder is only checked for the components this stage loads."""
+        from stage_service.models import diffusers_adapter
+
+        if diffusers_adapter.is_diffusers_folder(self.resolved_model_dir()) \
+                or self.kind in diffusers_adapter.FOLDER_ONLY_KINDS:
+            return diffusers_adapter.check_stage_folder(self.resolved_model_dir(), self.kind).path
         from stage_service.models.config import PipelineConfig
         from stage_service.models.weights import ensure_model_dir
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import secrets
 import threading
-import uuid
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,7 +81,7 @@ class SlotPool:
         return slot
 
     def _create(self, capacity: int) -> _Slot:
-        name = f"{self._prefix}-{uuid.uuid4().hex}"
+        name = f"{self._prefix}-{secrets.token_hex(16)}"  # unguessable: no other user can pre-create it
         path = SHM_DIR / name
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:

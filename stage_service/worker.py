@@ -109,11 +109,11 @@ class Worker:
                 return
             if self.async_output is None:
                 # One pack call: if any output fails to pack, the segments of the others are unlinked.
-                self.writer.put(protocol.Result(msg.rpc_id, self.packer.pack(list(outputs))))
+                self.writer.put(protocol.Result(msg.rpc_id, self.packer.pack(list(outputs)), self.stats()))
                 return
             event = platform.DeviceEvent(self.device).record()
             output_id = new_output_id()
-            self.writer.put(protocol.ComputeDone(msg.rpc_id, output_id))
+            self.writer.put(protocol.ComputeDone(msg.rpc_id, output_id, self.stats()))
             self.async_output.submit(output_id, outputs, event)
         except _CancelledByCaller:
             self.writer.put(protocol.Failure(msg.rpc_id, "cancelled by the caller", cancelled=True))
@@ -130,12 +130,17 @@ class Worker:
         """Control calls answer with an Ack straight away; they never go through the output path."""
         try:
             result = self._control_ops()[msg.op](**msg.args)
-            self.writer.put(protocol.Ack(msg.rpc_id, result=result))
+            self.writer.put(protocol.Ack(msg.rpc_id, result=result, stats=self.stats()))
         except KeyError:
             self.writer.put(protocol.Ack(msg.rpc_id, error=f"unknown control operation {msg.op!r}"))
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             self.writer.put(protocol.Ack(msg.rpc_id, error=f"{type(exc).__name__}: {exc}"))
+
+    def stats(self) -> protocol.WorkerStats:
+        # Cheap: an allocator counter and an int; sent with every reply that ends a batch or a control call.
+        offload = getattr(self.runner, "offload", None)
+        return protocol.WorkerStats(platform.memory_allocated(self.device), getattr(offload, "h2d_bytes", 0))
 
     def _control_ops(self) -> dict[str, Any]:
         return {"ping": self._ping, "drain": self._drain, "sleep": self._sleep, "wake": self._wake}

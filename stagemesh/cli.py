@@ -20,6 +20,9 @@ def _parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start cache, stages and gateway on this machine and supervise them")
     up.add_argument("--config", default=None, help="mesh.toml (default: the embedded two-stage pipeline)")
     up.add_argument("--log-level", default=None, help="overrides [mesh] log_level")
+    up.add_argument("--model", default=None, metavar="PATH",
+                    help="serve a diffusers-format folder (model_index.json): an encoder stage and a "
+                         "diffusion stage over it; with --config, stage tables without model_dir use it")
 
     for name, add_arguments, main_module, text in (
         ("gateway", gateway_options.add_arguments, "gateway.server", "run the public gateway service alone"),
@@ -40,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--address", default=client.default_address(),
                        help=f"gateway address (default: ${client.ADDRESS_ENV} or {client.DEFAULT_ADDRESS})")
         p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds (default: 600)")
+        p.add_argument("--tls-ca", default=None, metavar="PEM",
+                       help="CA bundle that verifies a gateway serving TLS (default: $STAGEMESH_TLS_CA; "
+                            "neither: plaintext)")
+        if name in ("sleep", "wakeup", "pause", "resume"):
+            p.add_argument("--token-file", default=None, metavar="PATH",
+                           help="file holding the bearer token for control calls (default: $STAGEMESH_TOKEN)")
         p.set_defaults(client_main=getattr(client, name))
         if name in ("sleep", "wakeup"):
             p.add_argument("--stage", type=int, action="append", default=[], required=True,
@@ -64,11 +73,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         from stagemesh import launcher
 
-        return launcher.main(args.config, args.log_level)
+        return launcher.main(args.config, args.log_level, args.model)
     if hasattr(args, "service_main"):
         importlib.import_module(args.service_main).main(args)
         return 0
-    return args.client_main(args)
+    from stagemesh import errors
+
+    try:
+        return args.client_main(args)
+    except errors.StagemeshError as exc:  # an unreadable --tls-ca or --token-file
+        print(f"stagemesh {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import grpc
 from grpc_status import rpc_status
 from google.rpc import error_details_pb2
 
-from stagemesh import rpc
+from stagemesh import auth, rpc, tls
 from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2
 
 ADDRESS_ENV = "STAGEMESH_ADDRESS"
@@ -21,6 +21,11 @@ _STATE_NAMES = {v.number: v.name.removeprefix("STAGE_STATE_").lower()
 
 def default_address() -> str:
     return os.environ.get(ADDRESS_ENV, DEFAULT_ADDRESS)
+
+
+def _channel(args) -> grpc.Channel:
+    """TLS verified by --tls-ca (or $STAGEMESH_TLS_CA) when given, else plaintext."""
+    return tls.channel(args.address, args.tls_ca or tls.env_ca(), rpc.channel_options())
 
 
 def describe_error(exc: grpc.RpcError) -> str:
@@ -51,7 +56,7 @@ def generate(args) -> int:
         params.guidance_scale = args.guidance
     if args.seed is not None:
         params.seed = args.seed
-    with grpc.insecure_channel(args.address, options=rpc.channel_options()) as channel:
+    with _channel(args) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         try:
             for event in stub.Generate(gateway_pb2.GenerateRequest(params=params), timeout=args.timeout):
@@ -74,7 +79,7 @@ def generate(args) -> int:
 
 
 def status(args) -> int:
-    with grpc.insecure_channel(args.address) as channel:
+    with _channel(args) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         try:
             reply = stub.ListStages(gateway_pb2.ListStagesRequest(), timeout=args.timeout)
@@ -95,10 +100,11 @@ _CONTROL_STATUS = {v.number: v.name.removeprefix("CONTROL_STATUS_") for v in con
 
 
 def _control_call(args, method: str, request) -> int:
-    with grpc.insecure_channel(args.address) as channel:
+    metadata = auth.bearer_metadata(auth.load_token(args.token_file))
+    with _channel(args) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         try:
-            reply = getattr(stub, method)(request, timeout=args.timeout)
+            reply = getattr(stub, method)(request, timeout=args.timeout, metadata=metadata)
         except grpc.RpcError as exc:
             print(describe_error(exc), file=sys.stderr)
             return 1

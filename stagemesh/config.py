@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from stage_service.settings import StageSettings
+from stagemesh import metrics
 
 DEFAULT_GATEWAY_PORT = 50051
 
@@ -16,6 +17,10 @@ DEFAULT_GATEWAY_PORT = 50051
 class GatewayConfig:
     port: int = DEFAULT_GATEWAY_PORT
     max_request_bytes: int = 4 * 1024 * 1024
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
+
+    def __post_init__(self) -> None:
+        metrics.check_port(self.metrics_port, "[gateway] metrics_port")
 
 
 @dataclass(frozen=True)
@@ -23,6 +28,10 @@ class CacheConfig:
     port: int = 0
     root: str = "~/.cache/stagemesh/dlo-runtime-weights"
     max_bytes: int | None = None  # byte budget enforced after each publication; None: none
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        metrics.check_port(self.metrics_port, "[cache] metrics_port")
 
 
 @dataclass(frozen=True)
@@ -34,12 +43,40 @@ class SupervisionConfig:
 
 
 @dataclass(frozen=True)
+class SecurityConfig:
+    """TLS for every listener of the mesh and the token of its control calls; paths, "" = off."""
+
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""  # verifies the mesh's own channels (gateway -> stages, stages -> cache, health checks)
+    token_file: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("tls_cert", "tls_key", "tls_ca", "token_file"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise ValueError(f"[security] {name}: must be a file path (a string), not {value!r}")
+            # Absolute, so the banner's hints work from any directory.
+            object.__setattr__(self, name, str(Path(value).expanduser().absolute()) if value else "")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("[security]: tls_cert and tls_key go together; give both or neither")
+        if self.tls_cert and not self.tls_ca:
+            raise ValueError("[security] tls_ca: needed with tls_cert, so the mesh's own channels can verify "
+                             "its services (for a self-signed certificate: the certificate itself)")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)
+
+
+@dataclass(frozen=True)
 class MeshConfig:
     host: str = "127.0.0.1"
     log_level: str = "info"
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     stages: tuple[StageSettings, ...] = ()
 
     @classmethod
@@ -56,26 +93,65 @@ def _section(cls, values: dict[str, Any], where: str):
     return cls(**values)
 
 
-def load(path: str | Path | None) -> MeshConfig:
-    if path is None:
+def load(path: str | Path | None, model: str | Path | None = None) -> MeshConfig:
+    """`model`: a diffusers-format folder (`stagemesh up --model`): without [[stages]] the mesh
+    is an encoder stage and a diffusion stage over it; stage tables lacking model_dir use it."""
+    if path is None and model is None:
         return MeshConfig.default()
-    data = tomllib.loads(Path(path).read_text())
+    model = str(Path(model).expanduser().absolute()) if model is not None else None
+    data = tomllib.loads(Path(path).read_text()) if path is not None else {}
     mesh = dict(data.pop("mesh", {}))
     gateway = _section(GatewayConfig, data.pop("gateway", {}), "[gateway]")
     cache = _section(CacheConfig, data.pop("cache", {}), "[cache]")
     supervision = _section(SupervisionConfig, data.pop("supervision", {}), "[supervision]")
+    security = _section(SecurityConfig, data.pop("security", {}), "[security]")
     stage_tables = data.pop("stages", None)
     if data:
-        raise ValueError(f"{path}: unknown table(s) {sorted(data)}; known: mesh, gateway, cache, supervision, stages")
+        raise ValueError(f"{path}: unknown table(s) {sorted(data)}; "
+                         "known: mesh, gateway, cache, supervision, security, stages")
     config = _section(MeshConfig, mesh, "[mesh]")
     if stage_tables is None:
-        stages = MeshConfig.default().stages
+        stages = model_stages(model) if model is not None else MeshConfig.default().stages
     else:
-        stages = tuple(StageSettings.from_mapping({**t, "stage_id": i}) for i, t in enumerate(stage_tables))
-    if not stages:
-        raise ValueError(f"{path}: [[stages]] is empty; a mesh needs at least one stage")
-    if stages[-1].kind != "diffusion":
-        raise ValueError(f"{path}: the last stage must be of kind 'diffusion' (it draws the image)")
+        stages = tuple(StageSettings.from_mapping({**_with_model(t, model), "stage_id": i})
+                       for i, t in enumerate(stage_tables))
+    _check_stages(stages, path if path is not None else model)
     host = config.host
-    stages = tuple(replace(s, host=host) for s in stages)
-    return replace(config, gateway=gateway, cache=cache, supervision=supervision, stages=stages)
+    # Every stage serves and calls with the mesh's [security] settings.
+    stage_security = {k: v for k, v in vars(security).items() if v}
+    stages = tuple(replace(s, host=host, **stage_security) for s in stages)
+    return replace(config, gateway=gateway, cache=cache, supervision=supervision, security=security, stages=stages)
+
+
+def model_stages(model: str) -> tuple[StageSettings, ...]:
+    """A diffusers folder's default mesh: its text encoders, then transformer + VAE."""
+    return (StageSettings(stage_id=0, kind="encoder", model_dir=model),
+            StageSettings(stage_id=1, kind="diffusion", model_dir=model))
+
+
+def _with_model(table: dict[str, Any], model: str | None) -> dict[str, Any]:
+    return {**table, "model_dir": table.get("model_dir") or model} if model else table
+
+
+def _check_stages(stages: tuple[StageSettings, ...], where: str | Path) -> None:
+    """Stage order, and every diffusers folder holds what its stage loads, before anything
+    starts: a folder without its VAE is refused here, naming the component."""
+    if not stages:
+        raise ValueError(f"{where}: [[stages]] is empty; a mesh needs at least one stage")
+    if stages[-1].kind not in ("diffusion", "decode"):
+        raise ValueError(f"{where}: the last stage must be of kind 'diffusion' or 'decode' "
+                         "(it draws the image)")
+    for s in stages:
+        before = stages[s.stage_id - 1].kind if s.stage_id else None
+        if (s.kind == "decode") != (before == "denoise"):
+            raise ValueError(f"{where}: stage {s.stage_id} ({s.kind}): a 'decode' stage comes "
+                             "right after a 'denoise' stage, and only there")
+        # Looked at without importing the adapter (it brings torch) unless a folder is involved.
+        folder = Path(s.model_dir).expanduser() if s.model_dir else None
+        if s.kind not in ("ar", "diffusion") or (folder and (folder / "model_index.json").is_file()):
+            from stage_service.models import diffusers_adapter
+
+            if folder is None:
+                raise ValueError(f"{where}: stage {s.stage_id} ({s.kind}) needs model_dir (a "
+                                 "diffusers-format folder), or `stagemesh up --model PATH`")
+            diffusers_adapter.check_stage_folder(folder, s.kind)

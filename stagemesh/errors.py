@@ -58,3 +58,7 @@ class UpstreamError(StagemeshError):
         self.code = code
         self.trailing_metadata = tuple(trailing_metadata or ())
         super().__init__(message)
+
+
+class Unauthenticated(StagemeshError):
+    """A control call without the configured bearer token, or with a wrong one."""

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from dataclasses import replace
 
-from stagemesh import logs
-from stagemesh.config import MeshConfig
+from stagemesh import auth, errors, logs, tls
+from stagemesh.config import MeshConfig, SecurityConfig
 from stagemesh.supervisor import Child, StartFailed, Supervisor, service_argv
 from stage_service.offload.config import DEFAULT_RUNTIME_CACHE_DIR
 from stage_service.settings import StageSettings
@@ -28,13 +29,24 @@ def _with_cache(stage: StageSettings, config: MeshConfig, cache_address: list[st
                                else stage.dlo_runtime_cache_dir))
 
 
+def _security_flags(security: SecurityConfig, *names: str) -> list[str]:
+    """Paths only: the token itself never goes on a command line, where `ps` would show it."""
+    return [flag for name in names if getattr(security, name)
+            for flag in ("--" + name.replace("_", "-"), getattr(security, name))]
+
+
+def _metrics_flags(port: int | None) -> list[str]:
+    return ["--metrics-port", str(port)] if port is not None else []
+
+
 def _children(config: MeshConfig, stage_addresses: list[str],
               cache_address: list[str]) -> tuple[Child, list[Child], Child]:
     level = ["--log-level", config.log_level]
+    served = _security_flags(config.security, "tls_cert", "tls_key", "token_file")
     budget = ["--max-bytes", str(config.cache.max_bytes)] if config.cache.max_bytes is not None else []
     cache = Child("cache", lambda port: service_argv(
-        "cache", "--host", config.host, "--port", str(port), "--root", config.cache.root, *budget, *level),
-        port=config.cache.port)
+        "cache", "--host", config.host, "--port", str(port), "--root", config.cache.root, *budget, *served,
+        *_metrics_flags(config.cache.metrics_port), *level), port=config.cache.port)
     stages = [
         Child(f"stage-{s.stage_id}", lambda port, s=s: service_argv(
             "stage", *replace(_with_cache(s, config, cache_address), port=port, ready_file=None).to_flags(),
@@ -44,22 +56,35 @@ def _children(config: MeshConfig, stage_addresses: list[str],
     gateway = Child("gateway", lambda port: service_argv(
         "gateway", "--host", config.host, "--port", str(port),
         "--max-request-bytes", str(config.gateway.max_request_bytes),
-        *[flag for a in stage_addresses for flag in ("--stage", a)], *level), port=config.gateway.port)
+        *[flag for a in stage_addresses for flag in ("--stage", a)], *served,
+        *_security_flags(config.security, "tls_ca"), *_metrics_flags(config.gateway.metrics_port), *level),
+        port=config.gateway.port)
     return cache, stages, gateway
 
 
-def banner(address: str) -> str:
-    return (
-        f"stagemesh: gateway serving on {address}\n"
-        f"  try: stagemesh generate 'a lighthouse at dusk' --address {address} -o out.png\n"
-        f"  or:  grpcurl -plaintext -d '{{\"params\": {{\"prompt\": \"a lighthouse\", \"width\": 256, "
-        f"\"height\": 256}}}}' {address} stagemesh.v1.GatewayService/GenerateUnary\n"
-        f"  Ctrl-C stops the mesh."
-    )
+def banner(address: str, security: SecurityConfig | None = None, env_token: bool = False) -> str:
+    """What to run next; with TLS and a token, hints that work as printed (the token never shows)."""
+    security = security or SecurityConfig()
+    ca = f" --tls-ca {security.tls_ca}" if security.tls else ""
+    transport = f"-cacert {security.tls_ca}" if security.tls else "-plaintext"
+    lines = [
+        f"stagemesh: gateway serving on {address}",  # tests and scripts take the address from this line
+        f"  try: stagemesh generate 'a lighthouse at dusk' --address {address}{ca} -o out.png",
+        f"  or:  grpcurl {transport} -d '{{\"params\": {{\"prompt\": \"a lighthouse\", \"width\": 256, "
+        f"\"height\": 256}}}}' {address} stagemesh.v1.GatewayService/GenerateUnary",
+    ]
+    if security.token_file or env_token:
+        source = f"$(cat {security.token_file})" if security.token_file else f"${auth.TOKEN_ENV}"
+        flag = f" --token-file {security.token_file}" if security.token_file else ""
+        lines += [f"  control calls need the bearer token: stagemesh pause --address {address}{ca}{flag}",
+                  f"       grpcurl {transport} -H \"authorization: Bearer {source}\" "
+                  f"{address} stagemesh.v1.GatewayService/PauseGeneration"]
+    lines.append("  Ctrl-C stops the mesh.")
+    return "\n".join(lines)
 
 
 async def up(config: MeshConfig) -> int:
-    supervisor = Supervisor(config.supervision)
+    supervisor = Supervisor(config.supervision, tls_ca=config.security.tls_ca or None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -76,7 +101,7 @@ async def up(config: MeshConfig) -> int:
             starting.cancel()
             return 0
         address = starting.result()
-        print(banner(address), flush=True)
+        print(banner(address, config.security, env_token=bool(os.environ.get(auth.TOKEN_ENV))), flush=True)
         return await supervisor.watch(stop)
     except StartFailed as exc:
         print(f"stagemesh: {exc}", file=sys.stderr, flush=True)
@@ -93,15 +118,30 @@ async def _start_all(supervisor: Supervisor, cache: Child, stages: list[Child], 
     return await supervisor.start(gateway)
 
 
-def main(config_path: str | None, log_level: str | None) -> int:
+def _check_security_files(security: SecurityConfig) -> None:
+    """Refuse unreadable [security] files before any child starts, naming the key."""
+    for name in ("tls_cert", "tls_key", "tls_ca"):
+        if getattr(security, name):
+            tls.read_pem(getattr(security, name), f"[security] {name}")
+    if security.token_file:
+        auth.load_token(security.token_file, "[security] token_file")
+
+
+def main(config_path: str | None, log_level: str | None, model: str | None = None) -> int:
     from stagemesh import config as mesh_config
 
     try:
-        config = mesh_config.load(config_path)
+        config = mesh_config.load(config_path, model)
     except (OSError, ValueError) as exc:  # unreadable file, bad TOML (a ValueError), unknown or bad keys
-        print(f"stagemesh: invalid config {config_path}: {exc}", file=sys.stderr, flush=True)
+        # (an incomplete --model folder too)
+        print(f"stagemesh: invalid config {config_path or model}: {exc}", file=sys.stderr, flush=True)
         return 2
     if log_level:
         config = replace(config, log_level=log_level)
+    try:
+        _check_security_files(config.security)
+    except errors.StagemeshError as exc:
+        print(f"stagemesh: invalid config {config_path}: {exc}", file=sys.stderr, flush=True)
+        return 2
     logs.configure("up", config.log_level)
     return asyncio.run(up(config))

@@ -7,10 +7,12 @@ import os
 from pathlib import Path
 
 
-def write(path: str | os.PathLike, address: str) -> None:
+def write(path: str | os.PathLike, address: str, metrics: str = "") -> None:
+    """`metrics`: the /metrics HTTP address when the service has one (key left out otherwise)."""
     target = Path(path)
     tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps({"address": address, "pid": os.getpid()}))
+    info = {"address": address, "pid": os.getpid(), **({"metrics": metrics} if metrics else {})}
+    tmp.write_text(json.dumps(info))
     os.replace(tmp, target)  # readers never see a half-written file
 
 

@@ -27,6 +27,7 @@ _STATUS_BY_ERROR: dict[type[errors.StagemeshError], grpc.StatusCode] = {
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.Cancelled: grpc.StatusCode.CANCELLED,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
 }
 
 log = logs.get_logger("stagemesh.rpc")
@@ -123,8 +124,11 @@ def servicer_method(func: Callable) -> Callable:
 class ServiceHost:
     """A grpc.aio server with health (NOT_SERVING until marked ready) and reflection."""
 
-    def __init__(self, host: str, port: int, service_names: Iterable[str], max_receive_bytes: int = MAX_MESSAGE_BYTES):
-        self.server = grpc.aio.server(options=channel_options(max_receive_bytes))
+    def __init__(self, host: str, port: int, service_names: Iterable[str], max_receive_bytes: int = MAX_MESSAGE_BYTES,
+                 *, interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+                 credentials: grpc.ServerCredentials | None = None):
+        # credentials: TLS for the port (stagemesh.tls); None serves plaintext.
+        self.server = grpc.aio.server(options=channel_options(max_receive_bytes), interceptors=list(interceptors))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
@@ -132,7 +136,8 @@ class ServiceHost:
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
         )
         try:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
+            self.port = (self.server.add_secure_port(f"{host}:{port}", credentials) if credentials is not None
+                         else self.server.add_insecure_port(f"{host}:{port}"))
         except RuntimeError as exc:
             raise errors.Unavailable(f"cannot bind {host}:{port}: {exc}") from None
         self.address = f"{host}:{self.port}"

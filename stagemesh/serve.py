@@ -7,6 +7,7 @@ import signal
 from typing import Any, Awaitable, Callable, Coroutine
 
 from stagemesh import errors, logs, readyfile
+from stagemesh.metrics import ServiceMetrics
 from stagemesh.rpc import ServiceHost
 from stagemesh import procutil
 
@@ -21,6 +22,7 @@ async def run(
     ready_file: str | None,
     load: Callable[[], Awaitable[None]] | None = None,
     close: Callable[[], Awaitable[None]] | None = None,
+    metrics: ServiceMetrics | None = None,
 ) -> None:
     """Serve until a stop signal. Health stays NOT_SERVING until `load` has finished."""
     procutil.die_with_parent()
@@ -29,10 +31,12 @@ async def run(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    # First: a metrics port that cannot be bound refuses the start before anything listens.
+    metrics_address = metrics.start() if metrics is not None else ""
     await host.set_serving(False)
     await host.server.start()
     if ready_file:
-        readyfile.write(ready_file, host.address)
+        readyfile.write(ready_file, host.address, metrics=metrics_address)
     log.info("listening", address=host.address)
     try:
         if load is not None:
@@ -55,6 +59,8 @@ async def run(
         await host.server.stop(STOP_GRACE_S)
         if close is not None:
             await close()
+        if metrics is not None:
+            metrics.stop()
         log.info("stopped")
 
 

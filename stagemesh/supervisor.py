@@ -17,7 +17,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stagemesh import logs, procutil, readyfile
+from stagemesh import logs, procutil, readyfile, tls
 from stagemesh.config import SupervisionConfig
 
 log = logs.get_logger("stagemesh.supervisor")
@@ -43,8 +43,9 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, settings: SupervisionConfig):
+    def __init__(self, settings: SupervisionConfig, *, tls_ca: str | None = None):
         self._settings = settings
+        self._tls_ca = tls_ca  # verifies children that serve TLS; None: plaintext health checks
         self._children: list[Child] = []
         self._run_dir = Path(tempfile.mkdtemp(prefix="stagemesh-"))
         self._stopping = False
@@ -67,16 +68,19 @@ class Supervisor:
             await asyncio.sleep(POLL_S / 4)
         child.address = info["address"]
         child.port = int(child.address.rsplit(":", 1)[1])  # a restart reuses the port its peers know
-        async with grpc.aio.insecure_channel(child.address) as channel:
+        async with tls.channel(child.address, self._tls_ca, aio=True) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
+            failure = ""
             while True:
                 self._check_alive(child, deadline)
                 try:
                     reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
                         break
-                except grpc.aio.AioRpcError:
-                    pass
+                except grpc.aio.AioRpcError as exc:
+                    if exc.details() != failure:  # once per reason, e.g. a certificate not naming the host
+                        failure = exc.details() or ""
+                        log.warning("health check failed", child=child.name, reason=failure)
                 await asyncio.sleep(POLL_S)
         log.info("serving", child=child.name, address=child.address)
 

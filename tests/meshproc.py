@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -95,6 +96,26 @@ class Mesh:
                 pids.add(int(line.split('"pid":', 1)[1].split(",", 1)[0].strip().rstrip("}")))
         return pids
 
+    def child_addresses(self) -> dict[str, str]:
+        """{"cache": address, "stage-0": ..., "gateway": ...} from `up`'s "serving" lines (restarts
+        reuse the port, so the last line wins)."""
+        found = {}
+        for line in self.logs().splitlines():
+            if '"event": "serving"' in line and '"child":' in line:
+                entry = json.loads(line)
+                found[entry["child"]] = entry["address"]
+        return found
+
+    def metrics_addresses(self) -> dict[str, str]:
+        """{"gateway": "127.0.0.1:PORT", "stage-0": ..., "cache": ...}: where each service with a
+        metrics port serves /metrics, from its "metrics listening" log line (the last one wins)."""
+        found = {}
+        for line in self.logs().splitlines():
+            if '"event": "metrics listening"' in line:
+                entry = json.loads(line)
+                found[entry["service"]] = entry["address"]
+        return found
+
     def stop(self, timeout: float = 60.0) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -102,8 +123,9 @@ class Mesh:
 
 
 def write_config(path: Path, model_dir: Path, extra_stage: str = "", cache_root: Path | None = None,
-                 extra_diffusion: str = "") -> Path:
-    """`extra_stage` lines go into every [[stages]] table, `extra_diffusion` only into stage 1's."""
+                 extra_diffusion: str = "", extra_gateway: str = "", extra_cache: str = "") -> Path:
+    """`extra_stage` lines go into every [[stages]] table, `extra_diffusion` only into stage 1's,
+    `extra_gateway` and `extra_cache` into [gateway] and [cache]."""
     cache_root = cache_root or path.parent / "cache-root"
     path.write_text(f"""
 [mesh]
@@ -111,9 +133,11 @@ log_level = "info"
 
 [gateway]
 port = 0
+{extra_gateway}
 
 [cache]
 root = "{cache_root}"
+{extra_cache}
 
 [[stages]]
 kind = "ar"
@@ -134,15 +158,18 @@ max_prompt_bytes = 256
     return path
 
 
-def start_mesh(config_path: Path, log_path: Path) -> Mesh:
+def start_mesh(config_path: Path, log_path: Path, up_args: tuple[str, ...] = (),
+               timeout_s: float = START_TIMEOUT_S) -> Mesh:
+    """`up_args`: further flags of `stagemesh up` (e.g. "--model", PATH); `timeout_s`: how long
+    the gateway may take to be announced (a benchmark's large model loads longer)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     log_file = open(log_path, "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "stagemesh", "up", "--config", str(config_path)],
+        [sys.executable, "-m", "stagemesh", "up", "--config", str(config_path), *up_args],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log_file, text=True,
     )
     log_file.close()
-    deadline = time.monotonic() + START_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     address = None
     while time.monotonic() < deadline:
         line = process.stdout.readline()

@@ -172,6 +172,14 @@ def build_runner(kind: str, model_dir: Path, device: str = "cpu",
     """Load the runner for a stage kind from an existing model folder (see ensure_model_dir).
     `group`: the stage's DP process group (DLO AllGather with dp_size > 1); `tp`: the rank's
     TP coordinate (tensor_parallel_size > 1, diffusion only)."""
+    from .diffusers_adapter import FOLDER_ONLY_KINDS, is_diffusers_folder
+
+    # A diffusers-format folder (model_index.json) goes to the adapter, which alone imports
+    # diffusers; so do the kinds only such a folder serves.
+    if is_diffusers_folder(model_dir) or kind in FOLDER_ONLY_KINDS:
+        from .diffusers_adapter import build_runner as build_diffusers_runner
+
+        return build_diffusers_runner(kind, model_dir, device, dlo, group, tp)
     try:
         cls = _RUNNERS[kind]
     except KeyError:

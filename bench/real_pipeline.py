@@ -1,0 +1,245 @@
+"""End-to-end latency per image of a diffusers-format FLUX pipeline: through the mesh
+(`stagemesh up --model`) against diffusers' own pipeline in one process.
+
+Cases, one after the other in one run (each frees the GPU before the next starts):
+  diffusers-resident   FluxPipeline.from_pretrained(...).to(device)
+  mesh-resident        encoder stage + diffusion stage, both on the device
+  diffusers-group      the transformer under diffusers group offloading (block_level, one block
+                       per group, use_stream=True); text encoders and VAE on the device
+  mesh-dlo             the diffusion stage streams the transformer's blocks (DLO, no-AllGather,
+                       blocks mapped straight from the checkpoint)
+Targets: mesh-resident <= 1.05 x diffusers-resident; mesh-dlo faster than diffusers-group.
+Latency is request to PNG bytes on both sides (the diffusers peer encodes its PNG the same way).
+
+The checkpoint: FLUX.1-dev's transformer shape (diffusers' default FluxTransformer2DModel config
+with guidance embeddings, 11.9 B parameters) with random, non-zero weights generated on the
+device tensor by tensor (bench/dlo_models.py), FLUX.1's VAE layout, and small text encoders of
+the widths the transformer expects; bf16, written once with save_pretrained (about 24 GB).
+
+Run on a GPU:  python bench/real_pipeline.py --device cuda
+CPU smoke:     python bench/real_pipeline.py --tiny --device cpu --steps 2 --size 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from bench import common
+from gateway.images import encode_png
+from stage_service.models.diffusers_adapter import synthetic
+from stage_service.models.diffusers_adapter.loading import dtype_kwarg
+from stagemesh.v1 import gateway_pb2, generation_pb2
+from tests.meshproc import start_mesh
+
+PROMPT = "a lighthouse at dusk"
+CASES = ("diffusers-resident", "mesh-resident", "diffusers-group", "mesh-dlo")
+
+
+# ---- the checkpoint ----------------------------------------------------------------------------
+def write_folder(folder: Path, tiny: bool, device: torch.device) -> Path:
+    if (folder / "model_index.json").is_file():
+        print(f"using the checkpoint in {folder}", flush=True)
+        return folder
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    if tiny:
+        synthetic.write_tiny(folder, "flux")
+    else:
+        from bench import dlo_models
+
+        bm = dlo_models.flux_model(tiny=False, dtype=torch.bfloat16)
+        transformer = bm.build_meta()
+        # Generated on the device (fast), kept on the host: the folder is written from there.
+        dlo_models.materialize(transformer, "", device, torch.device("cpu"))
+        cfg = transformer.config
+        components = synthetic.flux_components(
+            transformer, vae_config=synthetic.FLUX_VAE, text_dim=cfg.joint_attention_dim,
+            pooled_dim=cfg.pooled_projection_dim)
+        synthetic.write_pipeline(folder, "FluxPipeline", components, torch.bfloat16)
+    print(f"wrote {folder} in {time.perf_counter() - started:.0f} s", flush=True)
+    return folder
+
+
+# ---- measurement -------------------------------------------------------------------------------
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _timed(run, repeats: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        run()
+    out = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        out.append((time.perf_counter() - started) * 1e3)
+    return out
+
+
+def diffusers_case(folder: Path, device: torch.device, args, group: bool) -> dict:
+    import diffusers
+
+    pipe = diffusers.FluxPipeline.from_pretrained(folder, local_files_only=True,
+                                                  **dtype_kwarg(args.dtype))
+    if group:
+        pipe.transformer.enable_group_offload(
+            onload_device=device, offload_device=torch.device("cpu"),
+            offload_type="block_level", num_blocks_per_group=1,
+            use_stream=device.type == "cuda")  # streams need a CUDA device (the --tiny check)
+        for name in ("text_encoder", "text_encoder_2", "vae"):
+            getattr(pipe, name).to(device)
+    else:
+        pipe.to(device)
+
+    def run() -> bytes:
+        image = pipe(prompt=PROMPT, width=args.size, height=args.size,
+                     num_inference_steps=args.steps, guidance_scale=3.5, output_type="pt",
+                     generator=torch.Generator().manual_seed(args.seed)).images[0]
+        return encode_png(image.permute(1, 2, 0).float().cpu())
+
+    png = run()
+    times = _timed(run, args.repeats, args.warmup)
+    return {"latency_ms": common.summarize(times), "png_bytes": len(png), "png": png}
+
+
+def _mesh_config(path: Path, device: str, dlo: bool) -> Path:
+    dlo_keys = "enable_dlo = true\ndlo_use_allgather = false\n" if dlo else ""
+    # CPU check: one thread per process, as the in-process peer (main), so neither oversubscribes.
+    threads = "threads = 1\n" if device == "cpu" else ""
+    path.write_text(f"""[gateway]
+port = 0
+
+[cache]
+root = "{path.parent / 'cache'}"
+
+[supervision]
+ready_timeout_s = 1800.0
+
+[[stages]]
+kind = "encoder"
+device = "{device}"
+{threads}
+[[stages]]
+kind = "diffusion"
+device = "{device}"
+max_batch_size = 1
+max_size = 2048
+{threads}{dlo_keys}""")
+    return path
+
+
+def mesh_case(folder: Path, device: torch.device, args, dlo: bool, work: Path) -> dict:
+    name = "mesh-dlo" if dlo else "mesh-resident"
+    config = _mesh_config(work / f"{name}.toml", str(device), dlo)
+    mesh = start_mesh(config, work / f"{name}.log", ("--model", str(folder)), timeout_s=1800)
+    params = generation_pb2.GenerationParams(prompt=PROMPT, width=args.size, height=args.size,
+                                             num_inference_steps=args.steps, guidance_scale=3.5,
+                                             seed=args.seed)
+    request = gateway_pb2.GenerateUnaryRequest(params=params)
+    try:
+        with mesh.channel() as channel:
+            stub = mesh.gateway(channel)
+
+            def run() -> bytes:
+                return stub.GenerateUnary(request, timeout=3600).result.png
+
+            png = run()
+            times = _timed(run, args.repeats, args.warmup)
+    finally:
+        code = mesh.stop(timeout=300)
+    if code != 0:
+        raise RuntimeError(f"{name}: `stagemesh up` exited {code}; log:\n{mesh.logs()[-3000:]}")
+    return {"latency_ms": common.summarize(times), "png_bytes": len(png), "png": png}
+
+
+# ---- report ------------------------------------------------------------------------------------
+def report(results: dict) -> dict:
+    p50 = {case: r["latency_ms"]["p50"] for case, r in results.items()}
+    rows = [(case, p50[case], results[case]["latency_ms"]["mean"],
+             results[case]["latency_ms"]["min"]) for case in results]
+    common.print_table(["case", "p50 ms", "mean ms", "min ms"], rows, ".1f")
+    ratios = {}
+    if {"mesh-resident", "diffusers-resident"} <= p50.keys():
+        ratios["mesh_vs_diffusers_resident"] = p50["mesh-resident"] / p50["diffusers-resident"]
+    if {"mesh-dlo", "diffusers-group"} <= p50.keys():
+        ratios["mesh_dlo_vs_diffusers_group"] = p50["mesh-dlo"] / p50["diffusers-group"]
+    targets = {"mesh_vs_diffusers_resident": 1.05, "mesh_dlo_vs_diffusers_group": 1.0}
+    for key, value in ratios.items():
+        verdict = "meets" if value <= targets[key] else "misses"
+        print(f"{key}: {value:.3f} ({verdict} the target <= {targets[key]})", flush=True)
+    pngs = {case: r.pop("png") for case, r in results.items()}
+    same = {f"{a} == {b}": pngs[a] == pngs[b] for a, b in
+            (("mesh-resident", "diffusers-resident"), ("mesh-dlo", "diffusers-group"),
+             ("mesh-dlo", "mesh-resident")) if a in pngs and b in pngs}
+    for key, value in same.items():
+        print(f"PNG bytes {key}: {value}", flush=True)
+    return {"ratios": ratios, "targets": targets, "same_png": same}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true",
+                   help="a tiny FLUX-style pipeline (float32): a CPU check of the script")
+    p.add_argument("--folder", type=Path, default=None,
+                   help="checkpoint folder; written there when it holds none (default: a "
+                        "temporary folder, removed afterwards)")
+    p.add_argument("--size", type=int, default=1024, help="width and height (default: 1024)")
+    p.add_argument("--steps", type=int, default=28, help="denoising steps (default: 28)")
+    p.add_argument("--repeats", type=int, default=3, help="timed images per case (default: 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed images per case after the "
+                   "first (default: 1)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--cases", default=",".join(CASES),
+                   help=f"comma-separated subset of {', '.join(CASES)}")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON result (default: bench/results/real_pipeline[-tiny].json)")
+    args = p.parse_args(argv)
+    args.dtype = torch.float32 if args.tiny else torch.bfloat16
+    unknown = sorted(set(args.cases.split(",")) - set(CASES))
+    if unknown:
+        p.error(f"--cases: unknown {unknown}; known: {', '.join(CASES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as the mesh's stages get (see _mesh_config)
+    with tempfile.TemporaryDirectory(prefix="real-pipeline-") as tmp:
+        work = Path(tmp)
+        folder = write_folder(args.folder or work / "flux", args.tiny, device)
+        results = {}
+        for case in args.cases.split(","):
+            print(f"-- {case}", flush=True)
+            if case.startswith("mesh"):
+                results[case] = mesh_case(folder, device, args, case == "mesh-dlo", work)
+            else:
+                results[case] = diffusers_case(folder, device, args, case == "diffusers-group")
+                _free(device)  # the pipeline went with the call's frame
+        summary = report(results)
+    out = args.out or common.RESULTS_DIR / ("real_pipeline-tiny.json" if args.tiny
+                                            else "real_pipeline.json")
+    settings = {k: (str(v) if isinstance(v, (Path, torch.dtype)) else v)
+                for k, v in vars(args).items()}
+    common.write_json(out, "real_pipeline", {"settings": settings, "results": results, **summary})
+    print(f"wrote {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
