@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -42,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import dlo, dlo_models as models  # noqa: E402
 from bench.common import RESULTS_DIR, print_table, write_json  # noqa: E402
 from stage_service.offload.collective import gather_into  # noqa: E402
+from stagemesh.procutil import free_port  # noqa: E402
 
 
 # ---- per rank --------------------------------------------------------------------------------
@@ -269,18 +269,13 @@ def _parse() -> argparse.Namespace:
     return args
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def main() -> None:
     args = _parse()
     # NVLink multicast (NVLS) stays off: it is not needed for all-gather of this size.
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_rank_main, args=(args.dp, _free_port(), args, out_dir), nprocs=args.dp,
+        mp.spawn(_rank_main, args=(args.dp, free_port(), args, out_dir), nprocs=args.dp,
                  join=True)
         ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(args.dp)]
     rows, extra = summarize(ranks, args.dp, args)

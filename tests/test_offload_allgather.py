@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from stage_service.models.dit import DiT
 from stage_service.offload import LayerwiseOffload, collective
 from stage_service.offload.host import shard_nbytes
 from stage_service.offload.layout import ALIGN
+from stagemesh.procutil import free_port
 
 # hidden 36: a block whose byte size 3 does not divide (asserted below).
 CFG = DiTConfig(hidden_size=36, num_heads=3, cond_dim=12, decoder_channels=8, depth=5)
@@ -72,15 +72,10 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_allgather_equals_resident_and_no_allgather(world: int, tmp_path: Path):
-    mp.spawn(_rank_main, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_rank_main, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
     for rank in range(world):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for path, r in result.items():
@@ -97,7 +92,7 @@ def test_group_of_one_runs_no_collective(monkeypatch: pytest.MonkeyPatch):
 
     calls = []
     monkeypatch.setattr(engine_module, "gather_into", lambda *a: calls.append(a))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     try:
         model = _model()

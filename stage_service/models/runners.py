@@ -31,6 +31,17 @@ class WorkItem:
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def check_batch(batch: list[WorkItem]) -> None:
+    """A batch is sampled as one: every item must share size, steps and guidance."""
+    head = batch[0]
+    shared = (head.width, head.height, head.num_inference_steps, head.guidance_scale)
+    for item in batch[1:]:
+        mine = (item.width, item.height, item.num_inference_steps, item.guidance_scale)
+        if mine != shared:
+            raise ValueError(f"{item.request_id}: (width, height, steps, guidance) {mine} "
+                             f"differs from the batch's {shared}")
+
+
 def _output(t: torch.Tensor) -> torch.Tensor:
     # Outputs stay on the device: the worker's output path copies them to the host (on a side
     # stream in async mode), so the GPU can start the next batch at once.
@@ -126,13 +137,8 @@ class DiffusionRunner:
         """
         if not batch:
             return []
+        check_batch(batch)
         head = batch[0]
-        shared = (head.width, head.height, head.num_inference_steps, head.guidance_scale)
-        for item in batch[1:]:
-            mine = (item.width, item.height, item.num_inference_steps, item.guidance_scale)
-            if mine != shared:
-                raise ValueError(f"{item.request_id}: (width, height, steps, guidance) {mine} "
-                                 f"differs from the batch's {shared}")
         images = sample(self.dit, self.decoder, [self._cond(i) for i in batch],
                         width=head.width, height=head.height,
                         num_inference_steps=head.num_inference_steps,

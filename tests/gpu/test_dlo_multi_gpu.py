@@ -7,7 +7,6 @@ import concurrent.futures as cf
 import copy
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch.multiprocessing as mp
 from stage_service.models.config import DiTConfig
 from stage_service.models.dit import DiT
 from stage_service.offload import LayerwiseOffload
+from stagemesh.procutil import free_port
 from stagemesh.v1 import gateway_pb2, generation_pb2
 from tests.meshproc import start_mesh, write_config
 
@@ -76,15 +76,10 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_allgather_over_nccl_equals_no_allgather_and_resident(tmp_path: Path):
     world = torch.cuda.device_count()
-    mp.spawn(_rank_main, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_rank_main, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
     for rank in range(world):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["mode"] == "sharded" and r["world"] == world

@@ -16,6 +16,7 @@ from stage_service.offload.config import DloOptions
 from stage_service.sleep import WeightFile
 
 from .families import family_of, pixel_multiple, vae_scale_factor
+from ..runners import check_batch
 from .folder import check_stage_folder
 from .loading import (
     checkpoint_dtype,
@@ -33,15 +34,6 @@ def _image(t: torch.Tensor) -> torch.Tensor:
     """[3, H, W] in [0, 1] -> the [H, W, 3] float32 image the gateway encodes."""
     return t.permute(1, 2, 0).float().detach()
 
-
-def _check_batch(batch) -> None:
-    head = batch[0]
-    shared = (head.width, head.height, head.num_inference_steps, head.guidance_scale)
-    for item in batch[1:]:
-        mine = (item.width, item.height, item.num_inference_steps, item.guidance_scale)
-        if mine != shared:
-            raise ValueError(f"{item.request_id}: (width, height, steps, guidance) {mine} "
-                             f"differs from the batch's {shared}")
 
 
 class DenoiseRunner:
@@ -97,7 +89,7 @@ class DenoiseRunner:
         `progress(step, num_inference_steps)` follows each step and may raise to abort."""
         if not batch:
             return []
-        _check_batch(batch)
+        check_batch(batch)
         head = batch[0]
         steps = head.num_inference_steps
 
