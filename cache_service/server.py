@@ -6,11 +6,8 @@ import argparse
 import asyncio
 import math
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import grpc
 
 from cache_service import evict, locks
 from cache_service.store import CacheStore, EntryInfo, StoreStats, default_root
@@ -26,10 +23,6 @@ CONTROL_METHODS = auth.control_methods(SERVICE_NAME, ("Evict", "PublishSession")
 log = logs.get_logger("cache_service.server")
 
 DEFAULT_LOCK_TIMEOUT_S = 600.0
-
-# Called with (context, method name) before every cache-mutating RPC; raises a domain error to
-# refuse. The bearer-token check plugs in here.
-MutationGuard = Callable[[grpc.aio.ServicerContext, str], None]
 
 # Lock waits may last the whole lock timeout; their own pool keeps them from starving the
 # default executor that ListEntries, GetStats and Evict use.
@@ -59,10 +52,12 @@ def stats_to_proto(stats: StoreStats) -> cache_pb2.GetStatsResponse:
 
 
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
-    def __init__(self, store: CacheStore, *, max_bytes: int | None = None, guard: MutationGuard | None = None):
+    """Evict and PublishSession mutate the cache: the auth interceptor (CONTROL_METHODS) checks
+    the bearer token before either reaches this class."""
+
+    def __init__(self, store: CacheStore, *, max_bytes: int | None = None):
         self.store = store
         self.max_bytes = max_bytes
-        self.guard = guard
         self.evicted_entries = 0  # since start, for the metrics
         self.evicted_bytes = 0
 
@@ -70,10 +65,6 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         self.evicted_entries += len(result.evicted)
         self.evicted_bytes += result.freed_bytes
         return result
-
-    def _authorize_mutation(self, context, method: str) -> None:
-        if self.guard is not None:
-            self.guard(context, method)
 
     @servicer_method
     async def ListEntries(self, request, context):
@@ -88,7 +79,6 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     @servicer_method
     async def Evict(self, request, context):
-        self._authorize_mutation(context, "Evict")
         target = request.WhichOneof("target")
         if target == "key":
             key = locks.require_key(request.key, "key")
@@ -104,7 +94,6 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     @servicer_method
     async def PublishSession(self, request_iterator, context):
-        self._authorize_mutation(context, "PublishSession")
         first = await anext(aiter(request_iterator), None)
         if first is None:
             return  # the client went away before naming a key

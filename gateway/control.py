@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from stagemesh import errors, logs
 from stagemesh.v1 import control_pb2
-from gateway.stages import StageClient
+from gateway.stages import ReplicaAcks, StageClient
 
 log = logs.get_logger("stagemesh.control")
 
@@ -111,11 +111,15 @@ class ControlPlane:
         async with self._lock:
             await self._admission.close()
             replies = await asyncio.gather(*(s.sleep(level, timeout) for s in targets))
-            acks = [ack for reply in replies for ack in reply]
-            for stage, reply in zip(targets, replies):
-                if all(a.status == control_pb2.ACK_STATUS_SUCCESS for a in reply):
-                    self._admission.sleeping[stage.stage_id] = max(level, self._admission.sleeping.get(stage.stage_id, 0))
+            sleeping = self._admission.sleeping
+            for stage, replicas in zip(targets, replies):
+                # One replica asleep is enough to mark the stage: round_robin would route work into
+                # it, and WakeUp must still reach it. The ERROR status reports the others.
+                if any(r.ok for r in replicas):
+                    sleeping[stage.stage_id] = max(level, sleeping.get(stage.stage_id, 0))
+                _log_failed("sleep", stage, replicas)
         log.info("stages asleep", stage_ids=[s.stage_id for s in targets], level=level)
+        acks = _flat(replies)
         return ControlResult(_overall(acks), acks)
 
     async def wake(self, stage_ids: list[int], timeout: float | None) -> ControlResult:
@@ -126,14 +130,16 @@ class ControlPlane:
             targets = [self._stages[i] for i in dict.fromkeys(stage_ids) if i in self._admission.sleeping]
             if not targets:
                 return ControlResult(control_pb2.CONTROL_STATUS_SKIPPED, [], NOT_SLEEPING_REASON)
-            replies = await asyncio.gather(*(s.wake(timeout) for s in targets))
-            acks = [ack for reply in replies for ack in reply]
-            for stage, reply in zip(targets, replies):
-                if all(a.status == control_pb2.ACK_STATUS_SUCCESS for a in reply):
-                    self._admission.sleeping.pop(stage.stage_id, None)
+            sleeping = self._admission.sleeping
+            replies = await asyncio.gather(*(s.wake(timeout, sleeping[s.stage_id]) for s in targets))
+            for stage, replicas in zip(targets, replies):
+                if all(r.ok for r in replicas):  # awake only once no replica sleeps
+                    sleeping.pop(stage.stage_id, None)
+                _log_failed("wake", stage, replicas)
             if not self.has_ar_stage:
                 self._admission.paused = False  # diffusion-only pipelines reopen by themselves
         log.info("stages awake", stage_ids=[s.stage_id for s in targets])
+        acks = _flat(replies)
         return ControlResult(_overall(acks), acks)
 
     async def pause(self) -> None:
@@ -143,6 +149,18 @@ class ControlPlane:
     def resume(self) -> None:
         self._admission.paused = False
         log.info("generation resumed")
+
+
+def _flat(replies: list[list[ReplicaAcks]]) -> list[control_pb2.WorkerAck]:
+    """Every ACK: stage by stage in call order, replica by replica in address order."""
+    return [ack for replicas in replies for replica in replicas for ack in replica.acks]
+
+
+def _log_failed(op: str, stage: StageClient, replicas: list[ReplicaAcks]) -> None:
+    failed = [r.address for r in replicas if not r.ok]
+    if failed:
+        log.warning("replicas failed", op=op, stage_id=stage.stage_id, failed=failed,
+                    done=[r.address for r in replicas if r.ok])
 
 
 def _overall(acks: list[control_pb2.WorkerAck]) -> int:

@@ -1,19 +1,32 @@
-"""Clients for the stage services: one channel per stage, replicas balanced by gRPC's round_robin."""
+"""Clients for the stage services.
+
+Data-plane calls (Execute) go over one channel per stage whose replicas gRPC's round_robin
+balances. Control calls (SleepStage, WakeUpStage, DescribeStage) must reach every replica, so
+they go concurrently over one channel per replica address; a `dns:///` target is resolved at
+call time to find the replicas behind the name.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import grpc
 
-from stagemesh import auth, errors, rpc, tls
+from stagemesh import auth, errors, logs, rpc, tls
 from stagemesh.params import Limits
-from stagemesh.v1 import generation_pb2, stage_pb2, stage_pb2_grpc
+from stagemesh.v1 import control_pb2, generation_pb2, stage_pb2, stage_pb2_grpc
+
+log = logs.get_logger("stagemesh.gateway")
 
 _ROUND_ROBIN = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
+_DNS_SCHEME = "dns:"
+_DEFAULT_PORT = 443  # gRPC's default when a target names no port
+NO_WORKER_RANK = -1  # rank of the ACK that stands for a replica that did not answer
 
 
 def channel_target(addresses: list[str]) -> str:
@@ -25,6 +38,37 @@ def channel_target(addresses: list[str]) -> str:
     return "ipv4:" + ",".join(addresses)
 
 
+def dns_host_port(target: str) -> tuple[str, int] | None:
+    """(host, port) of a `dns:[//authority/]host[:port]` target; None for any other target.
+
+    A DNS authority (a resolver address) is not honoured here: the system resolver answers.
+    """
+    if not target.startswith(_DNS_SCHEME):
+        return None
+    rest = target[len(_DNS_SCHEME):]
+    if rest.startswith("//"):
+        rest = rest[2:].split("/", 1)[-1]
+    if rest.startswith("["):  # [v6]:port
+        host, _, port = rest[1:].partition("]")
+        port = port.lstrip(":")
+    elif rest.count(":") == 1:
+        host, port = rest.split(":")
+    else:
+        host, port = rest, ""
+    return host, int(port) if port else _DEFAULT_PORT
+
+
+def _address(sockaddr: tuple, family: int) -> str:
+    host, port = sockaddr[0], sockaddr[1]
+    return f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+
+
+async def resolve(host: str, port: int) -> list[str]:
+    """Every address `host` resolves to (as round_robin sees them), in resolver order."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(_address(sockaddr, family) for family, _, _, _, sockaddr in infos))
+
+
 def limits_from_proto(msg: stage_pb2.StageLimits) -> Limits:
     return Limits(
         pixel_multiple=msg.pixel_multiple, max_pixels_side=msg.max_pixels_side,
@@ -32,6 +76,31 @@ def limits_from_proto(msg: stage_pb2.StageLimits) -> Limits:
         default_size=msg.default_size, default_inference_steps=msg.default_inference_steps,
         default_guidance_scale=msg.default_guidance_scale, max_guidance_scale=msg.max_guidance_scale,
     )
+
+
+@dataclass(frozen=True)
+class ReplicaAcks:
+    """One replica's part of a sleep or wake: its workers' ACKs, or one ERROR ACK naming it."""
+    address: str
+    acks: list[control_pb2.WorkerAck]
+
+    @property
+    def ok(self) -> bool:
+        return all(a.status == control_pb2.ACK_STATUS_SUCCESS for a in self.acks)
+
+
+def aggregate(replies: list[stage_pb2.DescribeStageResponse]) -> stage_pb2.DescribeStageResponse:
+    """The stage as the replicas that answered describe it: memory and workers summed, ready only
+    if all are, asleep (at the deepest level) if any is, since round_robin would route into it."""
+    total = stage_pb2.DescribeStageResponse()
+    total.CopyFrom(replies[0])
+    total.ready = all(r.ready for r in replies)
+    total.supports_sleep = all(r.supports_sleep for r in replies)
+    total.sleep_level = max(r.sleep_level for r in replies)
+    total.device_memory_bytes = sum(r.device_memory_bytes for r in replies)
+    total.workers = sum(r.workers for r in replies)
+    total.device = ",".join(dict.fromkeys(r.device for r in replies))
+    return total
 
 
 @dataclass
@@ -46,45 +115,120 @@ class StageClient:
     token: str | None = field(default=None, repr=False)  # sent on SleepStage/WakeUpStage
 
     def __post_init__(self) -> None:
+        self._dns = dns_host_port(self.addresses[0]) if len(self.addresses) == 1 else None
+        self._channel = self._open(channel_target(self.addresses))
+        self._control_metadata = auth.bearer_metadata(self.token)
+        self._stub = stage_pb2_grpc.StageServiceStub(self._channel)
+        # Control channels, one per replica address. A single address needs no second channel.
+        self._replicas: dict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageServiceStub]] = {}
+        if self._dns is None and len(self.addresses) == 1:
+            self._replicas[self.addresses[0]] = (self._channel, self._stub)
+        elif self._dns is None:
+            self._replicas = {a: self._open_replica(a) for a in self.addresses}
+
+    def _open(self, target: str) -> grpc.aio.Channel:
         options = [*rpc.channel_options(), ("grpc.service_config", _ROUND_ROBIN)]
         if self.tls_ca and len(self.addresses) > 1:
             # An ipv4:/ipv6: list is no host name; verify the replicas' certificates against the first host.
             options.append(("grpc.ssl_target_name_override", self.addresses[0].rsplit(":", 1)[0].strip("[]")))
-        self._channel = tls.channel(channel_target(self.addresses), self.tls_ca, options, aio=True)
-        self._control_metadata = auth.bearer_metadata(self.token)
-        self._stub = stage_pb2_grpc.StageServiceStub(self._channel)
+        elif self.tls_ca and self._dns is not None and target != self.addresses[0]:
+            # A resolved replica address: verify it against the name the target gave, as round_robin does.
+            options.append(("grpc.ssl_target_name_override", self._dns[0]))
+        return tls.channel(target, self.tls_ca, options, aio=True)
+
+    def _open_replica(self, address: str):
+        channel = self._open(address)
+        return channel, stage_pb2_grpc.StageServiceStub(channel)
 
     @property
     def name(self) -> str:
         return f"stage {self.stage_id} ({self.kind or 'unknown kind'})"
 
     async def close(self) -> None:
-        await self._channel.close()
+        channels = {id(c): c for c, _ in self._replicas.values()} | {id(self._channel): self._channel}
+        await asyncio.gather(*(c.close() for c in channels.values()))
 
-    async def _unary(self, method, request, **kwargs):
-        try:
-            return await method(request, **kwargs)
-        except grpc.aio.AioRpcError as exc:
-            raise self._domain_error(exc) from None
+    async def _replica_stubs(self) -> dict[str, stage_pb2_grpc.StageServiceStub]:
+        """address -> stub of every replica; a DNS name is resolved again on every call."""
+        if self._dns is not None:
+            try:
+                found = await resolve(*self._dns)
+            except OSError as exc:
+                raise errors.Unavailable(f"{self.name}: cannot resolve {self._dns[0]}: {exc}") from None
+            for address in found:
+                if address not in self._replicas:
+                    self._replicas[address] = self._open_replica(address)
+            gone = [self._replicas.pop(a)[0] for a in list(self._replicas) if a not in found]
+            await asyncio.gather(*(c.close() for c in gone))  # replicas no longer behind the name
+        return {a: stub for a, (_, stub) in self._replicas.items()}
+
+    async def _each_replica(self, method: str, request, **kwargs) -> list[tuple[str, object]]:
+        """Call `method` on every replica at once: (address, reply or StagemeshError) per replica."""
+        stubs = await self._replica_stubs()
+        multiple = len(stubs) > 1 or self._dns is not None
+
+        async def one(address: str, stub):
+            try:
+                return await getattr(stub, method)(request, **kwargs)
+            except grpc.aio.AioRpcError as exc:
+                return self._domain_error(exc, address if multiple else None)
+
+        replies = await asyncio.gather(*(one(a, s) for a, s in stubs.items()))
+        return list(zip(stubs, replies))
+
+    @staticmethod
+    def _first_error_if_none_answered(results: list[tuple[str, object]]) -> None:
+        failures = [r for _, r in results if isinstance(r, errors.StagemeshError)]
+        if failures and len(failures) == len(results):
+            raise failures[0]
 
     async def describe(self, timeout: float, wait_for_ready: bool = False) -> stage_pb2.DescribeStageResponse:
-        reply = await self._unary(self._stub.DescribeStage, stage_pb2.DescribeStageRequest(),
-                                  timeout=timeout, wait_for_ready=wait_for_ready)
+        """Describe every replica and aggregate (see `aggregate`); replicas that do not answer are
+        left out, and the stage is unavailable only when none answers."""
+        results = await self._each_replica("DescribeStage", stage_pb2.DescribeStageRequest(),
+                                           timeout=timeout, wait_for_ready=wait_for_ready)
+        self._first_error_if_none_answered(results)
+        replies = [r for _, r in results if not isinstance(r, errors.StagemeshError)]
+        for address, result in results:
+            if isinstance(result, errors.StagemeshError):
+                log.info("replica did not answer", stage_id=self.stage_id, replica=address, reason=str(result))
+            elif result.kind != replies[0].kind:
+                log.warning("replicas of one stage run different kinds", stage_id=self.stage_id,
+                            replica=address, kind=result.kind, expected=replies[0].kind)
+        reply = aggregate(replies)
         self.kind = reply.kind
         self.limits = limits_from_proto(reply.limits)
         self.supports_sleep = reply.supports_sleep
         self.sleep_level = reply.sleep_level
         return reply
 
-    async def sleep(self, level: int, timeout: float | None) -> list:
-        reply = await self._unary(self._stub.SleepStage, stage_pb2.SleepStageRequest(level=level), timeout=timeout,
-                                  metadata=self._control_metadata)
-        return list(reply.acks)
+    async def sleep(self, level: int, timeout: float | None) -> list[ReplicaAcks]:
+        request = stage_pb2.SleepStageRequest(level=level)
+        return await self._control("SleepStage", request, level, timeout)
 
-    async def wake(self, timeout: float | None) -> list:
-        reply = await self._unary(self._stub.WakeUpStage, stage_pb2.WakeUpStageRequest(), timeout=timeout,
-                                  metadata=self._control_metadata)
-        return list(reply.acks)
+    async def wake(self, timeout: float | None, level: int = 0) -> list[ReplicaAcks]:
+        """`level`: the level the stage sleeps at, for the ACK of a replica that does not answer."""
+        return await self._control("WakeUpStage", stage_pb2.WakeUpStageRequest(), level, timeout)
+
+    async def _control(self, method: str, request, level: int, timeout: float | None) -> list[ReplicaAcks]:
+        """Every replica's ACKs, in replica order. When no replica answers, the call fails with the
+        first replica's status (as a single replica's would); otherwise a replica that failed gets
+        one ERROR ACK (rank NO_WORKER_RANK) and its workers' error messages name its address."""
+        results = await self._each_replica(method, request, timeout=timeout, metadata=self._control_metadata)
+        self._first_error_if_none_answered(results)
+        named = len(results) > 1 or self._dns is not None
+        out = []
+        for address, result in results:
+            if isinstance(result, errors.StagemeshError):
+                acks = [control_pb2.WorkerAck(stage_id=self.stage_id, rank=NO_WORKER_RANK, level=level,
+                                              status=control_pb2.ACK_STATUS_ERROR, error=str(result))]
+            else:
+                acks = list(result.acks)
+                for ack in acks:
+                    if named and ack.status != control_pb2.ACK_STATUS_SUCCESS:
+                        ack.error = f"replica {address}: {ack.error}"
+            out.append(ReplicaAcks(address, acks))
+        return out
 
     async def execute(self, request_id: str, params: generation_pb2.GenerationParams, inputs,
                       timeout: float, on_started=None) -> AsyncIterator[stage_pb2.ExecuteResponse]:
@@ -102,12 +246,15 @@ class StageClient:
         finally:
             call.cancel()  # no-op when finished; frees the stage's slot when we stop early
 
-    def _domain_error(self, exc: grpc.aio.AioRpcError) -> errors.StagemeshError:
+    def _domain_error(self, exc: grpc.aio.AioRpcError, replica: str | None = None) -> errors.StagemeshError:
+        """`replica`: the address to name when the stage has several."""
         code = exc.code()
+        name = f"{self.name} replica {replica}" if replica else self.name
         if code == grpc.StatusCode.UNAVAILABLE:
-            return errors.Unavailable(f"{self.name} is unavailable: {exc.details()}")
+            return errors.Unavailable(f"{name} is unavailable: {exc.details()}")
         if code == grpc.StatusCode.CANCELLED:
-            return errors.Cancelled(f"{self.name}: {exc.details()}")
+            return errors.Cancelled(f"{name}: {exc.details()}")
         # Pass the stage's status through unchanged, rich details included.
         trailing = [(k, v) for k, v in (exc.trailing_metadata() or ()) if k == _STATUS_DETAILS_KEY]
-        return errors.UpstreamError(code, exc.details() or "", trailing)
+        details = exc.details() or ""
+        return errors.UpstreamError(code, f"{name}: {details}" if replica else details, trailing)

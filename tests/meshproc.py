@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 
-from stagemesh import rpc
+from stagemesh import readyfile, rpc
 from stagemesh.v1 import gateway_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
@@ -185,3 +185,39 @@ def start_mesh(config_path: Path, log_path: Path, up_args: tuple[str, ...] = (),
     # Keep reading stdout so nothing the mesh prints later can fill the pipe and block it.
     threading.Thread(target=process.stdout.read, daemon=True).start()
     return Mesh(process, address, log_path, config_path)
+
+
+@dataclass
+class Service:
+    """One `stagemesh <service>` started alone, as on a machine of its own."""
+    process: subprocess.Popen
+    ready_path: Path
+    log_path: Path
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_bound(self, timeout_s: float = START_TIMEOUT_S) -> str:
+        """The address, once the port is bound: the ready file is the service's only signal of it."""
+        deadline = time.monotonic() + timeout_s
+        while (info := readyfile.read(self.ready_path)) is None:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.log_path.stem} did not bind; log:\n{self.logs()[-4000:]}")
+            time.sleep(0.05)
+        return info["address"]
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+
+def spawn_service(name: str, args: list[str], folder: Path, env: dict | None = None) -> Service:
+    """Start `stagemesh ARGS --port 0 --ready-file ...` without waiting (start several at once,
+    then `wait_bound` each); its log goes to `folder/NAME.log`."""
+    ready, log_path = folder / f"{name}.ready", folder / f"{name}.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "stagemesh", *args, "--port", "0", "--ready-file", str(ready)],
+            cwd=REPO, env={**(env or os.environ), "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    return Service(process, ready, log_path)

@@ -3,11 +3,9 @@ lock exactly as long as its stream lives; Evict, --max-bytes and key validation.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import grpc
@@ -151,53 +149,3 @@ def test_evict_rpc_and_max_bytes_budget(service):
         done = stub.Evict(cache_pb2.EvictRequest(key=KEY2), timeout=10)
         assert list(done.evicted_keys) == [KEY2] and done.freed_bytes == size and done.remaining_bytes == 0
     assert CacheStore(root).list_entries() == []
-
-
-@pytest.mark.timeout(60)
-def test_mutation_guard_runs_before_evict_and_publish_session(tmp_path):
-    """The hook the control token will use: a guard that refuses stops both mutating RPCs,
-    while reads still work."""
-    from cache_service.server import CacheServicer
-    from stagemesh import errors
-
-    calls = []
-
-    def refuse(context, method):
-        calls.append(method)
-        raise errors.FailedPrecondition(f"{method} needs the control token")
-
-    started, stopping = threading.Event(), None
-    state = {}
-
-    async def serve():
-        nonlocal stopping
-        stopping = asyncio.Event()
-        server = grpc.aio.server()
-        store = CacheStore(tmp_path / "cache")
-        store.ensure_root()
-        cache_pb2_grpc.add_CacheServiceServicer_to_server(CacheServicer(store, guard=refuse), server)
-        state["port"] = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        state["loop"] = asyncio.get_running_loop()
-        started.set()
-        await stopping.wait()
-        await server.stop(1)
-
-    thread = threading.Thread(target=asyncio.run, args=(serve(),))
-    thread.start()
-    try:
-        assert started.wait(30)
-        with grpc.insecure_channel(f"127.0.0.1:{state['port']}") as channel:
-            stub = cache_pb2_grpc.CacheServiceStub(channel)
-            for call in (lambda: stub.Evict(cache_pb2.EvictRequest(key=KEY), timeout=10),
-                         lambda: list(stub.PublishSession(iter([cache_pb2.PublishSessionRequest(key=KEY)]), timeout=10))):
-                with pytest.raises(grpc.RpcError) as err:
-                    call()
-                assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "control token" in err.value.details()
-            assert list(stub.ListEntries(cache_pb2.ListEntriesRequest(), timeout=10).entries) == []
-        assert calls == ["Evict", "PublishSession"]
-        assert not (tmp_path / "cache" / "locks" / f"{KEY}.lock").exists()  # refused before any lock
-    finally:
-        if "loop" in state:
-            state["loop"].call_soon_threadsafe(stopping.set)
-        thread.join(30)
