@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from stagemesh import auth, logs, serve, tls
+from stagemesh import auth, errors, logs, serve, tls
 from stagemesh.metrics import ServiceMetrics, gateway_readings
 from stagemesh.rpc import ServiceHost, servicer_method
 from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
@@ -80,7 +80,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
 async def serve_gateway(args: argparse.Namespace) -> None:
     if not args.stage:
-        raise SystemExit("stagemesh gateway: give at least one --stage ADDRESS")
+        raise errors.InvalidArgument.field("--stage", "give at least one stage ADDRESS")
     token = auth.load_token(args.token_file)
     credentials = tls.server_credentials(args.tls_cert, args.tls_key)
     stages = [StageClient(i, [a.strip() for a in spec.split(",") if a.strip()], tls_ca=args.tls_ca, token=token)

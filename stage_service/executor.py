@@ -9,12 +9,11 @@ import os
 import queue
 import socket
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from stage_service import ipc, protocol, worker
+from stage_service import ipc, protocol, worker_startup
 from stage_service.offload.config import DloOptions
 from stage_service.outputs import OutputRegistry, resolve_future
 from stagemesh import errors, logs
@@ -229,12 +228,7 @@ class Executor:
             ipc.sweep(os.getpid(), w.spec.rank)
 
     def _spawn(self, spec: protocol.WorkerSpec) -> None:
-        requests, results = self._ctx.Queue(), self._ctx.Queue()
-        process = self._ctx.Process(
-            target=worker.main, args=(spec, requests, results), name=f"stagemesh-worker-{spec.stage_id}-{spec.rank}",
-            daemon=True,
-        )
-        process.start()
+        process, requests, results = worker_startup.spawn(self._ctx, spec)
         self._workers[spec.rank] = _Worker(spec, process, requests, results)
         log.info("worker started", rank=spec.rank, pid=process.pid)
 
@@ -242,37 +236,15 @@ class Executor:
         return self._await_all_ready([rank], timeout_s)[0]
 
     def _await_all_ready(self, ranks: list[int], timeout_s: float) -> list[protocol.Ready]:
-        """Wait for every rank at once: a rank that fails to load is reported at once, even
-        while the others still load (or wait for it in their process group)."""
-        deadline = time.monotonic() + timeout_s
-        waiting = list(ranks)
-        while waiting:
-            for rank in list(waiting):
-                if self._poll_ready(rank, PUMP_POLL_S / len(waiting)):
-                    waiting.remove(rank)
-            if waiting and time.monotonic() > deadline:
-                raise errors.Unavailable(f"{self.stage_name} worker {waiting[0]} not ready after "
-                                         f"{timeout_s:.0f} s")
-        return [self._workers[rank].ready for rank in ranks]
-
-    def _poll_ready(self, rank: int, timeout_s: float) -> bool:
-        w = self._workers[rank]
-        try:
-            msg = w.results.get(timeout=timeout_s)
-        except queue.Empty:
-            if not w.process.is_alive():
-                raise errors.Unavailable(f"{self.stage_name} worker {rank} exited while loading "
-                                         f"(exit code {w.process.exitcode})") from None
-            return False
-        if isinstance(msg, protocol.LoadFailed):
-            raise errors.Unavailable(f"{self.stage_name} worker {rank} failed to load: {msg.message}")
-        if not isinstance(msg, protocol.Ready):
-            return False
-        w.ready = msg
-        w.pump = threading.Thread(target=self._pump, args=(w,), name=f"result-pump-{rank}", daemon=True)
-        w.pump.start()
-        log.info("worker ready", rank=rank, device=msg.device)
-        return True
+        workers = {rank: self._workers[rank] for rank in ranks}
+        for rank, ready in worker_startup.wait_ready(self.stage_name, workers, timeout_s):
+            w = workers[rank]
+            w.ready = ready
+            # From here on the pump is the only reader of the worker's result queue.
+            w.pump = threading.Thread(target=self._pump, args=(w,), name=f"result-pump-{rank}", daemon=True)
+            w.pump.start()
+            log.info("worker ready", rank=rank, device=ready.device)
+        return [w.ready for w in workers.values()]
 
     def _pump(self, w: _Worker) -> None:
         """The only reader of a worker's result queue."""

@@ -12,9 +12,11 @@ from stagemesh.metrics import ServiceMetrics, stage_readings
 from stagemesh.params import Limits
 from stagemesh.rpc import ServiceHost, servicer_method
 from stagemesh.v1 import control_pb2, stage_pb2, stage_pb2_grpc
+from stage_service.checkpoint import CheckpointError
 from stage_service.control import Ack, StageControl
 from stage_service.engine import Engine, OutputsEvent, ProgressEvent
 from stage_service.executor import Executor
+from stage_service.models.diffusers_adapter import FolderError
 from stage_service.offload.config import DloOptions
 from stage_service.settings import StageSettings
 
@@ -137,4 +139,7 @@ async def serve_stage(settings: StageSettings) -> None:
 def main(args: argparse.Namespace) -> None:
     settings = StageSettings.from_args(args)
     logs.configure(f"stage-{settings.stage_id}", args.log_level)
-    serve.main("stage service", serve_stage(settings))
+    # An incomplete --model-dir is a refused option (as `stagemesh up --model` treats it); an
+    # unreadable checkpoint fails the start.
+    serve.main("stage service", serve_stage(settings), option_errors=(FolderError,),
+               start_errors=(CheckpointError,))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -154,7 +155,8 @@ class StageSettings(DloOptions):
         try:
             return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
         except ValueError as exc:  # a refused combination: say what to change, no traceback
-            raise SystemExit(f"stagemesh stage: error: {exc}") from None
+            print(f"stagemesh stage: error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None  # a usage error, as argparse's own
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> "StageSettings":

@@ -209,7 +209,8 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
         runner = build_runner(spec.kind, Path(spec.model_dir), device, dlo=spec.dlo, group=group,
                               tp=tp)
     except Exception as exc:  # noqa: BLE001
-        traceback.print_exc()
+        if not _says_it_all(exc):
+            traceback.print_exc()  # a bug: its stack is what the log needs
         results.put(protocol.LoadFailed(spec.rank, f"{type(exc).__name__}: {exc}"))
         return
     results.put(protocol.Ready(spec.rank, runner.limits(), device, platform.memory_allocated(device)))
@@ -219,6 +220,14 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
 
         leave_group()
 
+
+
+def _says_it_all(exc: Exception) -> bool:
+    """A bad file or option (checkpoint and folder errors are ValueErrors) is explained by its
+    message, which the stage logs; a stack would only bury it."""
+    from safetensors import SafetensorError
+
+    return isinstance(exc, (OSError, ValueError, SafetensorError))
 
 def _join_dp_group(spec: protocol.WorkerSpec, device: str):
     """Before loading: with DLO AllGather each rank keeps only its shard of the weights, so

@@ -64,13 +64,34 @@ async def run(
         log.info("stopped")
 
 
-def main(service: str, coroutine: Coroutine[Any, Any, None]) -> None:
-    """Run a service to completion; a refused start (port taken, bad option) exits 1 with one log line."""
+# Exit codes of a refused start. 2, as argparse and `stagemesh up` use for a refused option or
+# config; 1 when the options are fine but the start failed (port taken, a worker that cannot load).
+EXIT_BAD_OPTION = 2
+EXIT_START_FAILED = 1
+
+
+def main(service: str, coroutine: Coroutine[Any, Any, None], *,
+         option_errors: tuple[type[Exception], ...] = (),
+         start_errors: tuple[type[Exception], ...] = ()) -> None:
+    """Run a service to completion. A refused start ends with one log line naming the cause and
+    no traceback: exit 2 for errors.InvalidArgument and the service's `option_errors` (e.g. an
+    incomplete model folder), exit 1 for other StagemeshErrors, OSError (a path that cannot be
+    read or created; the message names it) and the service's `start_errors`. Any other exception
+    is a bug: logged with its traceback, exit 1."""
     try:
         asyncio.run(coroutine)
         # Stopped cleanly: a second stop signal during interpreter teardown must not turn exit 0 into -15.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    except errors.StagemeshError as exc:
-        log.error(f"{service} failed to start", reason=str(exc))
-        raise SystemExit(1) from None
+    except (errors.InvalidArgument, *option_errors) as exc:
+        _refused(service, exc, EXIT_BAD_OPTION)
+    except (errors.StagemeshError, OSError, *start_errors) as exc:
+        _refused(service, exc, EXIT_START_FAILED)
+    except Exception:
+        log.exception(f"{service} failed")
+        raise SystemExit(EXIT_START_FAILED) from None
+
+
+def _refused(service: str, exc: Exception, code: int) -> None:
+    log.error(f"{service} failed to start", reason=str(exc))
+    raise SystemExit(code) from None

@@ -15,9 +15,10 @@ import uuid
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from ..checkpoint import CheckpointError
 from .config import PipelineConfig
 from .dit import DiT, LatentDecoder
 from .lm import CausalLM
@@ -191,6 +192,13 @@ def ensure_model_dir(path: Path, config: PipelineConfig) -> Path:
 
 # ---- loading ----------------------------------------------------------------------------
 
+
+def _open_checkpoint(file: Path, device: str | torch.device):
+    try:
+        return safe_open(str(file), framework="pt", device=str(device))
+    except SafetensorError as exc:  # its message does not say which file
+        raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
+
 def _load_state(file: Path, parts: dict[str, nn.Module], device: str | torch.device,
                 dtype: torch.dtype) -> None:
     """Load `file` into meta-built modules with strict key, shape and dtype checks. A TP rank
@@ -199,7 +207,7 @@ def _load_state(file: Path, parts: dict[str, nn.Module], device: str | torch.dev
                 for prefix, module in parts.items() for k, v in module.state_dict().items()}
     shards = shard_functions(parts)
     states: dict[str, dict[str, torch.Tensor]] = {prefix: {} for prefix in parts}
-    with safe_open(str(file), framework="pt", device=str(device)) as f:
+    with _open_checkpoint(file, device) as f:
         keys = set(f.keys())
         missing, unexpected = sorted(expected.keys() - keys), sorted(keys - expected.keys())
         if missing:
