@@ -7,6 +7,7 @@ import asyncio
 
 from stagemesh import auth, errors, logs, serve, tls
 from stagemesh.metrics import ServiceMetrics, gateway_readings
+from stagemesh.params import check_request_id
 from stagemesh.rpc import ServiceHost, servicer_method
 from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
 from gateway.control import Admission, ControlPlane
@@ -35,6 +36,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self._control = control
 
     def _start(self, request, context):
+        check_request_id(request.request_id)
         return logs.current_request_id(), self._pipeline.resolve(request.params)
 
     @servicer_method

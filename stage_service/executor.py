@@ -7,7 +7,6 @@ import dataclasses
 import multiprocessing as mp
 import os
 import queue
-import socket
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from stage_service import ipc, protocol, worker_startup
 from stage_service.offload.config import DloOptions
 from stage_service.outputs import OutputRegistry, resolve_future
 from stagemesh import errors, logs
+from stagemesh.procutil import free_port
 
 log = logs.get_logger("stagemesh.executor")
 
@@ -204,7 +204,7 @@ class Executor:
         specs = self._specs
         if self.wave_size > 1 or self.tp_size > 1:
             # A fresh rendezvous for every start: the old group's port may still be held.
-            group = protocol.DpGroup(f"tcp://127.0.0.1:{_free_port()}", len(specs), timeout_s)
+            group = protocol.DpGroup(f"tcp://127.0.0.1:{free_port()}", len(specs), timeout_s)
             key = "dp_group" if self.wave_size > 1 else "tp_group"
             specs = [dataclasses.replace(spec, **{key: group}) for spec in specs]
         for spec in specs:
@@ -379,9 +379,3 @@ class Executor:
         if w.pump is not None and w.pump is not threading.current_thread():
             w.pump.join(JOIN_TIMEOUT_S)
 
-
-def _free_port() -> int:
-    """A free loopback port for the DP group's rendezvous (rank 0 binds it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

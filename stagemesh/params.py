@@ -14,6 +14,8 @@ from stagemesh.errors import FieldViolation, InvalidArgument
 
 OUTPUT_PNG = "png"
 OUTPUT_TENSOR = "tensor"
+# The id travels to every stage as x-request-id metadata: printable ASCII, bounded.
+MAX_REQUEST_ID_CHARS = 128
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,16 @@ class Params:
         """Requests with equal keys can share one diffusion batch."""
         return (self.width, self.height, self.num_inference_steps, self.guidance_scale)
 
+
+
+def check_request_id(value: str) -> None:
+    """A client's own request id must be sendable as gRPC metadata to every hop."""
+    if len(value) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument.field("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters "
+                                                  f"(got {len(value)})")
+    if not all(" " <= c <= "~" for c in value):
+        raise InvalidArgument.field("request_id", "printable ASCII only (0x20-0x7E): it is sent "
+                                                  "on as x-request-id metadata")
 
 def _check_side(name: str, value: int, limits: Limits, out: list[FieldViolation]) -> None:
     m, top = limits.pixel_multiple, limits.max_pixels_side

@@ -18,7 +18,8 @@ import pytest
 import torch
 from PIL import Image
 
-from stage_service.executor import Executor, _free_port
+from stage_service.executor import Executor
+from stagemesh.procutil import free_port
 from stage_service.models.config import PipelineConfig
 from stage_service.models.runners import WorkItem, build_runner
 from stage_service.models.weights import ensure_model_dir
@@ -64,7 +65,7 @@ def _rank_main(rank: int, address: str, model: str, dlo: dict, out) -> None:
 def _run_tp2(model: Path, dlo: dict) -> dict[int, tuple]:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=_rank_main, args=(r, address, str(model), dlo, out))
              for r in range(2)]
     for p in procs:
