@@ -122,6 +122,7 @@ class Pipeline:
             except errors.StagemeshError:
                 info.state = gateway_pb2.STAGE_STATE_UNAVAILABLE
                 return info
+            info.replicas = stage.replica_count  # a DNS name was resolved by describe()
             info.kind = reply.kind
             info.device = reply.device
             info.device_memory_bytes = reply.device_memory_bytes

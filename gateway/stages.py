@@ -141,6 +141,11 @@ class StageClient:
         return channel, stage_pb2_grpc.StageServiceStub(channel)
 
     @property
+    def replica_count(self) -> int:
+        """Replicas behind this stage: its addresses, or what its DNS name last resolved to."""
+        return len(self._replicas) or len(self.addresses)
+
+    @property
     def name(self) -> str:
         return f"stage {self.stage_id} ({self.kind or 'unknown kind'})"
 

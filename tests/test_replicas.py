@@ -160,3 +160,24 @@ def test_aggregate_sums_memory_and_sleeps_if_any_replica_sleeps():
     assert (total.device_memory_bytes, total.workers, total.sleep_level, total.device) == (100, 2, 2, "cpu")
     assert total.ready and total.supports_sleep
     assert not aggregate([one, stage_pb2.DescribeStageResponse(kind="diffusion")]).ready
+
+
+
+def test_a_dns_stage_counts_the_replicas_its_name_resolves_to(monkeypatch):
+    # No DNS server with a multi-address name exists here: the resolver's answer is given.
+    from gateway import stages
+
+    async def two_replicas(host: str, port: int) -> list[str]:
+        return [f"127.0.0.1:{port}", f"127.0.0.2:{port}"]
+
+    monkeypatch.setattr(stages, "resolve", two_replicas)
+
+    async def scenario() -> tuple[int, int]:
+        stage = stages.StageClient(stage_id=1, addresses=["dns:///diffusion.internal:50062"])
+        before = stage.replica_count
+        await stage._replica_stubs()  # what describe(), sleep() and wake() do first
+        after = stage.replica_count
+        await stage.close()
+        return before, after
+
+    assert asyncio.run(scenario()) == (1, 2)
