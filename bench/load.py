@@ -35,6 +35,7 @@ import grpc  # noqa: E402
 from bench import common  # noqa: E402
 from stagemesh import rpc  # noqa: E402
 from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2  # noqa: E402
+from tests.meshproc import segments_of, shm_entries  # noqa: E402
 
 DEFAULT_OUTPUT = REPO / "bench" / "results" / "load.json"
 CALL_TIMEOUT_S = 120.0
@@ -173,9 +174,8 @@ def process_resources(pid: int) -> dict[str, int] | None:
 
 
 def mesh_segments(pids) -> list[str]:
-    """/dev/shm segments owned by these processes (named `stagemesh-<owner pid>-...`)."""
-    owners = {str(p) for p in pids}
-    return sorted(e for e in os.listdir("/dev/shm") if e.startswith("stagemesh-") and e.split("-")[1] in owners)
+    """/dev/shm segments owned by these processes."""
+    return sorted(segments_of(shm_entries(), pids))
 
 
 # the script ---------------------------------------------------------------------------------

@@ -37,11 +37,11 @@ if str(REPO) not in sys.path:  # run as a script: `python3 bench/soak.py`
 import grpc  # noqa: E402
 
 from bench import common  # noqa: E402
-from bench.load import _cmdline, mesh_processes, process_resources  # noqa: E402
+from bench.load import _cmdline, mesh_processes, mesh_segments, process_resources  # noqa: E402
 from bench.mesh_overhead import _raise_interrupt, start_mesh, stop_mesh  # noqa: E402
 from stagemesh import rpc  # noqa: E402
 from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2  # noqa: E402
-from tests.meshproc import Mesh, alive, descendants, shm_entries, write_config  # noqa: E402
+from tests.meshproc import Mesh, alive, descendants, segments_of, shm_entries, write_config  # noqa: E402
 
 DEFAULT_OUTPUT = REPO / "bench" / "results" / "soak.json"
 DEFAULT_LOG = Path(tempfile.gettempdir()) / "stagemesh-soak-mesh.log"
@@ -57,8 +57,7 @@ def memory_snapshot(mesh: Mesh) -> dict:
     """RSS of every mesh process (`up` included) and the /dev/shm segments they own."""
     procs = {"up": mesh.process.pid, **mesh_processes(mesh.process.pid)}
     rss = {name: (process_resources(pid) or {}).get("rss_bytes", 0) for name, pid in procs.items()}
-    owners = {str(p) for p in procs.values()}
-    segments = [e for e in shm_entries() if e.startswith("stagemesh-") and e.split("-")[1] in owners]
+    segments = mesh_segments(procs.values())
     shm_bytes = 0
     for name in segments:
         try:
@@ -298,8 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         results["log"] = log_counts(mesh)
         results["stop"] = {
             "exit_code": code,
-            "segments_left": sorted(e for e in shm_entries() - shm_before
-                                    if e.startswith("stagemesh-") and e.split("-")[1] in {str(p) for p in pids}),
+            "segments_left": sorted(segments_of(shm_entries() - shm_before, pids)),
             "processes_left": sorted(p for p in pids if alive(p) and "stagemesh" in " ".join(_cmdline(p))),
         }
     report(results)
