@@ -87,7 +87,12 @@ class StageControl:
                 acks.append(Ack(rank, False, level, error=str(result)))
             else:
                 acks.append(Ack(rank, True, level, result["freed_bytes"], result["latency_ms"]))
-        return acks
+        # A worker being restarted can neither free nor take back memory now: it fails the call,
+        # as one that died during it does, so the caller learns the stage is not where it asked.
+        acks += [Ack(rank, False, level, error=f"worker {rank} died and is being restarted; "
+                                                 "retry once the stage serves again")
+                 for rank in self._engine.restarting_ranks()]
+        return sorted(acks, key=lambda a: a.rank)
 
     async def _resleep(self, rank: int) -> None:
         """A worker restarted while the stage sleeps comes up with its weights loaded: put it back."""

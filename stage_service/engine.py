@@ -166,6 +166,9 @@ class Engine:
     def live_ranks(self) -> list[int]:
         return [r for r in self._in_flight if r not in self._dead_ranks]
 
+    def restarting_ranks(self) -> list[int]:
+        return [r for r in self._in_flight if r in self._dead_ranks]
+
     # scheduling -------------------------------------------------------------------------------
     def _compatible(self, a: Params, b: Params) -> bool:
         # A denoising stage samples a batch as one: same size, steps and guidance.

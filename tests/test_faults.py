@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stagemesh.v1 import cache_pb2, cache_pb2_grpc, gateway_pb2
+from stagemesh.v1 import cache_pb2, cache_pb2_grpc, control_pb2, gateway_pb2, stage_pb2, stage_pb2_grpc
 from tests.meshproc import Mesh, alive, descendants, segments_of, shm_entries
 from tests.test_lifecycle import (
     SMALL,
@@ -76,12 +76,17 @@ def test_ar_worker_killed_turns_stage_health_not_serving_then_serving(fault_mesh
         statuses = [next(watch).status]  # the current status comes first
         os.kill(worker, signal.SIGKILL)
         statuses.append(next(watch).status)
-        # While the worker restarts, the gateway refuses at once and names the stage.
+        # While the worker restarts, the gateway refuses at once and names the stage,
         with pytest.raises(grpc.RpcError) as info:
             generate(mesh, timeout=10.0)
+        # and a control call fails with an ACK naming the worker, instead of an empty SUCCESS.
+        [ack] = stage_pb2_grpc.StageServiceStub(channel).SleepStage(
+            stage_pb2.SleepStageRequest(level=1), timeout=10.0).acks
         statuses.append(next(watch).status)
         watch.cancel()
     assert statuses == [SERVING, NOT_SERVING, SERVING]
+    assert (ack.rank, ack.status) == (0, control_pb2.ACK_STATUS_ERROR), ack
+    assert "restarted" in ack.error, ack.error
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE, (info.value.code(), info.value.details())
     assert "stage 0" in info.value.details(), info.value.details()
     result = generate(mesh)  # no retry: SERVING means it serves
