@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import grpc
 
@@ -221,3 +223,47 @@ def spawn_service(name: str, args: list[str], folder: Path, env: dict | None = N
             [sys.executable, "-m", "stagemesh", *args, "--port", "0", "--ready-file", str(ready)],
             cwd=REPO, env={**(env or os.environ), "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT)
     return Service(process, ready, log_path)
+
+
+@contextlib.contextmanager
+def parallel_meshes(starters: dict[str, Callable[[], Mesh]],
+                    while_starting: Callable[[], None] | None = None) -> Iterator[dict[str, Mesh]]:
+    """Start several meshes at once (each loads its models in its own processes; `while_starting`
+    runs meanwhile on this thread), yield them by name, then stop them at once and check that each
+    stopped cleanly and left no shared-memory segment."""
+    started: dict[str, Mesh] = {}
+    errors: list[BaseException] = []
+
+    def start(name: str) -> None:
+        try:
+            started[name] = starters[name]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the test thread
+            errors.append(exc)
+
+    shm_before = shm_entries()
+    threads = [threading.Thread(target=start, args=(name,)) for name in starters]
+    for t in threads:
+        t.start()
+    try:
+        if while_starting is not None:
+            while_starting()
+    finally:
+        for t in threads:
+            t.join()
+    if errors:
+        for m in started.values():
+            m.stop()
+        raise errors[0]
+    yield started
+    codes: dict[str, int] = {}
+    stoppers = [threading.Thread(target=lambda n=n, m=m: codes.__setitem__(n, m.stop()))
+                for n, m in started.items()]
+    for t in stoppers:
+        t.start()
+    for t in stoppers:
+        t.join()
+    for name, m in started.items():
+        assert codes.get(name) == 0, m.logs()[-3000:]
+        leaked = segments_of(shm_entries() - shm_before, m.child_pids())
+        assert not leaked, f"{name}: shared-memory segments left behind: {leaked}"
+

@@ -15,7 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
+import functools
 from pathlib import Path
 
 import grpc
@@ -30,7 +30,7 @@ from stage_service.models.diffusers_adapter import FolderError, check_stage_fold
 from stage_service.models.diffusers_adapter.synthetic import write_tiny
 from stagemesh import codec
 from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2
-from tests.meshproc import REPO, Mesh, segments_of, shm_entries, start_mesh
+from tests.meshproc import REPO, Mesh, parallel_meshes, start_mesh
 
 RPC_TIMEOUT_S = 60.0
 STAGE = """
@@ -66,40 +66,14 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def meshes(folders, tmp_path_factory) -> dict[str, Mesh]:
-    started: dict[str, Mesh] = {}
-    errors: list[BaseException] = []
-
-    def start(name: str) -> None:
+    def start(name: str) -> Mesh:
         family, stages = MESHES[name]
         root = tmp_path_factory.mktemp(name)
-        try:
-            started[name] = start_mesh(_config(root / "mesh.toml", stages), root / "mesh.log",
-                                       ("--model", str(folders[family])))
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the test thread
-            errors.append(exc)
+        return start_mesh(_config(root / "mesh.toml", stages), root / "mesh.log",
+                          ("--model", str(folders[family])))
 
-    shm_before = shm_entries()
-    threads = [threading.Thread(target=start, args=(name,)) for name in MESHES]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        for m in started.values():
-            m.stop()
-        raise errors[0]
-    yield started
-    codes: dict[str, int] = {}
-    stoppers = [threading.Thread(target=lambda n=n, m=m: codes.__setitem__(n, m.stop()))
-                for n, m in started.items()]
-    for t in stoppers:
-        t.start()
-    for t in stoppers:
-        t.join()
-    for name, m in started.items():
-        assert codes.get(name) == 0, m.logs()[-3000:]
-        leaked = segments_of(shm_entries() - shm_before, m.child_pids())
-        assert not leaked, f"{name}: shared-memory segments left behind: {leaked}"
+    with parallel_meshes({name: functools.partial(start, name) for name in MESHES}) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")

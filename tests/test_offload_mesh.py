@@ -8,7 +8,7 @@ reference); the sleep tests run last and leave every stage awake with generation
 
 from __future__ import annotations
 
-import threading
+import functools
 from pathlib import Path
 
 import grpc
@@ -18,7 +18,7 @@ from stage_service.checkpoint import read_index
 from stage_service.models.config import PipelineConfig
 from stage_service.models.weights import DIT_FILE, ensure_model_dir
 from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2
-from tests.meshproc import Mesh, segments_of, shm_entries, start_mesh, write_config
+from tests.meshproc import Mesh, parallel_meshes, start_mesh, write_config
 
 DLO_MESHES = {
     "dlo": "enable_dlo = true",  # dp_size 1: no collective, complete blocks from the mapping
@@ -34,43 +34,17 @@ RPC_TIMEOUT_S = 60.0
 def meshes(tmp_path_factory, model_dir, request) -> dict[str, Mesh]:
     ensure_model_dir(Path(model_dir), PipelineConfig.tiny())  # once, before any stage loads it
     roots = {name: tmp_path_factory.mktemp(name) for name in DLO_MESHES}
-    started: dict[str, Mesh] = {}
-    errors: list[BaseException] = []
 
-    def start(name: str) -> None:
-        root = roots[name]
-        try:
-            config = write_config(root / "mesh.toml", Path(model_dir),
-                                  extra_diffusion=DLO_MESHES[name])
-            started[name] = start_mesh(config, root / "mesh.log")
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the test thread
-            errors.append(exc)
+    def start(name: str) -> Mesh:
+        config = write_config(roots[name] / "mesh.toml", Path(model_dir),
+                              extra_diffusion=DLO_MESHES[name])
+        return start_mesh(config, roots[name] / "mesh.log")
 
-    shm_before = shm_entries()
-    threads = [threading.Thread(target=start, args=(name,)) for name in DLO_MESHES]
-    for t in threads:
-        t.start()
-    try:
-        reference = request.getfixturevalue("mesh")  # starts meanwhile, unless already running
-    finally:
-        for t in threads:
-            t.join()
-    if errors:
-        for m in started.values():
-            m.stop()
-        raise errors[0]
-    yield {"reference": reference, **started}
-    codes: dict[str, int] = {}
-    stoppers = [threading.Thread(target=lambda n=n, m=m: codes.__setitem__(n, m.stop()))
-                for n, m in started.items()]
-    for t in stoppers:
-        t.start()
-    for t in stoppers:
-        t.join()
-    for name, m in started.items():
-        assert codes.get(name) == 0, m.logs()[-3000:]
-        leaked = segments_of(shm_entries() - shm_before, m.child_pids())
-        assert not leaked, f"shared-memory segments left behind: {leaked}"
+    reference: list[Mesh] = []
+    # The shared reference mesh starts meanwhile, unless it already runs.
+    with parallel_meshes({name: functools.partial(start, name) for name in DLO_MESHES},
+                         lambda: reference.append(request.getfixturevalue("mesh"))) as started:
+        yield {"reference": reference[0], **started}
 
 
 def _png(m: Mesh, width: int, height: int, steps: int, seed: int, prompt: str) -> bytes:
