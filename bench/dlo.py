@@ -4,6 +4,9 @@ For each image size: the resident step time (whole model on the device), measure
 bandwidth, diffusers group offloading (block_level, one block per group, CUDA stream) and
 stagemesh DLO (no-AllGather) with 0 and with N resident blocks. The floor of a streamed step is
 max(resident step, streamed bytes / H2D bandwidth); the ratio says how close a case gets to it.
+With N resident blocks and two device slots, the link can only fill both slots while the resident
+blocks compute (measured on the resident model: R(N)), so the two-slot bound is
+floor + max(0, R(N) - bytes of the first two streamed blocks / H2D bandwidth).
 Weights are random, identical in every build (bench/dlo_models.py), so outputs are compared to
 the resident model's too. Every case frees its model before the next one starts.
 
@@ -102,12 +105,68 @@ def step_time(bm: models.BenchModel, model: nn.Module, inputs: dict, device: tor
     return (time.perf_counter() - start) / steps, out.float().cpu()
 
 
+def _mark(device: torch.device):
+    """A point in time: a CUDA event on the current stream, else the host clock."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _between(start, end) -> float:
+    """Seconds from one `_mark` to another (CUDA events only once both have completed)."""
+    if isinstance(start, float):
+        return end - start
+    return start.elapsed_time(end) / 1e3
+
+
+def resident_compute_time(bm: models.BenchModel, model: nn.Module, inputs: dict,
+                          device: torch.device, counts: list[int], steps: int,
+                          warmup: int) -> dict[int, float]:
+    """N -> seconds from the start of block 0's forward to the end of the N-th resident block's
+    (the blocks DLO would keep), averaged over `steps` forwards. A pass of its own, so the hooks
+    do not touch the plain step time."""
+    found = discover(model, bm.plan)
+    candidates = found.resident_candidates()
+    counts = [n for n in counts if n > 0]
+    if not counts or not candidates:
+        return {}
+    starts: list = []
+    ends: dict[int, list] = {n: [] for n in counts}
+    handles = [found.blocks[0].module.register_forward_pre_hook(
+        lambda *_: starts.append(_mark(device)))]
+    for n in counts:  # DLO caps N at the eligible blocks; so does the span
+        last = candidates[min(n, len(candidates)) - 1].module
+        handles.append(last.register_forward_hook(
+            lambda *_, n=n: ends[n].append(_mark(device))))
+    try:
+        with torch.inference_mode():
+            for _ in range(warmup + steps):
+                bm.forward(model, inputs)
+        _sync(device)  # once, after the pass: the events are read only now
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {n: sum(_between(s, e) for s, e in zip(starts[warmup:], ends[n][warmup:])) / steps
+            for n in counts}
+
+
 def _model_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _block_bytes(bm: models.BenchModel) -> list[int]:
     return [_model_bytes(b.module) for b in discover(bm.build_meta(), bm.plan).blocks]
+
+
+def _first_streamed_bytes(bm: models.BenchModel, resident: int, count: int = 2) -> int:
+    """Bytes of the first `count` blocks DLO streams with `resident` blocks kept (what the link
+    can move into the two slots before a streamed block frees one)."""
+    found = discover(bm.build_meta(), bm.plan)
+    kept = {b.path for b in found.resident_candidates()[:resident]}
+    sizes = [_model_bytes(b.module) for b in found.blocks if b.path not in kept]
+    return sum(sizes[:count])
 
 
 # ---- cases -----------------------------------------------------------------------------------
@@ -124,6 +183,18 @@ def _row(case: str, size: int, seconds: float, out: torch.Tensor, ref: dict, str
             "floor_s": floor, "ratio": seconds / floor, "streamed_bytes": streamed,
             "peak_device_bytes": _peak(device),
             "max_abs_diff": float((out - ref["output"]).abs().max()), **extra}
+
+
+def _two_slot_bound(row: dict, compute_s: float | None, first_two_bytes: int,
+                    bandwidth: float) -> dict:
+    """The row with the two-slot bound: the floor plus the resident compute the link cannot
+    hide, since it can only fill both slots before the first streamed block frees one."""
+    if compute_s is None:
+        return {**row, "resident_compute_s": None, "two_slot_bound_s": None,
+                "ratio_to_two_slot_bound": None}
+    bound = row["floor_s"] + max(0.0, compute_s - first_two_bytes / bandwidth)
+    return {**row, "resident_compute_s": compute_s, "two_slot_bound_s": bound,
+            "ratio_to_two_slot_bound": row["step_s"] / bound}
 
 
 def _left_behind(device: torch.device, baseline: int, case: str) -> int:
@@ -144,6 +215,10 @@ def run_resident(bm, device, args, baseline: int) -> dict[int, dict]:
         out[size] = {"step_s": seconds, "output": result, "weights_bytes": weights,
                      "peak_device_bytes": _peak(device),
                      "activation_bytes": max(0, _peak(device) - weights)}
+        inputs = bm.make_inputs(size, args.text_tokens, device)
+        out[size]["resident_compute_s"] = resident_compute_time(
+            bm, model, inputs, device, args.resident_blocks, args.steps, args.warmup)
+        del inputs
     del model
     left = _left_behind(device, baseline, "resident")
     for v in out.values():
@@ -190,15 +265,18 @@ def run_dlo(bm, device, args, resident: int, reference, bandwidth: float,
     stats = engine.stats()
     model_bytes = _model_bytes(model)
     rest = model_bytes - stats.payload_bytes  # non-block weights and resident blocks
+    first_two = _first_streamed_bytes(bm, resident)
     rows = []
     for size in args.sizes:
         seconds, result = _timed(bm, model, device, args, size)
         ref = reference[size]
-        rows.append(_row(
+        row = _row(
             "stagemesh DLO", size, seconds, result, ref, stats.h2d_bytes_per_iteration,
             bandwidth, device, resident_blocks=stats.resident_blocks,
             host_bytes=stats.host_bytes, host_over_model=stats.host_bytes / model_bytes,
-            peak_bound_bytes=rest + stats.slot_bytes + ref["activation_bytes"]))
+            peak_bound_bytes=rest + stats.slot_bytes + ref["activation_bytes"])
+        compute = ref["resident_compute_s"].get(resident) if stats.resident_blocks else None
+        rows.append(_two_slot_bound(row, compute, first_two, bandwidth))
     engine.close()
     engine.store.close()  # unpins the host buffers now, not whenever the collector gets to it
     del model, engine
@@ -224,10 +302,11 @@ def _fmt(value, scale: float = 1.0, digits: int = 3) -> str:
 def _table(rows: list[dict]) -> None:
     gb = 1e-9
     print_table(
-        ["case", "size", "resident blocks", "step ms", "floor ms", "ratio", "streamed GB",
-         "peak dev GB", "bound GB", "pinned/model", "max |diff|"],
+        ["case", "size", "resident blocks", "step ms", "floor ms", "ratio", "2-slot bound ms",
+         "ratio/2-slot", "streamed GB", "peak dev GB", "bound GB", "pinned/model", "max |diff|"],
         [[r["case"], r["size"], "-" if r.get("resident_blocks") is None else r["resident_blocks"],
           _fmt(r["step_s"], 1e3, 1), _fmt(r["floor_s"], 1e3, 1), _fmt(r["ratio"]),
+          _fmt(r.get("two_slot_bound_s"), 1e3, 1), _fmt(r.get("ratio_to_two_slot_bound")),
           _fmt(r["streamed_bytes"], gb, 2), _fmt(r["peak_device_bytes"], gb, 2),
           _fmt(r.get("peak_bound_bytes"), gb, 2), _fmt(r.get("host_over_model")),
           _fmt(r["max_abs_diff"], 1.0, 4)]
