@@ -7,6 +7,7 @@ On a CUDA device these are real streams and events; on the CPU every operation i
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import weakref
 from typing import Iterator
@@ -130,3 +131,37 @@ class HostBuffer:
     def close(self) -> None:
         if self._finalizer is not None:
             self._finalizer()
+
+
+# cudaHostRegisterReadOnly: the device only reads, so pages of a file mapping are locked in place
+# without being made writable (a write pin of a private mapping would copy every page).
+_REGISTER_READ_ONLY = 8
+
+
+def _clear_cuda_error() -> None:
+    """A refused registration leaves its error pending in the runtime; torch would report it at
+    the next kernel launch. Read it (which clears it) through the runtime torch loaded."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
+
+
+def lock_pages_in_place(tensor: torch.Tensor, device: str | torch.device):
+    """Page-lock the memory under `tensor`'s storage where it is (e.g. a file mapping), so H2D
+    copies from it are DMA with no staging copy. Returns a function that undoes it (call it
+    before the memory goes away), or None when the target is not a CUDA device or the driver
+    refuses (the caller then stages instead)."""
+    if not is_cuda(device):
+        return None
+    storage = tensor.untyped_storage()
+    ptr, size = storage.data_ptr(), storage.nbytes()
+    if not size:
+        return None
+    cudart = torch.cuda.cudart()
+    if int(cudart.cudaHostRegister(ptr, size, _REGISTER_READ_ONLY)) != 0:
+        _clear_cuda_error()
+        return None
+    return lambda: cudart.cudaHostUnregister(ptr)

@@ -189,6 +189,53 @@ def test_staged_source_streams_through_two_bounded_buffers(background: bool):
     engine.close()
 
 
+
+def _mapped(model: nn.Module, path) -> nn.Module:
+    """`model` with every tensor viewing one safetensors file mapped read-only (as a runtime-cache
+    entry is)."""
+    from safetensors.torch import save_file
+
+    from stage_service.checkpoint import map_tensors
+
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    model.load_state_dict(map_tensors(path), assign=True)
+    return model
+
+
+def test_a_locked_mapping_is_copied_from_directly_and_unlocked_once(tmp_path, monkeypatch):
+    # No CUDA device here: the page lock itself is replaced by a recorder; the copies are real.
+    from stage_service import platform
+
+    locked, unlocked = [], []
+
+    def lock(tensor, device):
+        locked.append(tensor.untyped_storage().data_ptr())
+        return lambda: unlocked.append(True)
+
+    monkeypatch.setattr(platform, "lock_pages_in_place", lock)
+    model = _mapped(_dit(5), tmp_path / "entry.safetensors")
+    want = _run(copy.deepcopy(model))
+    engine = LayerwiseOffload(model, "cpu", keep_source=True, lock_source=True)
+    assert engine.stats().host_mode == "locked"
+    assert engine.stats().host_bytes == 0  # no staging buffers, no private copy
+    assert len(locked) == 1  # one file, one mapping, locked once
+    assert _same(_run(model), want)
+    engine.close()
+    engine.store.close()
+    engine.store.close()
+    assert unlocked == [True]
+
+
+def test_a_mapping_the_driver_will_not_lock_is_staged(tmp_path, monkeypatch):
+    from stage_service import platform
+
+    monkeypatch.setattr(platform, "lock_pages_in_place", lambda tensor, device: None)
+    model = _mapped(_dit(3), tmp_path / "entry.safetensors")
+    want = _run(copy.deepcopy(model))
+    engine = LayerwiseOffload(model, "cpu", keep_source=True, lock_source=True)
+    assert engine.stats().host_mode == "staged"
+    assert _same(_run(model), want)
+
 def test_meta_blocks_are_materialised_one_at_a_time():
     reference = _dit(3)
     with torch.device("meta"):

@@ -61,6 +61,23 @@ def test_resident_layers_and_staging_are_bitwise_equal_to_plain_dlo():
     assert all(torch.equal(a, b) for a, b in zip(plain, staged))
 
 
+
+def test_a_runtime_cache_style_mapping_is_page_locked_and_copied_from_directly(tmp_path):
+    from safetensors.torch import save_file
+
+    from stage_service.checkpoint import map_tensors
+
+    plain = _run(_offloaded(7)[0])
+    model = _dit(7)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              str(tmp_path / "entry.safetensors"))
+    model.load_state_dict(map_tensors(tmp_path / "entry.safetensors"), assign=True)
+    engine = LayerwiseOffload(model, "cuda", keep_source=True, lock_source=True)
+    assert engine.stats().host_mode == "locked"
+    assert all(torch.equal(a, b) for a, b in zip(_run(model), plain))
+    engine.close()
+    engine.store.close()
+
 def test_device_memory_is_bounded_by_two_slots():
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()  # earlier tests' leftovers, cuBLAS workspaces

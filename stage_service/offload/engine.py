@@ -29,7 +29,7 @@ from stage_service import platform
 from stagemesh import logs
 
 from .collective import gather_into, group_shape
-from .host import InitBlock, PackedStore, ShardStore, StagedStore
+from .host import InitBlock, PackedStore, ShardStore, StagedStore, locked_mapping_store
 from .layout import BlockLayout
 from .plan import Block, Discovery, OffloadPlan, discover
 
@@ -46,7 +46,7 @@ class OffloadStats:
     slot_bytes: int  # device bytes of the two slots (and shard buffers)
     h2d_bytes_per_iteration: int  # bytes this rank moves over the host link per iteration
     world: int
-    host_mode: str  # "packed", "sharded" or "staged"
+    host_mode: str  # "packed", "sharded", "staged" or "locked"
     discovery: str
 
 
@@ -106,13 +106,15 @@ def _move_rest(model: nn.Module, roots: set[str], device: torch.device) -> None:
 class LayerwiseOffload:
     """Attach layerwise offload to `model` (in place). `group` with `use_allgather`: a
     torch.distributed group whose ranks each keep 1/world of every block. `keep_source`: blocks
-    stay in their current host tensors (e.g. a checkpoint mapping) and are staged per transfer.
+    stay in their current host tensors (e.g. a checkpoint mapping) and are staged per transfer;
+    with `lock_source` too, the mapping is page-locked in place where the driver allows and
+    copied from directly (a runtime-cache entry: page cache shared by every engine).
     `init_block`: materialises a block built on "meta" into host memory, one block at a time."""
 
     def __init__(self, model: nn.Module, device: str | torch.device, *,
                  plan: OffloadPlan | None = None, resident_layers: int = 0, group=None,
                  use_allgather: bool = True, keep_source: bool = False,
-                 init_block: InitBlock | None = None,
+                 lock_source: bool = False, init_block: InitBlock | None = None,
                  background_staging: bool | None = None) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -129,7 +131,7 @@ class LayerwiseOffload:
         _move_rest(model, roots, self.device)
         self._init_state()
         with torch.inference_mode(False):
-            self.store = self._make_store(keep_source, init_block)
+            self.store = self._make_store(keep_source, lock_source, init_block)
             self._make_slots()
         if background_staging is None:
             background_staging = isinstance(self.store, StagedStore) and platform.is_cuda(device)
@@ -141,10 +143,16 @@ class LayerwiseOffload:
             self._load(0, 0)
 
     # set-up -------------------------------------------------------------------------------
-    def _make_store(self, keep_source: bool, init_block: InitBlock | None) -> PackedStore:
+    def _make_store(self, keep_source: bool, lock_source: bool,
+                    init_block: InitBlock | None) -> PackedStore:
         if self.world > 1:
             self.host_mode = "sharded"
             return ShardStore(self.layouts, self.device, self.rank, self.world, init_block)
+        locked = (locked_mapping_store(self.layouts, self.device)
+                  if keep_source and lock_source else None)
+        if locked is not None:
+            self.host_mode = "locked"
+            return locked
         if keep_source:
             self.host_mode = "staged"
             return StagedStore(self.layouts, self.device)

@@ -6,12 +6,16 @@
   last shard is zero-padded so all shards have the same size S.
 - `StagedStore`: the block tensors stay where they are (a checkpoint mapping); each transfer packs
   the block into one of two bounded pinned staging buffers.
+- `LockedMappingStore`: the block tensors stay in a file mapping whose pages are page-locked in
+  place, so each transfer is DMA straight from the page cache (which every engine mapping the
+  same runtime-cache entry shares): no staging copy, no private copy.
 
 Every store fills a device buffer with block i's bytes on the current (copy) stream: `fill`.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -121,4 +125,46 @@ class StagedStore(PackedStore):
         for e in self._done:
             e.synchronize()
         super().close()
+
+
+class LockedMappingStore(PackedStore):
+    """Blocks copied straight from their (page-locked) mapping into the device slot, tensor by
+    tensor. Built by `locked_mapping_store` only when every mapping could be locked."""
+
+    def __init__(self, layouts: list[BlockLayout], sources: list, unlock: list) -> None:
+        self.layouts = layouts
+        self.sources = sources  # byte views: they keep the mappings alive while locked
+        self.buffers = []
+        self._unlock = unlock
+        # Unlocked before the mappings can go away, also when close() is never called.
+        self._finalizer = weakref.finalize(self, _run_all, unlock)
+
+    def fill(self, i: int, target: torch.Tensor, stream: platform.Stream) -> int:
+        n = self.layouts[i].nbytes
+        self.layouts[i].pack_range(self.sources[i], 0, n, target[:n], non_blocking=True)
+        return n
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _run_all(functions: list) -> None:
+    for f in functions:
+        f()
+
+
+def locked_mapping_store(layouts: list[BlockLayout], device: str | torch.device
+                         ) -> LockedMappingStore | None:
+    """Lock every storage the blocks' tensors live in (once each); None, with nothing left
+    locked, when that is not possible (a CPU target, or the driver refuses)."""
+    sources = [layout.sources() for layout in layouts]
+    storages = {src.untyped_storage().data_ptr(): src for block in sources for _, src in block}
+    unlock = []
+    for src in storages.values():
+        undo = platform.lock_pages_in_place(src, device)
+        if undo is None:
+            _run_all(unlock)
+            return None
+        unlock.append(undo)
+    return LockedMappingStore(layouts, sources, unlock)
 

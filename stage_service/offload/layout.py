@@ -94,7 +94,7 @@ class BlockLayout:
         return [(e, byte_view(e.current())) for e in self._unique]
 
     def pack_range(self, sources: list[tuple[Entry, torch.Tensor]], lo: int, hi: int,
-                   out: torch.Tensor) -> None:
+                   out: torch.Tensor, non_blocking: bool = False) -> None:
         """Copy bytes [lo, hi) of the packed block into `out` (uint8, hi - lo long); padding is
         zeroed so every rank holds identical bytes."""
         cursor = lo
@@ -104,7 +104,8 @@ class BlockLayout:
                 continue
             if start > cursor:
                 out[cursor - lo:start - lo].zero_()
-            out[start - lo:end - lo].copy_(src[start - e.offset:end - e.offset])
+            out[start - lo:end - lo].copy_(src[start - e.offset:end - e.offset],
+                                           non_blocking=non_blocking)
             cursor = end
         if cursor < hi:
             out[cursor - lo:hi - lo].zero_()
