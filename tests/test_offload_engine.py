@@ -215,7 +215,7 @@ def test_a_locked_mapping_is_copied_from_directly_and_unlocked_once(tmp_path, mo
     monkeypatch.setattr(platform, "lock_pages_in_place", lock)
     model = _mapped(_dit(5), tmp_path / "entry.safetensors")
     want = _run(copy.deepcopy(model))
-    engine = LayerwiseOffload(model, "cpu", keep_source=True, lock_source=True)
+    engine = LayerwiseOffload(model, "cpu", keep_source=True)
     assert engine.stats().host_mode == "locked"
     assert engine.stats().host_bytes == 0  # no staging buffers, no private copy
     assert len(locked) == 1  # one file, one mapping, locked once
@@ -232,7 +232,7 @@ def test_a_mapping_the_driver_will_not_lock_is_staged(tmp_path, monkeypatch):
     monkeypatch.setattr(platform, "lock_pages_in_place", lambda tensor, device: None)
     model = _mapped(_dit(3), tmp_path / "entry.safetensors")
     want = _run(copy.deepcopy(model))
-    engine = LayerwiseOffload(model, "cpu", keep_source=True, lock_source=True)
+    engine = LayerwiseOffload(model, "cpu", keep_source=True)
     assert engine.stats().host_mode == "staged"
     assert _same(_run(model), want)
 

@@ -72,7 +72,7 @@ def test_a_runtime_cache_style_mapping_is_page_locked_and_copied_from_directly(t
     save_file({k: v.contiguous() for k, v in model.state_dict().items()},
               str(tmp_path / "entry.safetensors"))
     model.load_state_dict(map_tensors(tmp_path / "entry.safetensors"), assign=True)
-    engine = LayerwiseOffload(model, "cuda", keep_source=True, lock_source=True)
+    engine = LayerwiseOffload(model, "cuda", keep_source=True)
     assert engine.stats().host_mode == "locked"
     assert all(torch.equal(a, b) for a, b in zip(_run(model), plain))
     engine.close()

@@ -72,7 +72,5 @@ def load_offloaded_dit(model_dir: Path, device: str | torch.device, opts: DloOpt
     engine = LayerwiseOffload(dit, device, resident_layers=opts.dlo_resident_layers,
                               group=group if use_allgather else None,
                               use_allgather=use_allgather,
-                              keep_source=mapped and not use_allgather,
-                              # An entry's pages are shared by every engine: DMA from them.
-                              lock_source=cached is not None)
+                              keep_source=mapped and not use_allgather)
     return dit, decoder, engine, cached

@@ -106,15 +106,15 @@ def _move_rest(model: nn.Module, roots: set[str], device: torch.device) -> None:
 class LayerwiseOffload:
     """Attach layerwise offload to `model` (in place). `group` with `use_allgather`: a
     torch.distributed group whose ranks each keep 1/world of every block. `keep_source`: blocks
-    stay in their current host tensors (e.g. a checkpoint mapping) and are staged per transfer;
-    with `lock_source` too, the mapping is page-locked in place where the driver allows and
-    copied from directly (a runtime-cache entry: page cache shared by every engine).
+    stay in their current host tensors (a checkpoint mapping or a runtime-cache entry): on a CUDA
+    device the mapping is page-locked in place and copied from directly (its pages stay the
+    shared page cache); where the driver refuses, each transfer is staged through pinned buffers.
     `init_block`: materialises a block built on "meta" into host memory, one block at a time."""
 
     def __init__(self, model: nn.Module, device: str | torch.device, *,
                  plan: OffloadPlan | None = None, resident_layers: int = 0, group=None,
                  use_allgather: bool = True, keep_source: bool = False,
-                 lock_source: bool = False, init_block: InitBlock | None = None,
+                 init_block: InitBlock | None = None,
                  background_staging: bool | None = None) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -131,7 +131,7 @@ class LayerwiseOffload:
         _move_rest(model, roots, self.device)
         self._init_state()
         with torch.inference_mode(False):
-            self.store = self._make_store(keep_source, lock_source, init_block)
+            self.store = self._make_store(keep_source, init_block)
             self._make_slots()
         if background_staging is None:
             background_staging = isinstance(self.store, StagedStore) and platform.is_cuda(device)
@@ -143,13 +143,11 @@ class LayerwiseOffload:
             self._load(0, 0)
 
     # set-up -------------------------------------------------------------------------------
-    def _make_store(self, keep_source: bool, lock_source: bool,
-                    init_block: InitBlock | None) -> PackedStore:
+    def _make_store(self, keep_source: bool, init_block: InitBlock | None) -> PackedStore:
         if self.world > 1:
             self.host_mode = "sharded"
             return ShardStore(self.layouts, self.device, self.rank, self.world, init_block)
-        locked = (locked_mapping_store(self.layouts, self.device)
-                  if keep_source and lock_source else None)
+        locked = locked_mapping_store(self.layouts, self.device) if keep_source else None
         if locked is not None:
             self.host_mode = "locked"
             return locked

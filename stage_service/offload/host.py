@@ -15,6 +15,7 @@ Every store fills a device buffer with block i's bytes on the current (copy) str
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable
 
@@ -22,10 +23,13 @@ import torch
 from torch import nn
 
 from stage_service import platform
+from stagemesh import logs
 
 from .layout import BlockLayout, align_up
 
 InitBlock = Callable[[nn.Module], None]
+
+log = logs.get_logger("stagemesh.offload")
 
 
 def _materialize(layout: BlockLayout, init_block: InitBlock | None) -> None:
@@ -159,12 +163,18 @@ def locked_mapping_store(layouts: list[BlockLayout], device: str | torch.device
     locked, when that is not possible (a CPU target, or the driver refuses)."""
     sources = [layout.sources() for layout in layouts]
     storages = {src.untyped_storage().data_ptr(): src for block in sources for _, src in block}
-    unlock = []
+    started, unlock = time.perf_counter(), []
     for src in storages.values():
         undo = platform.lock_pages_in_place(src, device)
         if undo is None:
             _run_all(unlock)
+            if platform.is_cuda(device):  # a CPU target has nothing to lock: no news
+                log.warning("dlo mapping not page-locked (the driver refused); blocks are "
+                            "staged through pinned buffers instead", mappings=len(storages))
             return None
         unlock.append(undo)
+    log.info("dlo mapping page-locked in place", mappings=len(storages),
+             bytes=sum(s.untyped_storage().nbytes() for s in storages.values()),
+             seconds=round(time.perf_counter() - started, 3))
     return LockedMappingStore(layouts, sources, unlock)
 
