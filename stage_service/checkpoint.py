@@ -4,12 +4,15 @@
 consistent with shape and dtype, data inside the file); with `validate=True` safetensors' own
 reader must also open the file and agree on the names, so any loader that reads it later accepts
 it. Sleep (level-2 wake) and the DLO mmap plan both read checkpoints through it.
-`map_file` / `map_tensors` give views through a private memory map: no copy until they are copied
+`map_file` / `map_tensors` give views through a read-only shared memory map: no copy until they are copied
 to their destination, and the file's page cache serves them.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,13 +84,21 @@ def read_index(path: str | Path, *, validate: bool = False) -> dict[str, TensorR
 
 
 def map_file(path: str | Path) -> torch.Tensor:
-    """The whole file as a flat uint8 CPU tensor through a private mapping: reads come from the
-    page cache every process shares; writes (never made) would stay private."""
-    size = Path(path).stat().st_size
-    if not size:
-        return torch.empty(0, dtype=torch.uint8)
-    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
-    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,), (1,))
+    """The whole file as a flat uint8 CPU tensor over a read-only shared mapping: its pages are
+    the page cache every process shares. Read-only and shared (not a private copy-on-write
+    mapping) so the pages can be page-locked in place: a long-term pin of a private mapping makes
+    the kernel copy every page first. Weights are never written; a write would fault."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if not size:
+            return torch.empty(0, dtype=torch.uint8)
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
 
 
 def record_view(data: torch.Tensor, r: TensorRecord) -> torch.Tensor:
