@@ -4,9 +4,10 @@ For each image size: the resident step time (whole model on the device), measure
 bandwidth, diffusers group offloading (block_level, one block per group, CUDA stream) and
 stagemesh DLO (no-AllGather) with 0 and with N resident blocks. The floor of a streamed step is
 max(resident step, streamed bytes / H2D bandwidth); the ratio says how close a case gets to it.
-With N resident blocks and two device slots, the link can only fill both slots while the resident
-blocks compute (measured on the resident model: R(N)), so the two-slot bound is
-floor + max(0, R(N) - bytes of the first two streamed blocks / H2D bandwidth).
+With N resident blocks and two device slots, the link can fill only the two slots from the start of
+the last block of one step to the end of the first streamed block of the next (that window, W(N),
+spans the resident blocks' compute R(N) and is measured on the resident model), so the two-slot
+bound is floor + max(0, W(N) - bytes of the first two streamed blocks / H2D bandwidth).
 Weights are random, identical in every build (bench/dlo_models.py), so outputs are compared to
 the resident model's too. Every case frees its model before the next one starts.
 
@@ -121,34 +122,49 @@ def _between(start, end) -> float:
     return start.elapsed_time(end) / 1e3
 
 
-def resident_compute_time(bm: models.BenchModel, model: nn.Module, inputs: dict,
-                          device: torch.device, counts: list[int], steps: int,
-                          warmup: int) -> dict[int, float]:
-    """N -> seconds from the start of block 0's forward to the end of the N-th resident block's
-    (the blocks DLO would keep), averaged over `steps` forwards. A pass of its own, so the hooks
-    do not touch the plain step time."""
+def _mean_span(starts: list, ends: list, lag: int, skip: int) -> float:
+    """Mean seconds from starts[k - lag] to ends[k] over the forwards after the first `skip`."""
+    spans = [_between(starts[k - lag], ends[k]) for k in range(max(skip, lag), len(ends))]
+    return sum(spans) / len(spans)
+
+
+def slot_window_times(bm: models.BenchModel, model: nn.Module, inputs: dict,
+                      device: torch.device, counts: list[int], steps: int,
+                      warmup: int) -> dict[int, dict[str, float]]:
+    """N -> {"resident_s": block 0's start to the N-th resident block's end (the blocks DLO
+    would keep), "window_s": the last block's start in one forward to the end of the first
+    streamed block in the next}: the compute during which DLO's link can fill only its two slots
+    (the last block's slot frees as it ends; the next fill waits for the first streamed block).
+    Averaged over the timed forwards; a pass of its own, so the hooks leave the step time alone."""
     found = discover(model, bm.plan)
     candidates = found.resident_candidates()
-    counts = [n for n in counts if n > 0]
+    counts = [n for n in counts if 0 < n < len(found.blocks)]
     if not counts or not candidates:
         return {}
-    starts: list = []
-    ends: dict[int, list] = {n: [] for n in counts}
-    handles = [found.blocks[0].module.register_forward_pre_hook(
-        lambda *_: starts.append(_mark(device)))]
-    for n in counts:  # DLO caps N at the eligible blocks; so does the span
-        last = candidates[min(n, len(candidates)) - 1].module
-        handles.append(last.register_forward_hook(
-            lambda *_, n=n: ends[n].append(_mark(device))))
+    marks: dict[str, list] = {"first": [], "last": []}
+    hooks = [found.blocks[0].module.register_forward_pre_hook(
+                 lambda *_: marks["first"].append(_mark(device))),
+             found.blocks[-1].module.register_forward_pre_hook(
+                 lambda *_: marks["last"].append(_mark(device)))]
+    for n in counts:  # DLO caps N at the eligible blocks; so do these spans
+        kept = candidates[:n]
+        streamed = next(b for b in found.blocks if b.path not in {k.path for k in kept})
+        marks[f"kept{n}"], marks[f"streamed{n}"] = [], []
+        hooks.append(kept[-1].module.register_forward_hook(
+            lambda *_, k=f"kept{n}": marks[k].append(_mark(device))))
+        hooks.append(streamed.module.register_forward_hook(
+            lambda *_, k=f"streamed{n}": marks[k].append(_mark(device))))
     try:
         with torch.inference_mode():
-            for _ in range(warmup + steps):
+            for _ in range(warmup + max(steps, 2)):
                 bm.forward(model, inputs)
         _sync(device)  # once, after the pass: the events are read only now
     finally:
-        for handle in handles:
-            handle.remove()
-    return {n: sum(_between(s, e) for s, e in zip(starts[warmup:], ends[n][warmup:])) / steps
+        for hook in hooks:
+            hook.remove()
+    skip = max(warmup, 1)
+    return {n: {"resident_s": _mean_span(marks["first"], marks[f"kept{n}"], 0, skip),
+                "window_s": _mean_span(marks["last"], marks[f"streamed{n}"], 1, skip)}
             for n in counts}
 
 
@@ -185,16 +201,16 @@ def _row(case: str, size: int, seconds: float, out: torch.Tensor, ref: dict, str
             "max_abs_diff": float((out - ref["output"]).abs().max()), **extra}
 
 
-def _two_slot_bound(row: dict, compute_s: float | None, first_two_bytes: int,
+def _two_slot_bound(row: dict, times: dict[str, float] | None, first_two_bytes: int,
                     bandwidth: float) -> dict:
-    """The row with the two-slot bound: the floor plus the resident compute the link cannot
-    hide, since it can only fill both slots before the first streamed block frees one."""
-    if compute_s is None:
-        return {**row, "resident_compute_s": None, "two_slot_bound_s": None,
-                "ratio_to_two_slot_bound": None}
-    bound = row["floor_s"] + max(0.0, compute_s - first_two_bytes / bandwidth)
-    return {**row, "resident_compute_s": compute_s, "two_slot_bound_s": bound,
-            "ratio_to_two_slot_bound": row["step_s"] / bound}
+    """The row with the two-slot bound: the floor plus the part of the slot window (see
+    slot_window_times) the link cannot fill, since two slots hold only two blocks."""
+    if times is None:
+        return {**row, "resident_compute_s": None, "slot_window_s": None,
+                "two_slot_bound_s": None, "ratio_to_two_slot_bound": None}
+    bound = row["floor_s"] + max(0.0, times["window_s"] - first_two_bytes / bandwidth)
+    return {**row, "resident_compute_s": times["resident_s"], "slot_window_s": times["window_s"],
+            "two_slot_bound_s": bound, "ratio_to_two_slot_bound": row["step_s"] / bound}
 
 
 def _left_behind(device: torch.device, baseline: int, case: str) -> int:
@@ -216,7 +232,7 @@ def run_resident(bm, device, args, baseline: int) -> dict[int, dict]:
                      "peak_device_bytes": _peak(device),
                      "activation_bytes": max(0, _peak(device) - weights)}
         inputs = bm.make_inputs(size, args.text_tokens, device)
-        out[size]["resident_compute_s"] = resident_compute_time(
+        out[size]["slot_windows"] = slot_window_times(
             bm, model, inputs, device, args.resident_blocks, args.steps, args.warmup)
         del inputs
     del model
@@ -275,8 +291,8 @@ def run_dlo(bm, device, args, resident: int, reference, bandwidth: float,
             bandwidth, device, resident_blocks=stats.resident_blocks,
             host_bytes=stats.host_bytes, host_over_model=stats.host_bytes / model_bytes,
             peak_bound_bytes=rest + stats.slot_bytes + ref["activation_bytes"])
-        compute = ref["resident_compute_s"].get(resident) if stats.resident_blocks else None
-        rows.append(_two_slot_bound(row, compute, first_two, bandwidth))
+        times = ref["slot_windows"].get(resident) if stats.resident_blocks else None
+        rows.append(_two_slot_bound(row, times, first_two, bandwidth))
     engine.close()
     engine.store.close()  # unpins the host buffers now, not whenever the collector gets to it
     del model, engine

@@ -64,14 +64,16 @@ def _write_random(path: Path, nbytes: int) -> None:
         os.fsync(f.fileno())
 
 
-def _h2d(src: torch.Tensor, device: torch.device, repeats: int = 4) -> float:
-    n = min(GIB, src.numel())
+def _h2d(src: torch.Tensor, device: torch.device, piece: int, repeats: int = 4) -> float:
+    """H2D bandwidth of copies that each stay inside one registered piece: a copy spanning two
+    registrations fails (cudaErrorInvalidValue, seen on the H200)."""
+    n = min(GIB, piece)
     dev = torch.empty(n, dtype=torch.uint8, device=device)
     dev.copy_(src[:n], non_blocking=True)
     torch.cuda.synchronize(device)
     start = time.perf_counter()
     for k in range(repeats):
-        off = (k * n) % max(1, src.numel() - n + 1)
+        off = (k % (src.numel() // piece)) * piece
         dev.copy_(src[off:off + n], non_blocking=True)
     torch.cuda.synchronize(device)
     return n * repeats / (time.perf_counter() - start)
@@ -94,7 +96,7 @@ def variant(path: Path, shared: bool, flags: int, chunk: int, device: torch.devi
         done.append(off)
     register_s = time.perf_counter() - start
     after = _rollup()
-    bandwidth = _h2d(data, device) if error is None else None
+    bandwidth = _h2d(data, device, chunk or size) if error is None else None
     start = time.perf_counter()
     for off in done:
         cudart.cudaHostUnregister(data.data_ptr() + off)
@@ -120,7 +122,7 @@ def main() -> None:
     path = Path(args.dir) / "stagemesh-host-register.bin"
     _write_random(path, int(args.gb * GIB) // (256 << 20) * (256 << 20))
     pinned = torch.empty(GIB, dtype=torch.uint8, pin_memory=True)
-    peer = _h2d(pinned, device)
+    peer = _h2d(pinned, device, GIB)
     del pinned
     rows = []
     try:
