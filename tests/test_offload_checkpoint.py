@@ -54,12 +54,13 @@ def _write(tmp_path: Path, state: dict[str, torch.Tensor], name: str = "model") 
     return path
 
 
-def _mapped_file(ptr: int) -> str | None:
+def _mapping(ptr: int) -> tuple[str, str | None] | None:
+    """(permissions, file) of the mapping that holds address `ptr` in this process."""
     for line in Path("/proc/self/maps").read_text().splitlines():
-        span, *rest = line.split()
+        span, perms, *rest = line.split()
         lo, hi = (int(x, 16) for x in span.split("-"))
         if lo <= ptr < hi:
-            return rest[-1] if len(rest) >= 5 else None
+            return perms, rest[-1] if len(rest) >= 4 else None
     return None
 
 
@@ -72,7 +73,9 @@ def test_good_checkpoint_is_mapped_not_copied(tmp_path: Path):
     assert reason is None and not called
     for name, t in net.state_dict().items():
         assert torch.equal(t, state[f"net.{name}"])
-        assert _mapped_file(t.data_ptr()) == str(path), name  # a view of the file mapping
+        # A view of the file mapping, read-only and shared: the page cache itself, which can be
+        # page-locked in place (a private mapping would be copied page by page first).
+        assert _mapping(t.data_ptr()) == ("r--s", str(path)), name
     # Restored non-persistent buffer, post-load hook and post_load_weights all ran.
     assert torch.equal(net.freqs, torch.arange(8.0) / 8)
     assert net.hooked == 1 and net.post_loaded
@@ -89,8 +92,8 @@ def test_sharded_checkpoint_over_several_files(tmp_path: Path):
              _write(tmp_path, {k: state[k] for k in names[3:]}, "b")]
     net = _Net()
     assert load_or_fallback(files, {"net.": net}, lambda: None) is None
-    assert {_mapped_file(t.data_ptr()) for t in net.state_dict().values()} == {
-        str(f) for f in files}
+    assert {_mapping(t.data_ptr()) for t in net.state_dict().values()} == {
+        ("r--s", str(f)) for f in files}
 
 
 def _drop(state):
