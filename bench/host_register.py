@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import RESULTS_DIR, print_table, write_json  # noqa: E402
+from stage_service.platform import REGISTER_READ_ONLY, clear_cuda_error  # noqa: E402
 
-READ_ONLY = 8  # cudaHostRegisterReadOnly
 GIB = 1 << 30
 
 
@@ -41,18 +41,6 @@ def _rollup() -> dict[str, int]:
         if key in ("Anonymous", "Private_Dirty", "Rss"):
             out[key] = int(rest.split()[0]) * 1024
     return out
-
-
-def _clear_cuda_error() -> None:
-    """A refused registration leaves its error pending; torch would report it at the next launch."""
-    import ctypes
-
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            ctypes.CDLL(name).cudaGetLastError()
-            return
-        except (OSError, AttributeError):
-            continue
 
 
 def _write_random(path: Path, nbytes: int) -> None:
@@ -91,7 +79,7 @@ def variant(path: Path, shared: bool, flags: int, chunk: int, device: torch.devi
         rc = int(cudart.cudaHostRegister(data.data_ptr() + off, n, flags))
         if rc:
             error = f"cudaHostRegister -> {rc} at offset {off}"
-            _clear_cuda_error()
+            clear_cuda_error()
             break
         done.append(off)
     register_s = time.perf_counter() - start
@@ -127,7 +115,7 @@ def main() -> None:
     rows = []
     try:
         for shared in (True, False):  # shared first: what a runtime-cache consumer maps
-            for flags in (READ_ONLY, 0):
+            for flags in (REGISTER_READ_ONLY, 0):
                 for chunk in (0, args.chunk_mb << 20):
                     rows.append(variant(path, shared, flags, chunk, device))
                     print(rows[-1], flush=True)

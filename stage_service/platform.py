@@ -135,10 +135,10 @@ class HostBuffer:
 
 # cudaHostRegisterReadOnly: the device only reads, so pages of a file mapping are locked in place
 # without being made writable (a write pin of a private mapping would copy every page).
-_REGISTER_READ_ONLY = 8
+REGISTER_READ_ONLY = 8
 
 
-def _clear_cuda_error() -> None:
+def clear_cuda_error() -> None:
     """A refused registration leaves its error pending in the runtime; torch would report it at
     the next kernel launch. Read it (which clears it) through the runtime torch loaded."""
     for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
@@ -161,7 +161,7 @@ def lock_pages_in_place(tensor: torch.Tensor, device: str | torch.device):
     if not size:
         return None
     cudart = torch.cuda.cudart()
-    if int(cudart.cudaHostRegister(ptr, size, _REGISTER_READ_ONLY)) != 0:
-        _clear_cuda_error()
+    if int(cudart.cudaHostRegister(ptr, size, REGISTER_READ_ONLY)) != 0:
+        clear_cuda_error()
         return None
     return lambda: cudart.cudaHostUnregister(ptr)
