@@ -4,6 +4,10 @@ For the default (tiny) DiT at several resolutions and batch sizes, in one run:
   (a) forward-only rate: requests/s of runner.run alone, in this process, device-synchronized,
       measured before and after (b) and (c); the higher of the two is the limit (and the drift
       between them is reported: the GPU host's launch speed moves between measurements);
+  (d) the same limit inside the serving worker during (c): requests / the device time of its
+      forward passes (stagemesh_stage_compute_seconds). (d) below (a) means the forward pass itself
+      slows down while serving (e.g. the output thread competes for the GIL the launching thread
+      needs); (c) below (d) means the device idles between batches;
   (b) QPS through engine + executor + worker process with step_execution (synchronous output);
   (c) QPS through the same path with async output (the default).
 Target: (c) >= 0.97 x (a) at every point. Run on a GPU: python bench/async_output.py
@@ -58,7 +62,9 @@ def forward_rate(model_dir: Path, device: str, size: int, batch: int, steps: int
     return batch / statistics.median(times)
 
 
-async def _serve_qps(engine: Engine, size: int, steps: int, requests: int, concurrency: int) -> float:
+async def _serve_qps(engine: Engine, executor: Executor, size: int, steps: int, requests: int,
+                     concurrency: int) -> tuple[float, float]:
+    """(requests/s, the worker's forward-pass device seconds) over the timed requests."""
     async def one(seed: int) -> None:
         async for event in engine.run(f"r{seed}", _params(size, steps, seed), {"hidden_states": _cond(seed)}):
             if isinstance(event, OutputsEvent):
@@ -71,22 +77,26 @@ async def _serve_qps(engine: Engine, size: int, steps: int, requests: int, concu
             await one(seed)
 
     await asyncio.gather(*(bounded(s) for s in range(concurrency)))  # warm-up
-    start = time.perf_counter()
+    # Every output of the warm-up is back, so its forward passes are counted already.
+    compute_before, start = executor.compute_seconds, time.perf_counter()
     await asyncio.gather(*(bounded(s) for s in range(requests)))
-    return requests / (time.perf_counter() - start)
+    return requests / (time.perf_counter() - start), executor.compute_seconds - compute_before
 
 
 def serve_qps(model_dir: Path, device: str, size: int, batch: int, steps: int, requests: int,
-              step_execution: bool) -> float:
+              step_execution: bool) -> tuple[float, float]:
+    """(QPS, requests/s of the worker's forward passes alone, from their device time)."""
     executor = Executor(1, "diffusion", str(model_dir), device, 1, step_execution=step_execution)
     executor.start()
 
-    async def main() -> float:
+    async def main() -> tuple[float, float]:
         engine = Engine(executor, "diffusion", 1, max_batch_size=batch, max_queue=10_000)
         engine.start()
         try:
             # Enough concurrent requests that full batches are always waiting (a saturated stage).
-            return await _serve_qps(engine, size, steps, requests, concurrency=max(16, 4 * batch))
+            qps, compute_s = await _serve_qps(engine, executor, size, steps, requests,
+                                              concurrency=max(16, 4 * batch))
+            return qps, requests / compute_s
         finally:
             await engine.close()
 
@@ -114,18 +124,20 @@ def main() -> None:
             # The limit is taken before and after the served runs: the GPU host's launch speed
             # drifts between measurements, so the higher of the two is the one to beat.
             a_before = forward_rate(model_dir, args.device, size, batch, args.steps, args.iters)
-            b = serve_qps(model_dir, args.device, size, batch, args.steps, args.requests, step_execution=True)
-            c = serve_qps(model_dir, args.device, size, batch, args.steps, args.requests, step_execution=False)
+            b, _ = serve_qps(model_dir, args.device, size, batch, args.steps, args.requests, step_execution=True)
+            c, d = serve_qps(model_dir, args.device, size, batch, args.steps, args.requests, step_execution=False)
             a_after = forward_rate(model_dir, args.device, size, batch, args.steps, args.iters)
             a = max(a_before, a_after)
             points.append(dict(size=size, batch=batch, steps=args.steps, forward_rps=a,
                                forward_rps_before=a_before, forward_rps_after=a_after, sync_qps=b,
-                               async_qps=c, async_over_forward=c / a, async_over_sync=c / b))
-            rows.append([size, batch, a, abs(a_after - a_before) / a * 100, b, c, c / a, (c / b - 1) * 100])
+                               async_qps=c, worker_forward_rps=d, async_over_forward=c / a,
+                               async_over_sync=c / b, async_over_worker_forward=c / d))
+            rows.append([size, batch, a, abs(a_after - a_before) / a * 100, b, c, d, c / a, c / d,
+                         (c / b - 1) * 100])
             print(f"size {size} batch {batch}: forward {a_before:.1f}/s then {a_after:.1f}/s, "
-                  f"sync {b:.1f}/s async {c:.1f}/s", flush=True)
+                  f"sync {b:.1f}/s async {c:.1f}/s (worker forward {d:.1f}/s)", flush=True)
     print_table(["size", "batch", "(a) forward req/s", "(a) drift %", "(b) sync QPS", "(c) async QPS",
-                 "(c)/(a)", "(c)/(b) gain %"],
+                 "(d) worker fwd req/s", "(c)/(a)", "(c)/(d)", "(c)/(b) gain %"],
                 rows, floatfmt=".2f")
     path = write_json(args.output, "async_output", {"device": args.device, "points": points})
     print(f"wrote {path}")

@@ -71,10 +71,13 @@ class AsyncOutputThread:
         self._thread = threading.Thread(target=self._run, name="async-output", daemon=True)
         self._thread.start()
 
-    def submit(self, output_id: str, outputs: Any, event: platform.DeviceEvent) -> None:
+    def submit(self, output_id: str, outputs: Any, event: platform.DeviceEvent,
+               started: platform.DeviceEvent | None = None) -> None:
+        """`event` follows the forward pass that produced `outputs`; a timing `started` event
+        before it (with `event` a timing event too) reports that pass's device time."""
         with self._idle:
             self._in_flight += 1
-        self._work.put((output_id, outputs, event))
+        self._work.put((output_id, outputs, event, started))
 
     @property
     def in_flight(self) -> int:
@@ -99,9 +102,12 @@ class AsyncOutputThread:
 
     def _run(self) -> None:
         while (item := self._work.get()) is not None:
-            output_id, outputs, event = item
+            output_id, outputs, event, started = item
             try:
-                self._writer.put(protocol.OutputReady(output_id, payload=self._host_payload(outputs, event)))
+                payload = self._host_payload(outputs, event)
+                # Both events are complete: the copy waited for `event`.
+                seconds = event.seconds_since(started) if started is not None else 0.0
+                self._writer.put(protocol.OutputReady(output_id, payload=payload, compute_seconds=seconds))
             except Exception as exc:  # noqa: BLE001 - the executor must hear about it, never silence
                 log.exception("async output failed", output_id=output_id)
                 self._send_error(output_id, f"{type(exc).__name__}: {exc}")

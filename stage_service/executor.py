@@ -80,6 +80,7 @@ class Executor:
         self._on_death = on_death
         self._closed = False
         self.offload_bytes_streamed = 0  # every worker's DLO host -> device bytes, restarts included
+        self.compute_seconds = 0.0  # device time of every forward pass whose outputs came back
 
     # life cycle -----------------------------------------------------------------------------
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> list[protocol.Ready]:
@@ -270,6 +271,9 @@ class Executor:
                 except Exception:  # a listener's failure must not kill the pump
                     log.exception("progress callback failed", rpc_id=msg.rpc_id)
             return
+        if isinstance(msg, (protocol.OutputReady, protocol.Result)):
+            with self._lock:  # one pump thread per worker: they may add at the same time
+                self.compute_seconds += msg.compute_seconds
         if isinstance(msg, protocol.OutputReady):
             self._output_ready(msg)
             return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+import time
 import weakref
 from typing import Iterator
 
@@ -20,15 +21,26 @@ def is_cuda(device: str | torch.device) -> bool:
 
 
 class DeviceEvent:
-    """Marks a point on a stream; other streams (or the host) can wait for it."""
+    """Marks a point on a stream; other streams (or the host) can wait for it. With `timing`,
+    two events also measure the device time between them (on the CPU: the host clock)."""
 
-    def __init__(self, device: str | torch.device):
-        self._event = torch.cuda.Event() if is_cuda(device) else None
+    def __init__(self, device: str | torch.device, timing: bool = False):
+        self._event = torch.cuda.Event(enable_timing=timing) if is_cuda(device) else None
+        self._host_time = 0.0
 
     def record(self, stream: "Stream | None" = None) -> "DeviceEvent":
         if self._event is not None:
             self._event.record(stream.raw if stream is not None else None)
+        else:
+            self._host_time = time.perf_counter()
         return self
+
+    def seconds_since(self, start: "DeviceEvent") -> float:
+        """Seconds from `start` to this event (both timing events); waits for this one."""
+        if self._event is None:
+            return self._host_time - start._host_time
+        self._event.synchronize()
+        return start._event.elapsed_time(self._event) / 1e3
 
     def synchronize(self) -> None:
         if self._event is not None:

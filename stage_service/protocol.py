@@ -105,6 +105,7 @@ class OutputReady:
     async_output_id: str
     payload: Any = None  # one packed dict per batch item
     error: str | None = None
+    compute_seconds: float = 0.0  # device time of the forward pass that produced it
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,7 @@ class Result:
     rpc_id: str
     outputs: list[Any] = field(default_factory=list)  # one packed dict per item
     stats: WorkerStats | None = None
+    compute_seconds: float = 0.0  # device time of the forward pass
 
 
 @dataclass(frozen=True)

@@ -104,17 +104,20 @@ class Worker:
             return
         try:
             items = [WorkItem(**{**item, "inputs": ipc.unpack(item["inputs"])}) for item in msg.items]
+            started = platform.DeviceEvent(self.device, timing=True).record()
             outputs = self.runner.run(items, None if self.follower else progress)
             if self.follower:
                 return
+            finished = platform.DeviceEvent(self.device, timing=True).record()
             if self.async_output is None:
                 # One pack call: if any output fails to pack, the segments of the others are unlinked.
-                self.writer.put(protocol.Result(msg.rpc_id, self.packer.pack(list(outputs)), self.stats()))
+                payload = self.packer.pack(list(outputs))
+                self.writer.put(protocol.Result(msg.rpc_id, payload, self.stats(),
+                                                finished.seconds_since(started)))
                 return
-            event = platform.DeviceEvent(self.device).record()
             output_id = new_output_id()
             self.writer.put(protocol.ComputeDone(msg.rpc_id, output_id, self.stats()))
-            self.async_output.submit(output_id, outputs, event)
+            self.async_output.submit(output_id, outputs, finished, started)
         except _CancelledByCaller:
             self.writer.put(protocol.Failure(msg.rpc_id, "cancelled by the caller", cancelled=True))
         except Exception as exc:  # noqa: BLE001 - reported to the executor, the worker lives on

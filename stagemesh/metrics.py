@@ -284,6 +284,10 @@ def stage_readings(engine: Any, executor: Any, control: Any, ready: Callable[[],
             Reading("stagemesh_stage_offload_streamed_bytes",
                     "bytes the DLO engines copied host to device, summed over workers and restarts",
                     executor.offload_bytes_streamed, counter=True),
+            Reading("stagemesh_stage_compute_seconds",
+                    "device seconds of the forward passes whose outputs came back, all workers; "
+                    "its rate per worker is the stage's busy fraction",
+                    executor.compute_seconds, counter=True),
         ]
     return read
 

@@ -11,6 +11,7 @@ import os
 import queue
 import re
 import threading
+import time
 from pathlib import Path
 from typing import ClassVar
 
@@ -372,13 +373,19 @@ class FakeGpuEvent:
 
     log: ClassVar[list] = []
 
-    def __init__(self, device):
+    def __init__(self, device, timing=False):
         self.recorded = False
+        self.timing = timing
 
     def record(self, stream=None):
         self.recorded = True
         FakeGpuEvent.log.append(("record", self, threading.current_thread().name))
         return self
+
+    def seconds_since(self, start):
+        assert self.timing and start.timing and self.recorded and start.recorded
+        FakeGpuEvent.log.append(("elapsed", (start, self), threading.current_thread().name))
+        return 0.25
 
     def synchronize(self):
         FakeGpuEvent.log.append(("event.synchronize", self, threading.current_thread().name))
@@ -425,9 +432,10 @@ class LoggingPacker(ipc.Packer):
 
 
 def test_fake_gpu_event_recorded_after_forward_and_waited_on_by_the_side_stream(monkeypatch):
-    """Only the GPU is faked (platform.DeviceEvent/Stream): the main thread records an event after
-    the forward pass and answers COMPUTE_DONE; the async-output thread makes its side stream wait
-    on exactly that event, leaves the stream, synchronizes it, and only then packs."""
+    """Only the GPU is faked (platform.DeviceEvent/Stream): the main thread records events before
+    and after the forward pass and answers COMPUTE_DONE; the async-output thread makes its side
+    stream wait on the second event, leaves the stream, synchronizes it, packs, and only then
+    reads the forward pass's device time from the two events."""
     FakeGpuEvent.log = []
     monkeypatch.setattr(platform, "DeviceEvent", FakeGpuEvent)
     monkeypatch.setattr(platform, "Stream", FakeGpuStream)
@@ -441,18 +449,42 @@ def test_fake_gpu_event_recorded_after_forward_and_waited_on_by_the_side_stream(
         done = h.next_of(protocol.ComputeDone)
         ready = h.next_of(protocol.OutputReady)
         assert ready.async_output_id == done.async_output_id and ready.error is None
+        assert ready.compute_seconds == 0.25  # the fake events' device time of the forward pass
         ipc.unpack(ready.payload)
     finally:
         h.stop()
     log = [(what, who, thread) for what, who, thread in FakeGpuEvent.log]
     names = [what for what, _, _ in log]
-    assert names == ["record", "enter side stream", "wait_event", "leave side stream",
-                     "stream.synchronize", "pack"], names
-    record, wait = log[0], log[2]
-    assert wait[1] is record[1], "the side stream must wait on the event recorded after the forward"
-    assert record[2] == "worker-main"
+    assert names == ["record", "record", "enter side stream", "wait_event", "leave side stream",
+                     "stream.synchronize", "pack", "elapsed"], names
+    started, finished, wait, elapsed = log[0], log[1], log[3], log[7]
+    assert wait[1] is finished[1], "the side stream must wait on the event recorded after the forward"
+    assert elapsed[1] == (started[1], finished[1]), "timed from before the forward to after it"
+    assert started[2] == finished[2] == "worker-main"
     assert runner.log == ["forward@worker-main"]
-    assert {thread for _, _, thread in log[1:]} == {"async-output"}
+    assert {thread for _, _, thread in log[2:]} == {"async-output"}
+
+
+class SlowRunner(StubRunner):
+    """A forward pass that takes a known time (the CPU's device time is the host clock)."""
+
+    def run(self, items, progress):
+        time.sleep(0.05)
+        return super().run(items, progress)
+
+
+@pytest.mark.parametrize("step_execution", [False, True])
+def test_each_output_reports_its_forward_passs_device_time(harness_factory, step_execution):
+    h = harness_factory(runner=SlowRunner(), step_execution=step_execution)
+    h.send(protocol.Execute("rpc-t", [item(1), item(2)]))
+    if step_execution:
+        reply = h.next_of(protocol.Result)
+        ipc.unpack(reply.outputs)
+    else:
+        h.next_of(protocol.ComputeDone)
+        reply = h.next_of(protocol.OutputReady)
+        ipc.unpack(reply.payload)
+    assert 0.05 <= reply.compute_seconds < 5.0
 
 
 # ---- point 2: ACKs bypass the async path; point 7: drain; ping does not wait ---------------------

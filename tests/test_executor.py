@@ -417,6 +417,21 @@ def test_dispatch_result_step_mode(ex_worker):
     assert not ({p["image"].shm_name for p in payload} & our_segments())
 
 
+def test_forward_pass_device_time_from_outputs_and_results_adds_up(ex_worker):
+    ex, w = ex_worker
+    pend(w, "r1")
+    ex._dispatch(w, protocol.ComputeDone("r1", oid(8)))
+    ex._dispatch(w, protocol.OutputReady(oid(8), payload=packed_outputs(1, big=False),
+                                         compute_seconds=0.5))
+    pend(w, "r2")
+    ex._dispatch(w, protocol.Result("r2", packed_outputs(2, big=False), compute_seconds=0.25))
+    ex._dispatch(w, protocol.OutputReady(oid(9), error="boom", compute_seconds=0.125))
+    assert ex.compute_seconds == 0.875
+    ex.outputs.discard(oid(8))
+    ex.outputs.discard(oid(9))
+    assert ex.outputs.is_empty()
+
+
 def test_dispatch_result_with_an_unreadable_payload_fails_the_rpc_not_the_pump(ex_worker):
     ex, w = ex_worker
     fut = pend(w, "r1")

@@ -121,6 +121,7 @@ def test_generate_counts_ok_latency_and_offload_bytes(metered):
     mesh, addresses = metered
     generate = f"{GATEWAY}/Generate"
     gateway_before, stage_before = scrape(addresses["gateway"]), scrape(addresses["stage-1"])
+    ar_before = scrape(addresses["stage-0"])
     with mesh.channel() as channel:
         events = list(mesh.gateway(channel).Generate(gateway_pb2.GenerateRequest(params=_params()),
                                                      timeout=RPC_TIMEOUT_S))
@@ -143,7 +144,12 @@ def test_generate_counts_ok_latency_and_offload_bytes(metered):
     # Every denoising step streams every DiT block from host memory again.
     assert value(stage, streamed, service="stage-1") > value(stage_before, streamed, service="stage-1")
     assert value(stage, "stagemesh_stage_queue_depth", service="stage-1") == 0
-    assert value(scrape(addresses["stage-0"]), streamed, service="stage-0") == 0  # no DLO there
+    ar = scrape(addresses["stage-0"])
+    assert value(ar, streamed, service="stage-0") == 0  # no DLO there
+    # Each stage ran the request's forward pass and timed it (its output has come back).
+    compute = "stagemesh_stage_compute_seconds_total"
+    assert value(stage, compute, service="stage-1") > value(stage_before, compute, service="stage-1")
+    assert value(ar, compute, service="stage-0") > value(ar_before, compute, service="stage-0")
 
 
 def test_refused_calls_are_counted_with_their_code(metered):
