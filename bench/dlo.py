@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,7 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import dlo_models as models  # noqa: E402
 from bench.common import RESULTS_DIR, print_table, write_json  # noqa: E402
-from stage_service import platform  # noqa: E402
+from bench.dlo_timing import (  # noqa: E402
+    h2d_bandwidth,
+    slot_window_times,
+    step_time,
+    store_bandwidth,
+)
 from stage_service.models.config import PipelineConfig  # noqa: E402
 from stage_service.offload import discover  # noqa: E402
 
@@ -43,11 +47,6 @@ LEFTOVER_WARN_BYTES = 256 << 20
 
 
 # ---- measurement -----------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -78,96 +77,6 @@ def _pinned_by_torch(device: torch.device) -> int | None:
         return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
     except (AttributeError, RuntimeError):
         return None
-
-
-def h2d_bandwidth(nbytes: int, device: torch.device, repeats: int = 10) -> float:
-    """Bytes per second of pinned host -> device copies of `nbytes`."""
-    host = platform.HostBuffer(nbytes, device)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dev.copy_(host.tensor, non_blocking=True)
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        dev.copy_(host.tensor, non_blocking=True)
-    _sync(device)
-    elapsed = time.perf_counter() - start
-    host.close()
-    return nbytes * repeats / elapsed
-
-
-def step_time(bm: models.BenchModel, model: nn.Module, inputs: dict, device: torch.device,
-              steps: int, warmup: int) -> tuple[float, torch.Tensor]:
-    with torch.inference_mode():
-        for _ in range(warmup):
-            out = bm.forward(model, inputs)
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(steps):
-            out = bm.forward(model, inputs)
-        _sync(device)
-    return (time.perf_counter() - start) / steps, out.float().cpu()
-
-
-def _mark(device: torch.device):
-    """A point in time: a CUDA event on the current stream, else the host clock."""
-    if device.type != "cuda":
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record(torch.cuda.current_stream(device))
-    return event
-
-
-def _between(start, end) -> float:
-    """Seconds from one `_mark` to another (CUDA events only once both have completed)."""
-    if isinstance(start, float):
-        return end - start
-    return start.elapsed_time(end) / 1e3
-
-
-def _mean_span(starts: list, ends: list, lag: int, skip: int) -> float:
-    """Mean seconds from starts[k - lag] to ends[k] over the forwards after the first `skip`."""
-    spans = [_between(starts[k - lag], ends[k]) for k in range(max(skip, lag), len(ends))]
-    return sum(spans) / len(spans)
-
-
-def slot_window_times(bm: models.BenchModel, model: nn.Module, inputs: dict,
-                      device: torch.device, counts: list[int], steps: int,
-                      warmup: int) -> dict[int, dict[str, float]]:
-    """N -> {"resident_s": block 0's start to the N-th resident block's end (the blocks DLO
-    would keep), "window_s": the last block's start in one forward to the end of the first
-    streamed block in the next}: the compute during which DLO's link can fill only its two slots
-    (the last block's slot frees as it ends; the next fill waits for the first streamed block).
-    Averaged over the timed forwards; a pass of its own, so the hooks leave the step time alone."""
-    found = discover(model, bm.plan)
-    candidates = found.resident_candidates()
-    counts = [n for n in counts if 0 < n < len(found.blocks)]
-    if not counts or not candidates:
-        return {}
-    marks: dict[str, list] = {"first": [], "last": []}
-    hooks = [found.blocks[0].module.register_forward_pre_hook(
-                 lambda *_: marks["first"].append(_mark(device))),
-             found.blocks[-1].module.register_forward_pre_hook(
-                 lambda *_: marks["last"].append(_mark(device)))]
-    for n in counts:  # DLO caps N at the eligible blocks; so do these spans
-        kept = candidates[:n]
-        streamed = next(b for b in found.blocks if b.path not in {k.path for k in kept})
-        marks[f"kept{n}"], marks[f"streamed{n}"] = [], []
-        hooks.append(kept[-1].module.register_forward_hook(
-            lambda *_, k=f"kept{n}": marks[k].append(_mark(device))))
-        hooks.append(streamed.module.register_forward_hook(
-            lambda *_, k=f"streamed{n}": marks[k].append(_mark(device))))
-    try:
-        with torch.inference_mode():
-            for _ in range(warmup + max(steps, 2)):
-                bm.forward(model, inputs)
-        _sync(device)  # once, after the pass: the events are read only now
-    finally:
-        for hook in hooks:
-            hook.remove()
-    skip = max(warmup, 1)
-    return {n: {"resident_s": _mean_span(marks["first"], marks[f"kept{n}"], 0, skip),
-                "window_s": _mean_span(marks["last"], marks[f"streamed{n}"], 1, skip)}
-            for n in counts}
 
 
 def _model_bytes(model: nn.Module) -> int:
@@ -301,23 +210,6 @@ def run_dlo(bm, device, args, resident: int, reference, bandwidth: float,
     del model, engine
     left = _left_behind(device, baseline, f"DLO {resident} resident")
     return [{**r, "device_bytes_left": left, "store_h2d_bytes_per_s": own} for r in rows]
-
-
-def store_bandwidth(engine, device: torch.device) -> float:
-    """Bytes per second of one pass over every streamed block, copied from the engine's own host
-    store into a scratch device buffer the way the engine copies it: tells whether this case's
-    host buffers (placement, pinning) reach the bandwidth the floor assumes."""
-    sizes = [engine.store.h2d_nbytes(i) for i in range(len(engine.layouts))]
-    if not sizes:
-        return 0.0
-    scratch = torch.empty(max(sizes), dtype=torch.uint8, device=device)
-    stream = platform.current_stream(device)
-    engine.store.fill(0, scratch, stream)  # warm-up
-    _sync(device)
-    start = time.perf_counter()
-    moved = sum(engine.store.fill(i, scratch, stream) for i in range(len(sizes)))
-    _sync(device)
-    return moved / (time.perf_counter() - start)
 
 
 # ---- report ----------------------------------------------------------------------------------

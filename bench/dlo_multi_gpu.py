@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import dlo, dlo_models as models  # noqa: E402
+from bench import dlo, dlo_models as models, dlo_timing  # noqa: E402
 from bench.common import RESULTS_DIR, print_table, write_json  # noqa: E402
 from stage_service.offload.collective import gather_into  # noqa: E402
 from stagemesh.procutil import free_port  # noqa: E402
@@ -57,7 +57,7 @@ class Rank:
         self.blocks = dlo._block_bytes(self.bm)
 
     def barrier(self) -> None:
-        dlo._sync(self.device)
+        dlo_timing.sync(self.device)
         dist.barrier(device_ids=[self.rank] if self.device.type == "cuda" else None)
 
     def alone(self, fn):
@@ -92,20 +92,20 @@ class Rank:
         inputs[first] = inputs[first] + noise
         with torch.inference_mode():
             self.bm.forward(model, inputs)
-            dlo._sync(self.device)
+            dlo_timing.sync(self.device)
             start = time.perf_counter()
             for _ in range(self.args.wave_steps):
                 self.bm.forward(model, inputs)
-            dlo._sync(self.device)
+            dlo_timing.sync(self.device)
         return time.perf_counter() - start
 
     def run(self) -> dict:
         a, sizes, big = self.args, self.args.sizes, max(self.blocks)
         out: dict = {"rank": self.rank, "blocks": len(self.blocks),
                      "block_bytes": sum(self.blocks), "max_block_bytes": big}
-        out["h2d_alone"] = self.alone(lambda: dlo.h2d_bandwidth(big, self.device))
+        out["h2d_alone"] = self.alone(lambda: dlo_timing.h2d_bandwidth(big, self.device))
         self.barrier()
-        out["h2d_all"] = dlo.h2d_bandwidth(big, self.device)
+        out["h2d_all"] = dlo_timing.h2d_bandwidth(big, self.device)
         out["allgather"] = self.allgather_bandwidth(big)
 
         model = models.build_resident(self.bm, self.device)

@@ -1,0 +1,129 @@
+"""The clocks of bench/dlo.py (and bench/dlo_multi_gpu.py): pinned H2D bandwidth, step time,
+the resident model's slot windows, and a DLO engine's own host-store bandwidth.
+
+On a CUDA device device-side spans come from CUDA events read after one synchronize; on the CPU
+from the host clock.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from bench import dlo_models as models
+from stage_service import platform
+from stage_service.offload import discover
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def h2d_bandwidth(nbytes: int, device: torch.device, repeats: int = 10) -> float:
+    """Bytes per second of pinned host -> device copies of `nbytes`."""
+    host = platform.HostBuffer(nbytes, device)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev.copy_(host.tensor, non_blocking=True)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dev.copy_(host.tensor, non_blocking=True)
+    sync(device)
+    elapsed = time.perf_counter() - start
+    host.close()
+    return nbytes * repeats / elapsed
+
+
+def step_time(bm: models.BenchModel, model: nn.Module, inputs: dict, device: torch.device,
+              steps: int, warmup: int) -> tuple[float, torch.Tensor]:
+    with torch.inference_mode():
+        for _ in range(warmup):
+            out = bm.forward(model, inputs)
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = bm.forward(model, inputs)
+        sync(device)
+    return (time.perf_counter() - start) / steps, out.float().cpu()
+
+
+def _mark(device: torch.device):
+    """A point in time: a CUDA event on the current stream, else the host clock."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _between(start, end) -> float:
+    """Seconds from one `_mark` to another (CUDA events only once both have completed)."""
+    if isinstance(start, float):
+        return end - start
+    return start.elapsed_time(end) / 1e3
+
+
+def _mean_span(starts: list, ends: list, lag: int, skip: int) -> float:
+    """Mean seconds from starts[k - lag] to ends[k] over the forwards after the first `skip`."""
+    spans = [_between(starts[k - lag], ends[k]) for k in range(max(skip, lag), len(ends))]
+    return sum(spans) / len(spans)
+
+
+def slot_window_times(bm: models.BenchModel, model: nn.Module, inputs: dict,
+                      device: torch.device, counts: list[int], steps: int,
+                      warmup: int) -> dict[int, dict[str, float]]:
+    """N -> {"resident_s": block 0's start to the N-th resident block's end (the blocks DLO
+    would keep), "window_s": the last block's start in one forward to the end of the first
+    streamed block in the next}: the compute during which DLO's link can fill only its two slots
+    (the last block's slot frees as it ends; the next fill waits for the first streamed block).
+    Averaged over the timed forwards; a pass of its own, so the hooks leave the step time alone."""
+    found = discover(model, bm.plan)
+    candidates = found.resident_candidates()
+    counts = [n for n in counts if 0 < n < len(found.blocks)]
+    if not counts or not candidates:
+        return {}
+    marks: dict[str, list] = {"first": [], "last": []}
+    hooks = [found.blocks[0].module.register_forward_pre_hook(
+                 lambda *_: marks["first"].append(_mark(device))),
+             found.blocks[-1].module.register_forward_pre_hook(
+                 lambda *_: marks["last"].append(_mark(device)))]
+    for n in counts:  # DLO caps N at the eligible blocks; so do these spans
+        kept = candidates[:n]
+        streamed = next(b for b in found.blocks if b.path not in {k.path for k in kept})
+        marks[f"kept{n}"], marks[f"streamed{n}"] = [], []
+        hooks.append(kept[-1].module.register_forward_hook(
+            lambda *_, k=f"kept{n}": marks[k].append(_mark(device))))
+        hooks.append(streamed.module.register_forward_hook(
+            lambda *_, k=f"streamed{n}": marks[k].append(_mark(device))))
+    try:
+        with torch.inference_mode():
+            for _ in range(warmup + max(steps, 2)):
+                bm.forward(model, inputs)
+        sync(device)  # once, after the pass: the events are read only now
+    finally:
+        for hook in hooks:
+            hook.remove()
+    skip = max(warmup, 1)
+    return {n: {"resident_s": _mean_span(marks["first"], marks[f"kept{n}"], 0, skip),
+                "window_s": _mean_span(marks["last"], marks[f"streamed{n}"], 1, skip)}
+            for n in counts}
+
+
+def store_bandwidth(engine, device: torch.device) -> float:
+    """Bytes per second of one pass over every streamed block, copied from the engine's own host
+    store into a scratch device buffer the way the engine copies it: tells whether this case's
+    host buffers (placement, pinning) reach the bandwidth the floor assumes."""
+    sizes = [engine.store.h2d_nbytes(i) for i in range(len(engine.layouts))]
+    if not sizes:
+        return 0.0
+    scratch = torch.empty(max(sizes), dtype=torch.uint8, device=device)
+    stream = platform.current_stream(device)
+    engine.store.fill(0, scratch, stream)  # warm-up
+    sync(device)
+    start = time.perf_counter()
+    moved = sum(engine.store.fill(i, scratch, stream) for i in range(len(sizes)))
+    sync(device)
+    return moved / (time.perf_counter() - start)
