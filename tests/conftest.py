@@ -21,3 +21,20 @@ def mesh(tmp_path_factory, model_dir) -> Mesh:
     assert running.stop() == 0, running.logs()[-3000:]
     leaked = segments_of(shm_entries() - shm_before, running.child_pids())
     assert not leaked, f"shared-memory segments left behind: {leaked}"
+
+
+@pytest.fixture
+def harness_factory():
+    """Makes workers on real queues (tests/worker_harness.py) and stops them after the test."""
+    from tests.worker_harness import Harness
+
+    made: list[Harness] = []
+
+    def make(**kw) -> Harness:
+        h = Harness(**kw)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.stop()

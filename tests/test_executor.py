@@ -24,7 +24,6 @@ from stage_service import executor as executor_mod
 from stage_service import ipc, protocol
 from stage_service.executor import Executor, _Pending, _Worker
 from stagemesh import errors
-
 from tests.shm_guard import no_segment_left_behind, our_segments  # noqa: F401 - autouse fixture
 
 WAIT_S = 10.0
