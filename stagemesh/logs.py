@@ -31,7 +31,9 @@ def configure(service: str, level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write per line (message and newline together): processes sharing a log file
+        # (children of `stagemesh up`, unbuffered) must not interleave inside a line.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.bind_contextvars(service=service)
