@@ -11,13 +11,15 @@ import collections
 import os
 import queue
 import signal
-import traceback
 from pathlib import Path
 from typing import Any
 
 from stage_service import ipc, platform, protocol
 from stage_service.async_output import AsyncOutputThread, ResultWriter, new_output_id
 from stage_service.sleep import SleepController
+from stagemesh import logs
+
+log = logs.get_logger("stagemesh.worker")
 
 
 class _CancelledByCaller(Exception):
@@ -121,7 +123,7 @@ class Worker:
         except _CancelledByCaller:
             self.writer.put(protocol.Failure(msg.rpc_id, "cancelled by the caller", cancelled=True))
         except Exception as exc:  # noqa: BLE001 - reported to the executor, the worker lives on
-            traceback.print_exc()
+            log.exception("batch failed", rpc_id=msg.rpc_id)  # one JSON line, with the stack
             self.writer.put(protocol.Failure(msg.rpc_id, f"{type(exc).__name__}: {exc}"))
             if self.spec.tp_group is not None:
                 # The other TP ranks may wait in a collective this rank never reaches: end the
@@ -137,7 +139,7 @@ class Worker:
         except KeyError:
             self.writer.put(protocol.Ack(msg.rpc_id, error=f"unknown control operation {msg.op!r}"))
         except Exception as exc:  # noqa: BLE001
-            traceback.print_exc()
+            log.exception("control call failed", op=msg.op)
             self.writer.put(protocol.Ack(msg.rpc_id, error=f"{type(exc).__name__}: {exc}"))
 
     def stats(self) -> protocol.WorkerStats:
@@ -187,7 +189,7 @@ def _exit_orphaned(spec: protocol.WorkerSpec) -> None:
 
 
 def main(spec: protocol.WorkerSpec, requests, results) -> None:
-    from stagemesh import logs, procutil
+    from stagemesh import procutil
 
     # Not PR_SET_PDEATHSIG: Linux ties it to the *thread* that spawned us, and the executor may
     # spawn from a pool thread that ends before the service does.
@@ -213,7 +215,7 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
                               tp=tp)
     except Exception as exc:  # noqa: BLE001
         if not _says_it_all(exc):
-            traceback.print_exc()  # a bug: its stack is what the log needs
+            log.exception("model load failed")  # a bug: its stack is what the log needs
         results.put(protocol.LoadFailed(spec.rank, f"{type(exc).__name__}: {exc}"))
         return
     results.put(protocol.Ready(spec.rank, runner.limits(), device, platform.memory_allocated(device)))

@@ -13,6 +13,7 @@ import threading
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from stage_service import ipc, protocol
 from tests.shm_guard import no_segment_left_behind, our_segments  # noqa: F401 - autouse fixture
@@ -183,9 +184,13 @@ def test_async_mode_starts_one_daemon_output_thread(harness_factory):
 
 def test_runner_failure_is_reported_and_the_worker_lives_on(harness_factory):
     h = harness_factory(runner=StubRunner(fail_on_seed=13))
-    h.send(protocol.Execute("rpc-bad", [item(13)]))
-    failure = h.next_of(protocol.Failure)
+    with capture_logs() as logged:
+        h.send(protocol.Execute("rpc-bad", [item(13)]))
+        failure = h.next_of(protocol.Failure)
     assert failure.rpc_id == "rpc-bad" and not failure.cancelled and "cursed" in failure.message
+    # Logged as one structured event carrying the stack, not printed over the JSON log lines.
+    assert [(e["event"], e["rpc_id"], e["exc_info"]) for e in logged
+            if e["log_level"] == "error"] == [("batch failed", "rpc-bad", True)]
     h.send(protocol.Execute("rpc-ok", [item(2)]))
     assert h.next_of(protocol.ComputeDone).rpc_id == "rpc-ok"
     ipc.unpack(h.next_of(protocol.OutputReady).payload)
