@@ -38,3 +38,11 @@ def harness_factory():
     yield make
     for h in made:
         h.stop()
+
+
+@pytest.fixture
+def populated(tmp_path):
+    """A runtime-cache root with one valid entry, one without a manifest, stale temp dirs."""
+    from tests.cache_entries import populated_root
+
+    return populated_root(tmp_path / "cache")
