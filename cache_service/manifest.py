@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from stagemesh.safetensors_header import read_header
 
@@ -22,6 +22,8 @@ SHARD_SUFFIX = ".safetensors"
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _HASH_CHUNK = 1 << 20
 _HASH_THREADS = 16
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class ManifestError(ValueError):
@@ -89,13 +91,10 @@ class Manifest:
         """
         directory = Path(directory)
         problems: list[str] = []
-        files = sorted(self.files.items())
-        # Hashing is most of a consumer's start on a large entry; hashlib lets go of the GIL, so
-        # the files are hashed side by side (2x on 2 cores for 4 x 256 MB, page cache warm).
-        workers = max(1, min(len(files), os.cpu_count() or 1, _HASH_THREADS))
-        with cf.ThreadPoolExecutor(workers, thread_name_prefix="manifest-hash") as pool:
-            for found in pool.map(lambda item: _check_file(directory, *item, deep), files):
-                problems.extend(found)
+        # Hashing is most of a consumer's start on a large entry.
+        for found in hash_side_by_side(lambda item: _check_file(directory, *item, deep),
+                                       sorted(self.files.items())):
+            problems.extend(found)
         for name, tensor in sorted(self.tensors.items()):
             if tensor.file not in self.files:
                 problems.append(f"tensor {name}: file {tensor.file!r} is not listed")
@@ -162,6 +161,17 @@ def _tensor_record(name: str, raw: Any) -> TensorRecord:
     _expect(_is_count(nbytes), f"tensors[{name}].bytes is not a non-negative integer")
     _expect(isinstance(file, str), f"tensors[{name}].file is not a string")
     return TensorRecord(shape=tuple(shape), dtype=dtype, nbytes=nbytes, file=file)
+
+
+def hash_side_by_side(work: Callable[[T], R], items: list[T]) -> list[R]:
+    """`work` over `items` on up to 16 threads, results in order. For hashing: hashlib lets go of
+    the GIL, so N large files or tensors hash about N times faster, up to the core count (2x on
+    2 cores for 4 x 256 MB, page cache warm)."""
+    workers = max(1, min(len(items), os.cpu_count() or 1, _HASH_THREADS))
+    if workers == 1:
+        return [work(item) for item in items]
+    with cf.ThreadPoolExecutor(workers, thread_name_prefix="hash") as pool:
+        return list(pool.map(work, items))
 
 
 def file_record(path: str | os.PathLike) -> FileRecord:

@@ -20,6 +20,7 @@ from cache_service.manifest import (
     Manifest,
     TensorRecord,
     file_record,
+    hash_side_by_side,
     read_safetensors_header,
 )
 from cache_service.store import LAST_USE_FILE, MANIFEST_FILE, CacheStore
@@ -93,7 +94,7 @@ def write_entry(store: CacheStore, key: str, tensors: dict[str, torch.Tensor], t
     """Write `tensors` into the (existing, empty) temp dir `temp` and publish it as the entry."""
     groups = _shard_groups(tensors, shard_max_bytes)
     records: dict[str, TensorRecord] = {}
-    files = {}
+    paths = {}
     for index, names in enumerate(groups, start=1):
         file_name = f"model-{index:05d}-of-{len(groups):05d}.safetensors"
         path = temp / file_name
@@ -103,7 +104,9 @@ def write_entry(store: CacheStore, key: str, tensors: dict[str, torch.Tensor], t
         for n in names:
             start, end = header[n]["data_offsets"]
             records[n] = TensorRecord(tuple(header[n]["shape"]), header[n]["dtype"], end - start, file_name)
-        files[file_name] = file_record(path)
+        paths[file_name] = path
+    names = sorted(paths)
+    files = dict(zip(names, hash_side_by_side(lambda name: file_record(paths[name]), names)))
     manifest = Manifest(key=key, files=files, tensors=records, created_unix=time.time())
     _write_synced(temp / MANIFEST_FILE, manifest.to_json().encode())
     _write_synced(temp / LAST_USE_FILE, b"")

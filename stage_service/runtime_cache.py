@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from cache_service import locks, publish
-from cache_service.manifest import Manifest
+from cache_service.manifest import Manifest, hash_side_by_side
 from cache_service.store import LAST_USE_FILE, MANIFEST_FILE, CacheStore
 from stage_service import checkpoint
 from stage_service.runtime_cache_client import (
@@ -57,26 +57,32 @@ def layout_key(*, model_identity: str, dtype: str, loader_version: str, tp_size:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def _bytes_digest(t: torch.Tensor) -> tuple[int, bytes]:
+    flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return flat.numel(), hashlib.sha256(memoryview(flat.numpy()) if flat.numel() else b"").digest()
+
+
 def content_hash(tensors: dict[str, torch.Tensor]) -> str:
-    """SHA-256 over names, dtypes, shapes and bytes in sorted name order (length-prefixed, so
-    no two different dicts can produce the same byte stream)."""
+    """SHA-256 over, in sorted name order, each tensor's name, dtype and shape (length-prefixed,
+    so no two different dicts can produce the same byte stream), byte count and the SHA-256 of
+    its bytes. The tensors' own digests are computed side by side (the publisher's start hashes
+    the whole model)."""
+    names = sorted(tensors)
+    digests = hash_side_by_side(lambda name: _bytes_digest(tensors[name]), names)
     digest = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach()
+    for name, (nbytes, inner) in zip(names, digests):
+        t = tensors[name]
         meta = json.dumps({"name": name, "dtype": str(t.dtype), "shape": list(t.shape)},
                           sort_keys=True, separators=(",", ":")).encode()
-        flat = t.to("cpu").contiguous().reshape(-1).view(torch.uint8)
         digest.update(len(meta).to_bytes(8, "little") + meta)
-        digest.update(flat.numel().to_bytes(8, "little"))
-        if flat.numel():
-            digest.update(memoryview(flat.numpy()))
+        digest.update(nbytes.to_bytes(8, "little") + inner)
     return digest.hexdigest()
 
 
 @dataclass
 class MappedEntry:
-    """Tensors viewing the entry's files through a private (copy-on-write) mapping; the files
-    are never written. While open, the shared consumer lock keeps eviction away."""
+    """Tensors viewing the entry's files through a read-only shared mapping (the page cache every
+    consumer shares). While open, the shared consumer lock keeps eviction away."""
 
     key: str
     tensors: dict[str, torch.Tensor]

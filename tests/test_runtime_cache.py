@@ -56,6 +56,10 @@ def test_layout_key_inputs():
     assert key_of(content_hash=content_hash(changed)) != base
     renamed = {("x" + n): t for n, t in weights().items()}
     assert content_hash(renamed) != content_hash(weights())
+    # Each tensor's bytes are hashed on their own (side by side): the digest stays bound to its
+    # name, so two same-shaped tensors trading contents give a new hash.
+    pair = {"a": torch.zeros(64), "b": torch.ones(64)}
+    assert content_hash({"a": pair["b"], "b": pair["a"]}) != content_hash(pair)
     with pytest.raises(ValueError):
         key_of(tp_rank=2)
     with pytest.raises(ValueError):
