@@ -86,6 +86,16 @@ def host_buffer_like(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
 
 
+def to_device(tensor: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """`tensor` (on the host) on `device`. To a CUDA device through pinned memory without
+    blocking: a copy from pageable memory waits for the device to finish all queued work, so the
+    next batch could not be queued while the previous one still runs."""
+    if not is_cuda(device) or tensor.device.type != "cpu":
+        return tensor.to(device)
+    # The pinned block is torch's (cached); the copy records its use, so it is not reused early.
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def record_stream(tensor: torch.Tensor, stream: Stream) -> None:
     """Tell the caching allocator that `stream` uses `tensor`, so its memory is not reused early."""
     if stream.raw is not None and tensor.device.type == "cuda":

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stage_service import platform
 from stage_service.offload.plan import OffloadPlan
 
 from .config import DiTConfig
@@ -223,12 +224,12 @@ def sample(dit: DiT, decoder: LatentDecoder, conds: list[torch.Tensor], width: i
     device, dtype = dit.null_cond.device, dit.null_cond.dtype
     guided = guidance_scale != 1.0
     with torch.inference_mode():
-        rows = [c.to(device=device, dtype=dtype) for c in conds]
+        rows = [platform.to_device(c, device).to(dtype) for c in conds]
         if guided:
             rows += [dit.null_cond] * len(conds)
         cond, mask = pad_conds(rows)
         # Latents stay float32 so the Euler sum does not drift in low precision.
-        x = initial_noise(dit, width, height, seeds).to(device)
+        x = platform.to_device(initial_noise(dit, width, height, seeds), device)
         n = num_inference_steps
         for i in range(n):
             t, t_next = 1.0 - i / n, 1.0 - (i + 1) / n
