@@ -188,17 +188,19 @@ class RuntimeCache:
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
             raise
-        mapped = self._map_if_valid(key, absent=MISS)
+        # The manifest's hashes were taken from these very files a moment ago under this lock:
+        # sizes and headers are checked again, the 23.7 GB (FLUX-sized) are not hashed twice.
+        mapped = self._map_if_valid(key, absent=MISS, deep=False)
         if mapped.reason != "hit":
             return CacheOutcome(None, "io_error", f"entry unreadable right after publication: {mapped.detail}")
         return CacheOutcome(mapped.entry, "published", mapped.detail)
 
-    def _map_if_valid(self, key: str, *, absent: str) -> CacheOutcome:
+    def _map_if_valid(self, key: str, *, absent: str, deep: bool = True) -> CacheOutcome:
         consumer = locks.consumer_lock(self.root, key)
         if consumer is None:
             return CacheOutcome(None, absent, "entry is being evicted")
         try:
-            problems = self.store.entry_problems(key)
+            problems = self.store.entry_problems(key, deep=deep)
             if problems is None:
                 consumer.release()
                 return CacheOutcome(None, absent)
