@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "bench" / "results"
@@ -129,3 +129,12 @@ def write_json(path: str | os.PathLike, benchmark: str, data: dict[str, Any]) ->
     payload = {"benchmark": benchmark, "environment": environment(), **data}
     path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     return path
+
+
+def run_mesh_script(main: Callable[[], int]) -> None:
+    """Exit with `main()`'s code; Ctrl-C (after `main` has stopped its mesh) exits 130 quietly."""
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted; the mesh was stopped", file=sys.stderr)
+        sys.exit(130)

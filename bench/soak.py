@@ -306,8 +306,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        print("interrupted; the mesh was stopped", file=sys.stderr)
-        sys.exit(130)
+    common.run_mesh_script(main)
