@@ -1,0 +1,160 @@
+"""Where the serving worker's forward pass loses speed: the worker's own code, in one process.
+
+bench/async_output.py shows the forward rate inside the serving worker (d) below the bare
+forward rate (a) when the model is launch-bound (a small DiT at small sizes: the host launches
+kernels slower than the GPU runs them, so any host work or lock wait on the launching thread
+costs throughput). This benchmark runs back-to-back batches through pieces of the worker, each
+adding one thing, and reports requests/s (device synchronized, async outputs drained):
+
+  forward              runner.run, conditioning already on the device (the (a) limit)
+  + host inputs        the conditioning arrives on the host, as it does from the executor
+  + progress           the worker's per-step callback: cancel check and Progress message
+  worker, step mode    Worker.execute, synchronous output (copy and pack on the main thread)
+  worker, async        Worker.execute with the async output thread (the default)
+
+Messages go to a real multiprocessing queue that another process drains. Run on a GPU:
+python bench/worker_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import print_table, write_json  # noqa: E402
+from stage_service import ipc, protocol  # noqa: E402
+from stage_service.models.config import PipelineConfig  # noqa: E402
+from stage_service.models.runners import DiffusionRunner, WorkItem  # noqa: E402
+from stage_service.models.weights import ensure_model_dir  # noqa: E402
+from stage_service.worker import Worker  # noqa: E402
+
+
+def _drain(results) -> None:
+    """Consumer process: read and drop every message until None (segments are unlinked)."""
+    while (msg := results.get()) is not None:
+        payload = getattr(msg, "payload", None)
+        if payload is not None:
+            ipc.unpack(payload)
+
+
+def _items(batch: int, size: int, steps: int, device: str) -> list[WorkItem]:
+    g = torch.Generator().manual_seed(0)
+    return [WorkItem(f"r{i}", "p", size, size, steps, 4.0, i,
+                     {"hidden_states": torch.randn(12, 64, generator=g).to(device)})
+            for i in range(batch)]
+
+
+class Pieces:
+    """The worker's pieces around one runner, fed and drained through real queues."""
+
+    def __init__(self, model_dir: Path, device: str):
+        ctx = mp.get_context("spawn")
+        self.requests, self.results = ctx.Queue(), ctx.Queue()
+        self.consumer = ctx.Process(target=_drain, args=(self.results,), daemon=True)
+        self.consumer.start()
+        self.device = device
+        self.runner = DiffusionRunner(model_dir, device)
+        self.workers = {mode: Worker(protocol.WorkerSpec(0, 1, "diffusion", str(model_dir), device,
+                                                         os.getpid(), step_execution=mode),
+                                     self.runner, device, self.requests, self.results)
+                        for mode in (True, False)}
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            if worker.async_output is not None:
+                worker.async_output.close()
+            worker.packer.close()
+        self.results.put(None)
+        self.consumer.join(30)
+        ipc.sweep(os.getpid())
+
+    def variants(self, batch: int, size: int, steps: int) -> dict:
+        on_device = _items(batch, size, steps, self.device)
+        on_host = _items(batch, size, steps, "cpu")
+        worker = self.workers[False]
+
+        def progress(step: int, total: int) -> None:  # what Worker.execute's callback does
+            worker.inbox.cancelled("rpc")
+            worker.writer.put(protocol.Progress("rpc", step, total))
+
+        def execute(mode: bool):
+            msg = protocol.Execute("rpc", [{**vars(i), "inputs": ipc.pack(i.inputs)}
+                                           for i in on_host])
+            return lambda: self.workers[mode].execute(msg)
+
+        return {"forward": lambda: self.runner.run(on_device),
+                "+ host inputs": lambda: self.runner.run(on_host),
+                "+ progress": lambda: self.runner.run(on_host, progress),
+                "worker, step mode": execute(True),
+                "worker, async": execute(False)}
+
+    def rate(self, fn, batch: int, iters: int) -> float:
+        for _ in range(3):
+            fn()
+        self._settle()
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        self._settle()
+        return batch * iters / (time.perf_counter() - start)
+
+    def _settle(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        self.workers[False].async_output.drain()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 512])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=40, help="batches per variant")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="passes over the variants (the best of each is kept: host noise)")
+    parser.add_argument("--switch-interval-ms", type=float, default=None,
+                        help="sys.setswitchinterval for this process (default: Python's 5 ms)")
+    parser.add_argument("--output", default="bench/results/worker_overhead.json")
+    args = parser.parse_args()
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
+
+    model_dir = ensure_model_dir(Path(tempfile.mkdtemp()) / "tiny", PipelineConfig.tiny())
+    pieces = Pieces(model_dir, args.device)
+    points, rows = [], []
+    try:
+        for size in args.sizes:
+            for batch in args.batches:
+                variants = pieces.variants(batch, size, args.steps)
+                best = {name: 0.0 for name in variants}
+                for _ in range(args.rounds):  # interleaved, so drift hits every variant alike
+                    for name, fn in variants.items():
+                        best[name] = max(best[name], pieces.rate(fn, batch, args.iters))
+                base = best["forward"]
+                for name, rps in best.items():
+                    points.append({"size": size, "batch": batch, "variant": name, "rps": rps,
+                                   "over_forward": rps / base})
+                    rows.append([size, batch, name, rps, rps / base])
+                print(f"size {size} batch {batch} done", flush=True)
+    finally:
+        pieces.close()
+    print_table(["size", "batch", "variant", "req/s", "x forward"], rows, floatfmt=".3f")
+    path = write_json(args.output, "worker_overhead",
+                      {"device": args.device, "steps": args.steps, "iters": args.iters,
+                       "switch_interval_s": sys.getswitchinterval(), "points": points})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
