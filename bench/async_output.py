@@ -1,15 +1,16 @@
 """Async output vs the synchronous path, against the forward-only limit.
 
 For the default (tiny) DiT at several resolutions and batch sizes, in one run:
-  (a) forward-only rate: requests/s of runner.run alone, in this process, device-synchronized,
-      measured before and after (b) and (c); the higher of the two is the limit (and the drift
-      between them is reported: the GPU host's launch speed moves between measurements);
-  (d) the same limit inside the serving worker during (c): requests / the device time of its
-      forward passes (stagemesh_stage_compute_seconds). (d) below (a) means the forward pass itself
-      slows down while serving (e.g. the output thread competes for the GIL the launching thread
-      needs); (c) below (d) means the device idles between batches;
+  (a) forward-only rate: requests/s of runner.run alone, in this process, device-synchronized;
   (b) QPS through engine + executor + worker process with step_execution (synchronous output);
-  (c) QPS through the same path with async output (the default).
+  (c) QPS through the same path with async output (the default);
+  (d) the forward rate inside the serving worker during (c): requests / the device time of its
+      forward passes (stagemesh_stage_compute_seconds). (d) below (a) means the forward pass
+      itself slows down while serving; (c) below (d) means the device idles between batches.
+The small DiT is launch-bound (the host issues kernels slower than the GPU runs them), and the
+GPU host's launch speed drifts by tens of percent between measurements minutes apart. So both
+paths stay up for the whole point and (a), (b), (c) run in short interleaved rounds; figures are
+medians over rounds and each ratio the median of the rounds' own ratios.
 Target: (c) >= 0.97 x (a) at every point. Run on a GPU: python bench/async_output.py
 """
 
@@ -45,65 +46,100 @@ def _params(size: int, steps: int, seed: int) -> Params:
                   seed=seed, output_format="tensor")
 
 
-def forward_rate(model_dir: Path, device: str, size: int, batch: int, steps: int, iters: int) -> float:
-    runner = DiffusionRunner(model_dir, device)
-    items = [WorkItem(f"r{i}", "p", size, size, steps, 4.0, i, {"hidden_states": _cond(i).to(device)})
-             for i in range(batch)]
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    for _ in range(3):
-        runner.run(items)
-    sync()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        runner.run(items)
-        sync()
-        times.append(time.perf_counter() - start)
-    return batch / statistics.median(times)
+class Forward:
+    """(a): runner.run alone in this process, conditioning on the device, synchronized each time."""
+
+    def __init__(self, model_dir: Path, device: str, size: int, batch: int, steps: int):
+        self.runner = DiffusionRunner(model_dir, device)
+        self.items = [WorkItem(f"r{i}", "p", size, size, steps, 4.0, i,
+                               {"hidden_states": _cond(i).to(device)}) for i in range(batch)]
+        self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+        self.rate(3)
+
+    def rate(self, iters: int) -> float:
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            self.runner.run(self.items)
+            self.sync()
+            times.append(time.perf_counter() - start)
+        return len(self.items) / statistics.median(times)
 
 
-async def _serve_qps(engine: Engine, executor: Executor, size: int, steps: int, requests: int,
-                     concurrency: int) -> tuple[float, float]:
-    """(requests/s, the worker's forward-pass device seconds) over the timed requests."""
-    async def one(seed: int) -> None:
-        async for event in engine.run(f"r{seed}", _params(size, steps, seed), {"hidden_states": _cond(seed)}):
-            if isinstance(event, OutputsEvent):
-                assert event.outputs["image"].shape == (size, size, 3)
+class Served:
+    """(b) or (c): engine -> executor -> worker process, kept up across rounds."""
 
-    sem = asyncio.Semaphore(concurrency)
+    def __init__(self, model_dir: Path, device: str, size: int, batch: int, steps: int,
+                 step_execution: bool):
+        self.size, self.steps = size, steps
+        self.executor = Executor(1, "diffusion", str(model_dir), device, 1,
+                                 step_execution=step_execution)
+        self.executor.start()
+        self.engine = Engine(self.executor, "diffusion", 1, max_batch_size=batch, max_queue=10_000)
+        # Enough concurrent requests that full batches are always waiting (a saturated stage).
+        self.concurrency = max(16, 4 * batch)
+        self.seed = 0
 
-    async def bounded(seed: int) -> None:
-        async with sem:
-            await one(seed)
+    async def start(self) -> None:
+        self.engine.start()
+        await self._requests(self.concurrency)  # warm-up
 
-    await asyncio.gather(*(bounded(s) for s in range(concurrency)))  # warm-up
-    # Every output of the warm-up is back, so its forward passes are counted already.
-    compute_before, start = executor.compute_seconds, time.perf_counter()
-    await asyncio.gather(*(bounded(s) for s in range(requests)))
-    return requests / (time.perf_counter() - start), executor.compute_seconds - compute_before
+    async def rate(self, requests: int) -> tuple[float, float]:
+        """(requests/s, requests / the worker's forward-pass device seconds) over `requests`."""
+        # Every output of earlier requests is back, so their forward passes are counted already.
+        compute_before, start = self.executor.compute_seconds, time.perf_counter()
+        await self._requests(requests)
+        seconds = time.perf_counter() - start
+        return requests / seconds, requests / (self.executor.compute_seconds - compute_before)
 
+    async def _requests(self, count: int) -> None:
+        sem = asyncio.Semaphore(self.concurrency)
 
-def serve_qps(model_dir: Path, device: str, size: int, batch: int, steps: int, requests: int,
-              step_execution: bool) -> tuple[float, float]:
-    """(QPS, requests/s of the worker's forward passes alone, from their device time)."""
-    executor = Executor(1, "diffusion", str(model_dir), device, 1, step_execution=step_execution)
-    executor.start()
+        async def one(seed: int) -> None:
+            async with sem:
+                params = _params(self.size, self.steps, seed)
+                async for event in self.engine.run(f"r{seed}", params, {"hidden_states": _cond(seed)}):
+                    if isinstance(event, OutputsEvent):
+                        assert event.outputs["image"].shape == (self.size, self.size, 3)
 
-    async def main() -> tuple[float, float]:
-        engine = Engine(executor, "diffusion", 1, max_batch_size=batch, max_queue=10_000)
-        engine.start()
+        seeds = range(self.seed, self.seed + count)
+        self.seed += count
+        await asyncio.gather(*(one(s) for s in seeds))
+
+    async def close(self) -> None:
         try:
-            # Enough concurrent requests that full batches are always waiting (a saturated stage).
-            qps, compute_s = await _serve_qps(engine, executor, size, steps, requests,
-                                              concurrency=max(16, 4 * batch))
-            return qps, requests / compute_s
+            await self.engine.close()
         finally:
-            await engine.close()
+            self.executor.shutdown()
 
+
+async def measure_point(model_dir: Path, args, size: int, batch: int) -> dict:
+    """Rounds of (a), (b), (c) in turn; each figure is the median over rounds, each ratio the
+    median of the rounds' own ratios (the host's launch speed drifts between rounds)."""
+    forward = Forward(model_dir, args.device, size, batch, args.steps)
+    sync = Served(model_dir, args.device, size, batch, args.steps, step_execution=True)
+    served = Served(model_dir, args.device, size, batch, args.steps, step_execution=False)
+    rounds = []
     try:
-        return asyncio.run(main())
+        await sync.start()
+        await served.start()
+        for _ in range(args.rounds):
+            a = forward.rate(args.iters)
+            b, _ = await sync.rate(args.requests)
+            c, d = await served.rate(args.requests)
+            rounds.append({"a": a, "b": b, "c": c, "d": d})
     finally:
-        executor.shutdown()
+        await sync.close()
+        await served.close()
+    med = {k: statistics.median(r[k] for r in rounds) for k in "abcd"}
+    ratio = {f"{x}/{y}": statistics.median(r[x] / r[y] for r in rounds)
+             for x, y in (("c", "a"), ("c", "d"), ("d", "a"), ("c", "b"))}
+    spread = (max(r["a"] for r in rounds) - min(r["a"] for r in rounds)) / med["a"]
+    return dict(size=size, batch=batch, steps=args.steps, forward_rps=med["a"],
+                sync_qps=med["b"], async_qps=med["c"], worker_forward_rps=med["d"],
+                async_over_forward=ratio["c/a"], async_over_worker_forward=ratio["c/d"],
+                worker_forward_over_forward=ratio["d/a"], async_over_sync=ratio["c/b"],
+                forward_spread=spread, rounds=rounds)
 
 
 def main() -> None:
@@ -112,8 +148,9 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--iters", type=int, default=30, help="timed forward passes per point")
-    parser.add_argument("--requests", type=int, default=120, help="requests per QPS point")
+    parser.add_argument("--iters", type=int, default=10, help="(a): forward passes per round")
+    parser.add_argument("--requests", type=int, default=48, help="(b), (c): requests per round")
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--output", default="bench/results/async_output.json")
     args = parser.parse_args()
 
@@ -121,25 +158,19 @@ def main() -> None:
     rows, points = [], []
     for size in args.sizes:
         for batch in args.batches:
-            # The limit is taken before and after the served runs: the GPU host's launch speed
-            # drifts between measurements, so the higher of the two is the one to beat.
-            a_before = forward_rate(model_dir, args.device, size, batch, args.steps, args.iters)
-            b, _ = serve_qps(model_dir, args.device, size, batch, args.steps, args.requests, step_execution=True)
-            c, d = serve_qps(model_dir, args.device, size, batch, args.steps, args.requests, step_execution=False)
-            a_after = forward_rate(model_dir, args.device, size, batch, args.steps, args.iters)
-            a = max(a_before, a_after)
-            points.append(dict(size=size, batch=batch, steps=args.steps, forward_rps=a,
-                               forward_rps_before=a_before, forward_rps_after=a_after, sync_qps=b,
-                               async_qps=c, worker_forward_rps=d, async_over_forward=c / a,
-                               async_over_sync=c / b, async_over_worker_forward=c / d))
-            rows.append([size, batch, a, abs(a_after - a_before) / a * 100, b, c, d, c / a, c / d,
-                         (c / b - 1) * 100])
-            print(f"size {size} batch {batch}: forward {a_before:.1f}/s then {a_after:.1f}/s, "
-                  f"sync {b:.1f}/s async {c:.1f}/s (worker forward {d:.1f}/s)", flush=True)
-    print_table(["size", "batch", "(a) forward req/s", "(a) drift %", "(b) sync QPS", "(c) async QPS",
-                 "(d) worker fwd req/s", "(c)/(a)", "(c)/(d)", "(c)/(b) gain %"],
+            p = asyncio.run(measure_point(model_dir, args, size, batch))
+            points.append(p)
+            rows.append([size, batch, p["forward_rps"], p["forward_spread"] * 100, p["sync_qps"],
+                         p["async_qps"], p["worker_forward_rps"], p["async_over_forward"],
+                         p["async_over_worker_forward"], (p["async_over_sync"] - 1) * 100])
+            print(f"size {size} batch {batch}: forward {p['forward_rps']:.1f}/s, sync "
+                  f"{p['sync_qps']:.1f}/s, async {p['async_qps']:.1f}/s (worker forward "
+                  f"{p['worker_forward_rps']:.1f}/s)", flush=True)
+    print_table(["size", "batch", "(a) forward req/s", "(a) spread %", "(b) sync QPS",
+                 "(c) async QPS", "(d) worker fwd req/s", "(c)/(a)", "(c)/(d)", "(c)/(b) gain %"],
                 rows, floatfmt=".2f")
-    path = write_json(args.output, "async_output", {"device": args.device, "points": points})
+    path = write_json(args.output, "async_output", {"device": args.device, "rounds": args.rounds,
+                                                    "points": points})
     print(f"wrote {path}")
 
 

@@ -11,9 +11,13 @@ adding one thing, and reports requests/s (device synchronized, async outputs dra
   + progress           the worker's per-step callback: cancel check and Progress message
   worker, step mode    Worker.execute, synchronous output (copy and pack on the main thread)
   worker, async        Worker.execute with the async output thread (the default)
+  ..., spinning wait   the same, its output thread waiting for the copies by spinning on the
+                       stream (as before it slept on a blocking event)
 
-Messages go to a real multiprocessing queue that another process drains. Run on a GPU:
-python bench/worker_overhead.py
+Messages go to a real multiprocessing queue that another process drains. The host's launch
+speed drifts by tens of percent between measurements minutes apart, so the variants run in
+short interleaved rounds and each is reported as the median over rounds of its rate over the
+bare forward rate of the same round. Run on a GPU: python bench/worker_overhead.py
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -35,7 +40,19 @@ from stage_service import ipc, protocol  # noqa: E402
 from stage_service.models.config import PipelineConfig  # noqa: E402
 from stage_service.models.runners import DiffusionRunner, WorkItem  # noqa: E402
 from stage_service.models.weights import ensure_model_dir  # noqa: E402
+from stage_service.async_output import AsyncOutputThread, copy_to_host  # noqa: E402
 from stage_service.worker import Worker  # noqa: E402
+
+
+class SpinningOutputThread(AsyncOutputThread):
+    """The output thread as it was: waits for its copies with a (spinning) stream sync."""
+
+    def _host_payload(self, outputs, event):
+        with self._stream.active():
+            self._stream.wait_event(event)
+            host = copy_to_host(outputs, self._stream)
+        self._stream.synchronize()
+        return self._packer.pack(host)
 
 
 def _drain(results) -> None:
@@ -64,9 +81,12 @@ class Pieces:
         self.device = device
         self.runner = DiffusionRunner(model_dir, device)
         self.workers = {mode: Worker(protocol.WorkerSpec(0, 1, "diffusion", str(model_dir), device,
-                                                         os.getpid(), step_execution=mode),
+                                                         os.getpid(), step_execution=mode == "step"),
                                      self.runner, device, self.requests, self.results)
-                        for mode in (True, False)}
+                        for mode in ("step", "async", "spin")}
+        spin = self.workers["spin"]
+        spin.async_output.close()
+        spin.async_output = SpinningOutputThread(device, spin.packer, spin.writer)
 
     def close(self) -> None:
         for worker in self.workers.values():
@@ -80,13 +100,13 @@ class Pieces:
     def variants(self, batch: int, size: int, steps: int) -> dict:
         on_device = _items(batch, size, steps, self.device)
         on_host = _items(batch, size, steps, "cpu")
-        worker = self.workers[False]
+        worker = self.workers["async"]
 
         def progress(step: int, total: int) -> None:  # what Worker.execute's callback does
             worker.inbox.cancelled("rpc")
             worker.writer.put(protocol.Progress("rpc", step, total))
 
-        def execute(mode: bool):
+        def execute(mode: str):
             msg = protocol.Execute("rpc", [{**vars(i), "inputs": ipc.pack(i.inputs)}
                                            for i in on_host])
             return lambda: self.workers[mode].execute(msg)
@@ -94,8 +114,9 @@ class Pieces:
         return {"forward": lambda: self.runner.run(on_device),
                 "+ host inputs": lambda: self.runner.run(on_host),
                 "+ progress": lambda: self.runner.run(on_host, progress),
-                "worker, step mode": execute(True),
-                "worker, async": execute(False)}
+                "worker, step mode": execute("step"),
+                "worker, async": execute("async"),
+                "worker, async, spinning wait": execute("spin")}
 
     def rate(self, fn, batch: int, iters: int) -> float:
         for _ in range(3):
@@ -110,7 +131,9 @@ class Pieces:
     def _settle(self) -> None:
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
-        self.workers[False].async_output.drain()
+        for worker in self.workers.values():
+            if worker.async_output is not None:
+                worker.async_output.drain()
 
 
 def main() -> None:
@@ -120,9 +143,8 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--iters", type=int, default=40, help="batches per variant")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="passes over the variants (the best of each is kept: host noise)")
+    parser.add_argument("--iters", type=int, default=12, help="batches per variant and round")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved passes over the variants")
     parser.add_argument("--switch-interval-ms", type=float, default=None,
                         help="sys.setswitchinterval for this process (default: Python's 5 ms)")
     parser.add_argument("--output", default="bench/results/worker_overhead.json")
@@ -137,19 +159,27 @@ def main() -> None:
         for size in args.sizes:
             for batch in args.batches:
                 variants = pieces.variants(batch, size, args.steps)
-                best = {name: 0.0 for name in variants}
+                for fn in variants.values():  # first use of each path (allocations, pools)
+                    pieces.rate(fn, batch, 2)
+                rates: dict[str, list[float]] = {name: [] for name in variants}
                 for _ in range(args.rounds):  # interleaved, so drift hits every variant alike
                     for name, fn in variants.items():
-                        best[name] = max(best[name], pieces.rate(fn, batch, args.iters))
-                base = best["forward"]
-                for name, rps in best.items():
-                    points.append({"size": size, "batch": batch, "variant": name, "rps": rps,
-                                   "over_forward": rps / base})
-                    rows.append([size, batch, name, rps, rps / base])
+                        rates[name].append(pieces.rate(fn, batch, args.iters))
+                for name, values in rates.items():
+                    ratios = [v / f for v, f in zip(values, rates["forward"])]
+                    point = {"size": size, "batch": batch, "variant": name,
+                             "rps_median": statistics.median(values),
+                             "over_forward_median": statistics.median(ratios),
+                             "over_forward_min": min(ratios), "over_forward_max": max(ratios),
+                             "rps": values}
+                    points.append(point)
+                    rows.append([size, batch, name, point["rps_median"],
+                                 point["over_forward_median"], min(ratios), max(ratios)])
                 print(f"size {size} batch {batch} done", flush=True)
     finally:
         pieces.close()
-    print_table(["size", "batch", "variant", "req/s", "x forward"], rows, floatfmt=".3f")
+    print_table(["size", "batch", "variant", "median req/s", "x forward (median)", "min", "max"],
+                rows, floatfmt=".3f")
     path = write_json(args.output, "worker_overhead",
                       {"device": args.device, "steps": args.steps, "iters": args.iters,
                        "switch_interval_s": sys.getswitchinterval(), "points": points})

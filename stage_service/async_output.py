@@ -121,7 +121,11 @@ class AsyncOutputThread:
         with self._stream.active():
             self._stream.wait_event(event)  # the forward pass that produced `outputs` is done
             host = copy_to_host(outputs, self._stream)
-        self._stream.synchronize()
+            copied = platform.DeviceEvent(self._stream.device, blocking=True).record(self._stream)
+        # Sleep, not spin, until the copies land: this thread waits while the main thread
+        # launches the next forward pass, and a spinning wait takes CPU from it (on an SMT host,
+        # its core's other half).
+        copied.synchronize()
         return self._packer.pack(host)
 
     def _send_error(self, output_id: str, message: str) -> None:

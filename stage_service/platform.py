@@ -22,10 +22,12 @@ def is_cuda(device: str | torch.device) -> bool:
 
 class DeviceEvent:
     """Marks a point on a stream; other streams (or the host) can wait for it. With `timing`,
-    two events also measure the device time between them (on the CPU: the host clock)."""
+    two events also measure the device time between them (on the CPU: the host clock). A host
+    thread waiting on a `blocking` event sleeps until it completes instead of spinning."""
 
-    def __init__(self, device: str | torch.device, timing: bool = False):
-        self._event = torch.cuda.Event(enable_timing=timing) if is_cuda(device) else None
+    def __init__(self, device: str | torch.device, timing: bool = False, blocking: bool = False):
+        self._event = (torch.cuda.Event(enable_timing=timing, blocking=blocking)
+                       if is_cuda(device) else None)
         self._host_time = 0.0
 
     def record(self, stream: "Stream | None" = None) -> "DeviceEvent":

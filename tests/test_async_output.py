@@ -239,9 +239,9 @@ class FakeGpuEvent:
 
     log: ClassVar[list] = []
 
-    def __init__(self, device, timing=False):
+    def __init__(self, device, timing=False, blocking=False):
         self.recorded = False
-        self.timing = timing
+        self.timing, self.blocking = timing, blocking
 
     def record(self, stream=None):
         self.recorded = True
@@ -267,6 +267,7 @@ class FakeGpuStream:
 
     def __init__(self, device):
         self.raw = object()
+        self.device = device
         self.current = False
 
     def wait_event(self, event):
@@ -300,8 +301,9 @@ class LoggingPacker(ipc.Packer):
 def test_fake_gpu_event_recorded_after_forward_and_waited_on_by_the_side_stream(monkeypatch):
     """Only the GPU is faked (platform.DeviceEvent/Stream): the main thread records events before
     and after the forward pass and answers COMPUTE_DONE; the async-output thread makes its side
-    stream wait on the second event, leaves the stream, synchronizes it, packs, and only then
-    reads the forward pass's device time from the two events."""
+    stream wait on the second event, records a blocking event after the copies, leaves the
+    stream, sleeps on that event, packs, and only then reads the forward pass's device time from
+    the two events."""
     FakeGpuEvent.log = []
     monkeypatch.setattr(platform, "DeviceEvent", FakeGpuEvent)
     monkeypatch.setattr(platform, "Stream", FakeGpuStream)
@@ -321,10 +323,13 @@ def test_fake_gpu_event_recorded_after_forward_and_waited_on_by_the_side_stream(
         h.stop()
     log = [(what, who, thread) for what, who, thread in FakeGpuEvent.log]
     names = [what for what, _, _ in log]
-    assert names == ["record", "record", "enter side stream", "wait_event", "leave side stream",
-                     "stream.synchronize", "pack", "elapsed"], names
-    started, finished, wait, elapsed = log[0], log[1], log[3], log[7]
+    assert names == ["record", "record", "enter side stream", "wait_event", "record",
+                     "leave side stream", "event.synchronize", "pack", "elapsed"], names
+    started, finished, wait, copied, waited, elapsed = (log[0], log[1], log[3], log[4], log[6],
+                                                        log[8])
     assert wait[1] is finished[1], "the side stream must wait on the event recorded after the forward"
+    assert waited[1] is copied[1] and copied[1].blocking, \
+        "the thread sleeps on a blocking event recorded after the copies, on the side stream"
     assert elapsed[1] == (started[1], finished[1]), "timed from before the forward to after it"
     assert started[2] == finished[2] == "worker-main"
     assert runner.log == ["forward@worker-main"]

@@ -1,5 +1,7 @@
 """On a real GPU: a host tensor reaches the device without waiting for the work already queued
-there (platform.to_device), so a worker can queue its next batch while the last one runs."""
+there (platform.to_device), so a worker can queue its next batch while the last one runs; and a
+thread waiting on a blocking event sleeps instead of spinning (the async output thread waits so
+while the main thread launches)."""
 
 from __future__ import annotations
 
@@ -25,3 +27,14 @@ def test_to_device_neither_waits_for_queued_work_nor_changes_values():
     queued_s = time.perf_counter() - before_sync
     assert returned_s < queued_s / 4, (returned_s, queued_s)  # it did not wait for the sleep
     assert on_device.device.type == "cuda" and torch.equal(on_device.cpu(), host)
+
+
+def test_a_blocking_event_wait_sleeps_instead_of_spinning():
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # about half a second of queued device work
+    event = platform.DeviceEvent("cuda", blocking=True).record()
+    cpu_started, started = time.thread_time(), time.perf_counter()
+    event.synchronize()
+    cpu_s, waited_s = time.thread_time() - cpu_started, time.perf_counter() - started
+    assert event.query() and waited_s > 0.1, waited_s
+    assert cpu_s < waited_s / 10, (cpu_s, waited_s)  # a spinning wait burns about all of it
