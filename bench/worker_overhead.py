@@ -13,6 +13,8 @@ adding one thing, and reports requests/s (device synchronized, async outputs dra
   worker, async        Worker.execute with the async output thread (the default)
   ..., spinning wait   the same, its output thread waiting for the copies by spinning on the
                        stream (as before it slept on a blocking event)
+  ..., no pack         its output thread copies to the host but sends no payload
+  ..., no copy         its output thread only waits for the forward pass
 
 Messages go to a real multiprocessing queue that another process drains. The host's launch
 speed drifts by tens of percent between measurements minutes apart, so the variants run in
@@ -36,12 +38,32 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import print_table, write_json  # noqa: E402
-from stage_service import ipc, protocol  # noqa: E402
+from stage_service import ipc, platform, protocol  # noqa: E402
 from stage_service.models.config import PipelineConfig  # noqa: E402
 from stage_service.models.runners import DiffusionRunner, WorkItem  # noqa: E402
 from stage_service.models.weights import ensure_model_dir  # noqa: E402
 from stage_service.async_output import AsyncOutputThread, copy_to_host  # noqa: E402
 from stage_service.worker import Worker  # noqa: E402
+
+
+class CopyOnlyOutputThread(AsyncOutputThread):
+    """Copies to the host and waits, but packs nothing (sends an empty payload)."""
+
+    def _host_payload(self, outputs, event):
+        with self._stream.active():
+            self._stream.wait_event(event)
+            copy_to_host(outputs, self._stream)
+            copied = platform.DeviceEvent(self._stream.device, blocking=True).record(self._stream)
+        copied.synchronize()
+        return None
+
+
+class WaitOnlyOutputThread(AsyncOutputThread):
+    """Only waits for the forward pass: no copy, no pack."""
+
+    def _host_payload(self, outputs, event):
+        event.synchronize()
+        return None
 
 
 class SpinningOutputThread(AsyncOutputThread):
@@ -73,6 +95,9 @@ def _items(batch: int, size: int, steps: int, device: str) -> list[WorkItem]:
 class Pieces:
     """The worker's pieces around one runner, fed and drained through real queues."""
 
+    OUTPUT_THREADS = {"spin": SpinningOutputThread, "copy": CopyOnlyOutputThread,
+                      "wait": WaitOnlyOutputThread}
+
     def __init__(self, model_dir: Path, device: str):
         ctx = mp.get_context("spawn")
         self.requests, self.results = ctx.Queue(), ctx.Queue()
@@ -83,10 +108,11 @@ class Pieces:
         self.workers = {mode: Worker(protocol.WorkerSpec(0, 1, "diffusion", str(model_dir), device,
                                                          os.getpid(), step_execution=mode == "step"),
                                      self.runner, device, self.requests, self.results)
-                        for mode in ("step", "async", "spin")}
-        spin = self.workers["spin"]
-        spin.async_output.close()
-        spin.async_output = SpinningOutputThread(device, spin.packer, spin.writer)
+                        for mode in ("step", "async", *self.OUTPUT_THREADS)}
+        for mode, thread in self.OUTPUT_THREADS.items():
+            worker = self.workers[mode]
+            worker.async_output.close()
+            worker.async_output = thread(device, worker.packer, worker.writer)
 
     def close(self) -> None:
         for worker in self.workers.values():
@@ -116,7 +142,9 @@ class Pieces:
                 "+ progress": lambda: self.runner.run(on_host, progress),
                 "worker, step mode": execute("step"),
                 "worker, async": execute("async"),
-                "worker, async, spinning wait": execute("spin")}
+                "worker, async, spinning wait": execute("spin"),
+                "worker, async, copy but no pack": execute("copy"),
+                "worker, async, no copy, no pack": execute("wait")}
 
     def rate(self, fn, batch: int, iters: int) -> float:
         for _ in range(3):
