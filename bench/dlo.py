@@ -9,7 +9,10 @@ the last block of one step to the end of the first streamed block of the next (t
 spans the resident blocks' compute R(N) and is measured on the resident model), so the two-slot
 bound is floor + max(0, W(N) - bytes of the first two streamed blocks / H2D bandwidth). "store GB/s"
 is one pass over a DLO case's own host store, copied as the engine copies it: whether that
-case's buffers reach the bandwidth the floor assumes.
+case's buffers reach the bandwidth the floor assumes. "link idle" is the host link's idle time
+per DLO step, from marks around every slot fill on the copy stream in a pass of its own, with
+the widest gap (with the index, among the streamed blocks, of the fill that ended it) and the
+median/slowest fill rate.
 Weights are random, identical in every build (bench/dlo_models.py), so outputs are compared to
 the resident model's too. Every case frees its model before the next one starts.
 
@@ -36,6 +39,7 @@ from bench import dlo_models as models  # noqa: E402
 from bench.common import RESULTS_DIR, print_table, write_json  # noqa: E402
 from bench.dlo_timing import (  # noqa: E402
     h2d_bandwidth,
+    link_timeline,
     slot_window_times,
     step_time,
     store_bandwidth,
@@ -196,12 +200,14 @@ def run_dlo(bm, device, args, resident: int, reference, bandwidth: float,
     rows = []
     for size in args.sizes:
         seconds, result = _timed(bm, model, device, args, size)
+        link = link_timeline(engine, bm, model, bm.make_inputs(size, args.text_tokens, device),
+                             device, args.steps, args.warmup)
         ref = reference[size]
         row = _row(
             "stagemesh DLO", size, seconds, result, ref, stats.h2d_bytes_per_iteration,
             bandwidth, device, resident_blocks=stats.resident_blocks,
             host_bytes=stats.host_bytes, host_over_model=stats.host_bytes / model_bytes,
-            peak_bound_bytes=rest + stats.slot_bytes + ref["activation_bytes"])
+            peak_bound_bytes=rest + stats.slot_bytes + ref["activation_bytes"], **link)
         times = ref["slot_windows"].get(resident) if stats.resident_blocks else None
         rows.append(_two_slot_bound(row, times, first_two, bandwidth))
     own = store_bandwidth(engine, device)
@@ -231,12 +237,18 @@ def _table(rows: list[dict]) -> None:
     gb = 1e-9
     print_table(
         ["case", "size", "resident blocks", "step ms", "floor ms", "ratio", "2-slot bound ms",
-         "ratio/2-slot", "store GB/s", "streamed GB", "peak dev GB", "bound GB", "pinned/model",
+         "ratio/2-slot", "store GB/s", "link idle ms", "widest gap ms (block)",
+         "fill GB/s med/min", "streamed GB", "peak dev GB", "bound GB", "pinned/model",
          "max |diff|"],
         [[r["case"], r["size"], "-" if r.get("resident_blocks") is None else r["resident_blocks"],
           _fmt(r["step_s"], 1e3, 1), _fmt(r["floor_s"], 1e3, 1), _fmt(r["ratio"]),
           _fmt(r.get("two_slot_bound_s"), 1e3, 1), _fmt(r.get("ratio_to_two_slot_bound")),
-          _fmt(r.get("store_h2d_bytes_per_s"), gb, 1), _fmt(r["streamed_bytes"], gb, 2), _fmt(r["peak_device_bytes"], gb, 2),
+          _fmt(r.get("store_h2d_bytes_per_s"), gb, 1), _fmt(r.get("link_idle_s"), 1e3, 1),
+          "-" if r.get("widest_gap_s") is None
+          else f"{r['widest_gap_s'] * 1e3:.1f} ({r['widest_gap_before_block']})",
+          "-" if r.get("fill_rate_median") is None
+          else f"{r['fill_rate_median'] * gb:.1f}/{r['fill_rate_min'] * gb:.1f}",
+          _fmt(r["streamed_bytes"], gb, 2), _fmt(r["peak_device_bytes"], gb, 2),
           _fmt(r.get("peak_bound_bytes"), gb, 2), _fmt(r.get("host_over_model")),
           _fmt(r["max_abs_diff"], 1.0, 4)]
          for r in sorted(rows, key=lambda r: r["size"])])

@@ -1,5 +1,6 @@
 """The clocks of bench/dlo.py (and bench/dlo_multi_gpu.py): pinned H2D bandwidth, step time,
-the resident model's slot windows, and a DLO engine's own host-store bandwidth.
+the resident model's slot windows, a DLO engine's own host-store bandwidth, and the timeline of
+its host link (busy and idle time per step).
 
 On a CUDA device device-side spans come from CUDA events read after one synchronize; on the CPU
 from the host clock.
@@ -127,3 +128,51 @@ def store_bandwidth(engine, device: torch.device) -> float:
     moved = sum(engine.store.fill(i, scratch, stream) for i in range(len(sizes)))
     sync(device)
     return moved / (time.perf_counter() - start)
+
+
+def link_timeline(engine, bm: models.BenchModel, model: nn.Module, inputs: dict,
+                  device: torch.device, steps: int, warmup: int) -> dict[str, float]:
+    """Where the host link idles during DLO steps: every fill of a slot is bracketed by timing
+    marks on the copy stream (the start mark passes once the slot's free-event wait has), over
+    `steps` forwards after `warmup`. Returns per step: link busy and idle seconds, the
+    longest idle gap and the streamed block it preceded, and the median and slowest fill rate
+    (bytes/s). A pass of its own, so the marks leave the timed steps alone."""
+    fills: list[tuple[int, int, object, object]] = []
+    recording = False
+    original = engine.store.fill
+
+    def marked(i: int, target: torch.Tensor, stream) -> int:
+        if not recording:
+            return original(i, target, stream)
+        with stream.active():
+            start = _mark(device)
+        sent = original(i, target, stream)
+        with stream.active():
+            fills.append((i, sent, start, _mark(device)))
+        return sent
+
+    engine.store.fill = marked
+    try:
+        with torch.inference_mode():
+            for _ in range(warmup):
+                bm.forward(model, inputs)
+            sync(device)
+            recording = True
+            for _ in range(steps):
+                bm.forward(model, inputs)
+            sync(device)
+    finally:
+        engine.store.fill = original
+    if not fills:
+        return {}
+    origin = fills[0][2]
+    spans = [(i, n, _between(origin, a), _between(origin, b)) for i, n, a, b in fills]
+    busy = sum(end - start for _, _, start, end in spans)
+    gaps = [(spans[k + 1][2] - spans[k][3], spans[k + 1][0]) for k in range(len(spans) - 1)]
+    widest = max(gaps, default=(0.0, -1))
+    rates = sorted(n / (end - start) for _, n, start, end in spans if end > start)
+    total = spans[-1][3] - spans[0][2]
+    return {"link_busy_s": busy / steps, "link_idle_s": (total - busy) / steps,
+            "widest_gap_s": widest[0], "widest_gap_before_block": widest[1],
+            "fill_rate_median": rates[len(rates) // 2] if rates else 0.0,
+            "fill_rate_min": rates[0] if rates else 0.0}
