@@ -131,6 +131,22 @@ def write_json(path: str | os.PathLike, benchmark: str, data: dict[str, Any]) ->
     return path
 
 
+def _raise_interrupt(signum, frame):  # SIGTERM to a benchmark: unwind through the finally blocks
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def prepare_mesh_run(args: Any) -> None:
+    """Before a script starts its own mesh: SIGTERM unwinds like Ctrl-C (so the mesh is stopped),
+    and `args.model_dir` defaults to the embedded model's cache folder (made on first use)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    if args.model_dir is None:
+        from stage_service.models.weights import default_model_dir
+
+        args.model_dir = str(default_model_dir())
+
+
 def run_mesh_script(main: Callable[[], int]) -> None:
     """Exit with `main()`'s code; Ctrl-C (after `main` has stopped its mesh) exits 130 quietly."""
     try:

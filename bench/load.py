@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import collections
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -233,14 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.address:
         results = measure(args, args.address, None)
     else:
-        from bench.mesh_overhead import _raise_interrupt, start_mesh, stop_mesh
+        from bench.mesh_overhead import start_mesh, stop_mesh
         from tests.meshproc import write_config
 
-        signal.signal(signal.SIGTERM, _raise_interrupt)
-        if args.model_dir is None:
-            from stage_service.models.weights import default_model_dir
-
-            args.model_dir = str(default_model_dir())
+        common.prepare_mesh_run(args)
         with tempfile.TemporaryDirectory(prefix="stagemesh-load-") as tmp:
             mesh = start_mesh(write_config(Path(tmp) / "mesh.toml", Path(args.model_dir)), Path(tmp) / "mesh.log")
             try:

@@ -24,7 +24,6 @@ import argparse
 import gc
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -123,10 +122,6 @@ def stop_mesh(mesh: Mesh) -> int | None:
         print(f"mesh did not stop cleanly ({exc!r}); killing it", file=sys.stderr)
         mesh.process.kill()
         return mesh.process.wait()
-
-
-def _raise_interrupt(signum, frame):  # SIGTERM to the benchmark: unwind through the finally blocks
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 # the two paths ------------------------------------------------------------------------------
@@ -364,11 +359,7 @@ def measure(args: argparse.Namespace, mesh: Mesh) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    if args.model_dir is None:
-        from stage_service.models.weights import default_model_dir
-
-        args.model_dir = str(default_model_dir())
+    common.prepare_mesh_run(args)
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-") as tmp:
         root = Path(tmp)
         config = write_config(root / "mesh.toml", Path(args.model_dir))

@@ -38,7 +38,7 @@ import grpc  # noqa: E402
 
 from bench import common  # noqa: E402
 from bench.load import _cmdline, mesh_processes, mesh_segments, process_resources  # noqa: E402
-from bench.mesh_overhead import _raise_interrupt, start_mesh, stop_mesh  # noqa: E402
+from bench.mesh_overhead import start_mesh, stop_mesh  # noqa: E402
 from stagemesh import rpc  # noqa: E402
 from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2  # noqa: E402
 from tests.meshproc import Mesh, alive, descendants, segments_of, shm_entries, write_config  # noqa: E402
@@ -279,11 +279,7 @@ def report(r: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    if args.model_dir is None:
-        from stage_service.models.weights import default_model_dir
-
-        args.model_dir = str(default_model_dir())
+    common.prepare_mesh_run(args)
     with tempfile.TemporaryDirectory(prefix="stagemesh-soak-") as tmp:
         root = Path(tmp)
         shm_before = shm_entries()
