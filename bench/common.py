@@ -49,7 +49,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], floatfmt
         return format(v, floatfmt) if isinstance(v, float) else str(v)
 
     cells = [[cell(v) for v in row] for row in rows]
-    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    widths = [max([len(str(h)), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
 
     def line(values: Sequence[str]) -> str:
         return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(values, widths)))
