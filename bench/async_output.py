@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -117,20 +118,20 @@ async def measure_point(model_dir: Path, args, size: int, batch: int) -> dict:
     """Rounds of (a), (b), (c) in turn; each figure is the median over rounds, each ratio the
     median of the rounds' own ratios (the host's launch speed drifts between rounds)."""
     forward = Forward(model_dir, args.device, size, batch, args.steps)
-    sync = Served(model_dir, args.device, size, batch, args.steps, step_execution=True)
-    served = Served(model_dir, args.device, size, batch, args.steps, step_execution=False)
     rounds = []
-    try:
-        await sync.start()
-        await served.start()
+    async with contextlib.AsyncExitStack() as up:  # each path started is closed, also on failure
+        paths = []
+        for step_execution in (True, False):
+            path = Served(model_dir, args.device, size, batch, args.steps, step_execution)
+            up.push_async_callback(path.close)
+            await path.start()
+            paths.append(path)
+        sync, served = paths
         for _ in range(args.rounds):
             a = forward.rate(args.iters)
             b, _ = await sync.rate(args.requests)
             c, d = await served.rate(args.requests)
             rounds.append({"a": a, "b": b, "c": c, "d": d})
-    finally:
-        await sync.close()
-        await served.close()
     med = {k: statistics.median(r[k] for r in rounds) for k in "abcd"}
     ratio = {f"{x}/{y}": statistics.median(r[x] / r[y] for r in rounds)
              for x, y in (("c", "a"), ("c", "d"), ("d", "a"), ("c", "b"))}

@@ -144,11 +144,9 @@ def link_timeline(engine, bm: models.BenchModel, model: nn.Module, inputs: dict,
     def marked(i: int, target: torch.Tensor, stream) -> int:
         if not recording:
             return original(i, target, stream)
-        with stream.active():
-            start = _mark(device)
+        start = _mark(device)  # the engine fills on its copy stream, the current one here
         sent = original(i, target, stream)
-        with stream.active():
-            fills.append((i, sent, start, _mark(device)))
+        fills.append((i, sent, start, _mark(device)))
         return sent
 
     engine.store.fill = marked

@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import print_table, write_json  # noqa: E402
-from stage_service import ipc, platform, protocol  # noqa: E402
+from stage_service import ipc, protocol  # noqa: E402
 from stage_service.models.config import PipelineConfig  # noqa: E402
 from stage_service.models.runners import DiffusionRunner, WorkItem  # noqa: E402
 from stage_service.models.weights import ensure_model_dir  # noqa: E402
@@ -46,16 +46,15 @@ from stage_service.async_output import AsyncOutputThread, copy_to_host  # noqa: 
 from stage_service.worker import Worker  # noqa: E402
 
 
-class CopyOnlyOutputThread(AsyncOutputThread):
-    """Copies to the host and waits, but packs nothing (sends an empty payload)."""
+class NoPayload:
+    """A packer that packs nothing: the output thread still copies to the host and waits."""
 
-    def _host_payload(self, outputs, event):
-        with self._stream.active():
-            self._stream.wait_event(event)
-            copy_to_host(outputs, self._stream)
-            copied = platform.DeviceEvent(self._stream.device, blocking=True).record(self._stream)
-        copied.synchronize()
+    def pack(self, obj):
         return None
+
+
+def copy_only_output_thread(device, packer, writer) -> AsyncOutputThread:
+    return AsyncOutputThread(device, NoPayload(), writer)
 
 
 class WaitOnlyOutputThread(AsyncOutputThread):
@@ -95,7 +94,8 @@ def _items(batch: int, size: int, steps: int, device: str) -> list[WorkItem]:
 class Pieces:
     """The worker's pieces around one runner, fed and drained through real queues."""
 
-    OUTPUT_THREADS = {"spin": SpinningOutputThread, "copy": CopyOnlyOutputThread,
+    # mode -> the output thread a worker of that mode gets (device, packer, writer)
+    OUTPUT_THREADS = {"spin": SpinningOutputThread, "copy": copy_only_output_thread,
                       "wait": WaitOnlyOutputThread}
 
     def __init__(self, model_dir: Path, device: str):
