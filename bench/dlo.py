@@ -2,7 +2,10 @@
 
 For each image size: the resident step time (whole model on the device), measured pinned H2D
 bandwidth, diffusers group offloading (block_level, one block per group, CUDA stream) and
-stagemesh DLO (no-AllGather) with 0 and with N resident blocks. The floor of a streamed step is
+stagemesh DLO (no-AllGather) with 0 and with N resident blocks. Step times are steady-state:
+timed forwards follow warm-up ones without a synchronize, as the steps of a long request do.
+"start-up" is what the same number of steps costs more when started from an idle device (once
+per request: the link's lead over the compute is rebuilt). The floor of a streamed step is
 max(resident step, streamed bytes / H2D bandwidth); the ratio says how close a case gets to it.
 With N resident blocks and two device slots, the link can fill only the two slots from the start of
 the last block of one step to the end of the first streamed block of the next (that window, W(N),
@@ -41,6 +44,7 @@ from bench.dlo_timing import (  # noqa: E402
     h2d_bandwidth,
     link_timeline,
     slot_window_times,
+    start_up_time,
     step_time,
     store_bandwidth,
 )
@@ -200,14 +204,16 @@ def run_dlo(bm, device, args, resident: int, reference, bandwidth: float,
     rows = []
     for size in args.sizes:
         seconds, result = _timed(bm, model, device, args, size)
-        link = link_timeline(engine, bm, model, bm.make_inputs(size, args.text_tokens, device),
-                             device, args.steps, args.warmup)
+        inputs = bm.make_inputs(size, args.text_tokens, device)
+        link = link_timeline(engine, bm, model, inputs, device, args.steps, args.warmup)
+        start_up = start_up_time(bm, model, inputs, device, args.steps, seconds)
         ref = reference[size]
         row = _row(
             "stagemesh DLO", size, seconds, result, ref, stats.h2d_bytes_per_iteration,
             bandwidth, device, resident_blocks=stats.resident_blocks,
             host_bytes=stats.host_bytes, host_over_model=stats.host_bytes / model_bytes,
-            peak_bound_bytes=rest + stats.slot_bytes + ref["activation_bytes"], **link)
+            peak_bound_bytes=rest + stats.slot_bytes + ref["activation_bytes"],
+            start_up_s=start_up, **link)
         times = ref["slot_windows"].get(resident) if stats.resident_blocks else None
         rows.append(_two_slot_bound(row, times, first_two, bandwidth))
     own = store_bandwidth(engine, device)
@@ -237,12 +243,13 @@ def _table(rows: list[dict]) -> None:
     gb = 1e-9
     print_table(
         ["case", "size", "resident blocks", "step ms", "floor ms", "ratio", "2-slot bound ms",
-         "ratio/2-slot", "store GB/s", "link idle ms", "widest gap ms (block)",
+         "ratio/2-slot", "start-up ms", "store GB/s", "link idle ms", "widest gap ms (block)",
          "fill GB/s med/min", "streamed GB", "peak dev GB", "bound GB", "pinned/model",
          "max |diff|"],
         [[r["case"], r["size"], "-" if r.get("resident_blocks") is None else r["resident_blocks"],
           _fmt(r["step_s"], 1e3, 1), _fmt(r["floor_s"], 1e3, 1), _fmt(r["ratio"]),
           _fmt(r.get("two_slot_bound_s"), 1e3, 1), _fmt(r.get("ratio_to_two_slot_bound")),
+          _fmt(r.get("start_up_s"), 1e3, 1),
           _fmt(r.get("store_h2d_bytes_per_s"), gb, 1), _fmt(r.get("link_idle_s"), 1e3, 1),
           "-" if r.get("widest_gap_s") is None
           else f"{r['widest_gap_s'] * 1e3:.1f} ({r['widest_gap_before_block']})",

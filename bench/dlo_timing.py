@@ -40,15 +40,34 @@ def h2d_bandwidth(nbytes: int, device: torch.device, repeats: int = 10) -> float
 
 def step_time(bm: models.BenchModel, model: nn.Module, inputs: dict, device: torch.device,
               steps: int, warmup: int) -> tuple[float, torch.Tensor]:
+    """Steady-state seconds per forward, as inside a long request: the timed forwards follow the
+    warm-up ones with no synchronize in between and are timed by marks on the compute stream, so
+    each starts with the pipeline in flight (DLO's next block already on its way, the host ahead
+    of the device). A synchronize before them would drain it, and the restart would be charged
+    to the timed steps (see start_up_time)."""
     with torch.inference_mode():
-        for _ in range(warmup):
+        for _ in range(max(warmup, 1)):
             out = bm.forward(model, inputs)
+        start = _mark(device)
+        for _ in range(steps):
+            out = bm.forward(model, inputs)
+        end = _mark(device)
+        sync(device)
+    return _between(start, end) / steps, out.float().cpu()
+
+
+def start_up_time(bm: models.BenchModel, model: nn.Module, inputs: dict,
+                  device: torch.device, steps: int, steady_s: float) -> float:
+    """What `steps` forwards started from an idle device (synchronized before and after, as
+    the first steps of a request) take beyond `steps` steady-state ones: paid once per run of
+    steps, not per step."""
+    with torch.inference_mode():
         sync(device)
         start = time.perf_counter()
         for _ in range(steps):
-            out = bm.forward(model, inputs)
+            bm.forward(model, inputs)
         sync(device)
-    return (time.perf_counter() - start) / steps, out.float().cpu()
+    return time.perf_counter() - start - steps * steady_s
 
 
 def _mark(device: torch.device):
