@@ -44,6 +44,7 @@ from stage_service.models.runners import DiffusionRunner, WorkItem  # noqa: E402
 from stage_service.models.weights import ensure_model_dir  # noqa: E402
 from stage_service.async_output import AsyncOutputThread, copy_to_host  # noqa: E402
 from stage_service.worker import Worker  # noqa: E402
+from stage_service.result_pipe import result_pipe  # noqa: E402
 
 
 class NoPayload:
@@ -100,9 +101,11 @@ class Pieces:
 
     def __init__(self, model_dir: Path, device: str):
         ctx = mp.get_context("spawn")
-        self.requests, self.results = ctx.Queue(), ctx.Queue()
-        self.consumer = ctx.Process(target=_drain, args=(self.results,), daemon=True)
+        self.requests = ctx.Queue()
+        receiver, self.results = result_pipe(ctx)  # the worker's own result channel
+        self.consumer = ctx.Process(target=_drain, args=(receiver,), daemon=True)
         self.consumer.start()
+        receiver.close()
         self.device = device
         self.runner = DiffusionRunner(model_dir, device)
         self.workers = {mode: Worker(protocol.WorkerSpec(0, 1, "diffusion", str(model_dir), device,

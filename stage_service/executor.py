@@ -257,8 +257,12 @@ class Executor:
                     continue
                 self._worker_died(w)
                 return
-            except (EOFError, OSError, ValueError):
-                return  # queue closed by shutdown
+            except EOFError:  # the worker closed its end: it is exiting (or gone)
+                w.process.join(PUMP_POLL_S)
+                self._worker_died(w)
+                return
+            except (OSError, ValueError):
+                return  # pipe closed by shutdown
             self._dispatch(w, msg)
 
     def _dispatch(self, w: _Worker, msg: Any) -> None:
@@ -377,9 +381,9 @@ class Executor:
             w.process.kill()
             w.process.join(JOIN_TIMEOUT_S)
         self._fail_pending(w, errors.Unavailable(f"{self.stage_name} worker {w.spec.rank}: {reason}"))
-        for q in (w.requests, w.results):
-            q.cancel_join_thread()  # a dead reader must not block our exit
-            q.close()
+        w.requests.cancel_join_thread()  # a dead reader must not block our exit
+        w.requests.close()
+        w.results.close()
         if w.pump is not None and w.pump is not threading.current_thread():
             w.pump.join(JOIN_TIMEOUT_S)
 

@@ -11,19 +11,23 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from stage_service import protocol, worker
+from stage_service.result_pipe import result_pipe
 from stagemesh import errors
 
 POLL_S = 0.1
 
 
 def spawn(ctx: Any, spec: protocol.WorkerSpec) -> tuple[mp.Process, Any, Any]:
-    """Start the worker process of `spec`; returns it with its request and result queues."""
-    requests, results = ctx.Queue(), ctx.Queue()
+    """Start the worker process of `spec`; returns it with its request queue and the read end
+    of its result pipe."""
+    requests = ctx.Queue()
+    results, sender = result_pipe(ctx)
     process = ctx.Process(
-        target=worker.main, args=(spec, requests, results), name=f"stagemesh-worker-{spec.stage_id}-{spec.rank}",
+        target=worker.main, args=(spec, requests, sender), name=f"stagemesh-worker-{spec.stage_id}-{spec.rank}",
         daemon=True,
     )
     process.start()
+    sender.close()  # the worker has its own copy: its death now ends our reads (EOFError)
     return process, requests, results
 
 
@@ -47,6 +51,10 @@ def wait_ready(stage_name: str, workers: Mapping[int, Any], timeout_s: float) ->
 def _poll(stage_name: str, rank: int, w: Any, timeout_s: float) -> protocol.Ready | None:
     try:
         msg = w.results.get(timeout=timeout_s)
+    except EOFError:
+        w.process.join(POLL_S)  # it closed its end: it is exiting
+        raise errors.Unavailable(f"{stage_name} worker {rank} exited while loading "
+                                 f"(exit code {w.process.exitcode})") from None
     except queue.Empty:
         if not w.process.is_alive():
             raise errors.Unavailable(f"{stage_name} worker {rank} exited while loading "

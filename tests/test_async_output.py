@@ -2,7 +2,7 @@
 AsyncOutputThread (copy, pack, drain, failures, the device-time report) and the order of stream
 and event operations.
 
-Real multiprocessing queues, real threads, real packing into /dev/shm. The only fake is the GPU
+Real result pipes and queues, real threads, real packing into /dev/shm. The only fake is the GPU
 in the stream/event ordering test.
 """
 
@@ -20,6 +20,7 @@ from structlog.testing import capture_logs
 
 from stage_service import ipc, platform, protocol
 from stage_service.async_output import AsyncOutputThread, ResultWriter, new_output_id
+from stage_service.result_pipe import result_pipe
 from tests.shm_guard import no_segment_left_behind, our_segments  # noqa: F401 - autouse fixture
 from tests.worker_harness import (
     CTX,
@@ -135,11 +136,12 @@ def test_result_writer_holds_its_lock_while_writing():
     assert seen == [True] and not writer._lock.locked()
 
 
-def test_two_threads_hammering_a_real_mp_queue_lose_and_mangle_nothing():
-    q = CTX.Queue()
-    writer = ResultWriter(q)
-    n = 400
-    payload = {tid: bytes([65 + tid]) * 20_000 for tid in range(2)}
+def test_two_threads_hammering_a_real_result_pipe_lose_and_mangle_nothing():
+    # Messages far above PIPE_BUF (4 KiB): unserialized writers would interleave their bytes.
+    receiver, sender = result_pipe(CTX)
+    writer = ResultWriter(sender)
+    n = 200
+    payload = {tid: bytes([65 + tid]) * 200_000 for tid in range(2)}
     start = threading.Barrier(2)
 
     def run(tid):
@@ -150,11 +152,11 @@ def test_two_threads_hammering_a_real_mp_queue_lose_and_mangle_nothing():
     threads = [threading.Thread(target=run, args=(tid,)) for tid in range(2)]
     for t in threads:
         t.start()
-    got = [q.get(timeout=WAIT_S) for _ in range(2 * n)]  # read while they write (pipes are small)
+    got = [receiver.get(timeout=WAIT_S) for _ in range(2 * n)]  # read while they write
     for t in threads:
         t.join(30)
-    q.close()
-    q.join_thread()
+    sender.close()
+    receiver.close()
     per_thread = {0: [], 1: []}
     for msg in got:
         tid, i, body = msg.rpc_id.split(":", 2)

@@ -16,6 +16,7 @@ import torch
 
 from stage_service import async_output, ipc, protocol
 from stage_service.async_output import AsyncOutputThread
+from stage_service.result_pipe import result_pipe
 from stage_service.worker import Worker
 
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
@@ -92,11 +93,12 @@ class Harness:
     """A real Worker serving real multiprocessing queues on a thread of this process."""
 
     def __init__(self, runner=None, packer=None, step_execution: bool = False, own_packer: bool = False):
-        self.requests, self.results = CTX.Queue(), CTX.Queue()
+        self.requests = CTX.Queue()
+        self.results, self.sender = result_pipe(CTX)
         spec = protocol.WorkerSpec(rank=0, stage_id=1, kind="diffusion", model_dir="", device="cpu",
                                    parent_pid=os.getpid(), step_execution=step_execution)
         self.runner = runner or StubRunner()
-        self.worker = Worker(spec, self.runner, "cpu", self.requests, self.results)
+        self.worker = Worker(spec, self.runner, "cpu", self.requests, self.sender)
         self.packer = packer
         if not own_packer:
             # A plain packer (one-shot segments, no reusable slot pool), so that every segment
@@ -139,7 +141,8 @@ class Harness:
                 ipc.unpack(msg.payload)
             if isinstance(msg, protocol.Result):
                 ipc.unpack(msg.outputs)
-        for q in (self.requests, self.results):
-            q.close()
-            q.join_thread()
+        self.requests.close()
+        self.requests.join_thread()
+        self.sender.close()
+        self.results.close()
 
