@@ -44,17 +44,66 @@ class ResultWriter:
 
 def copy_to_host(obj: Any, stream: platform.Stream) -> Any:
     """Queue device->host copies of every tensor in `obj` on `stream` (pinned, non-blocking);
-    CPU tensors are returned as they are. The caller synchronizes the stream."""
+    CPU tensors are returned as they are. The caller synchronizes the stream.
+
+    Tensors whose views together cover one device storage (a batch output split into its
+    requests' slices) come over as one copy of that storage and stay views of it: one transfer
+    and one pinned buffer per batch instead of per request, and the packer judges each slice by
+    the batch's storage, as it does on the CPU."""
+    whole = _whole_storages(obj, stream)
+    return _copy(obj, whole)
+
+
+def _device_tensors(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "cpu":
+            yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _device_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _device_tensors(v)
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return t.device, t.untyped_storage().data_ptr()
+
+
+def _whole_storages(obj: Any, stream: platform.Stream) -> dict[tuple, torch.Tensor]:
+    """Storage key -> a pinned host copy of that storage, for each storage that two or more of
+    the tensors share and cover (their view bytes add up to it)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in _device_tensors(obj):
+        groups.setdefault(_storage_key(t), []).append(t)
+    copies = {}
+    for key, views in groups.items():
+        storage = views[0].untyped_storage()
+        covered = sum(v.numel() * v.element_size() for v in views)
+        if len(views) < 2 or covered < storage.nbytes():
+            continue
+        raw = torch.empty(0, dtype=torch.uint8, device=views[0].device).set_(storage)
+        host = platform.host_buffer_like(raw)
+        host.copy_(raw, non_blocking=True)
+        copies[key] = host
+    return copies
+
+
+def _copy(obj: Any, whole: dict[tuple, torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         if obj.device.type == "cpu":
             return obj
+        base = whole.get(_storage_key(obj))
+        if base is not None:  # the same view of the storage's host copy
+            return torch.empty(0, dtype=obj.dtype).set_(
+                base.untyped_storage(), obj.storage_offset(), obj.size(), obj.stride())
         host = platform.host_buffer_like(obj)
         host.copy_(obj, non_blocking=True)
         return host
     if isinstance(obj, dict):
-        return {k: copy_to_host(v, stream) for k, v in obj.items()}
+        return {k: _copy(v, whole) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(copy_to_host(v, stream) for v in obj)
+        return type(obj)(_copy(v, whole) for v in obj)
     return obj
 
 

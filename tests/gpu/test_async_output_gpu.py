@@ -3,6 +3,7 @@ synchronous path's, over many random requests (no stream race)."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -58,3 +59,29 @@ def test_async_outputs_equal_the_synchronous_path(tmp_path):
     for sync_batch, async_batch in zip(outputs[True], outputs[False]):
         for sync_image, async_image in zip(sync_batch, async_batch):
             assert torch.equal(sync_image, async_image)
+
+
+def test_a_batch_comes_over_in_one_copy_and_its_slices_go_by_the_batch_storage():
+    from stage_service import ipc, platform
+    from stage_service.async_output import copy_to_host
+
+    stream = platform.Stream("cuda")
+    batch = torch.rand(4, 3, 256, 256, device="cuda").permute(0, 2, 3, 1)  # as the DiT's images
+    outputs = [{"image": img} for img in batch]
+    odd = torch.rand(1000, 1000, device="cuda")[:10]  # a small view of a big storage: not whole
+    with stream.active():
+        host = copy_to_host({"batch": outputs, "odd": odd}, stream)
+    stream.synchronize()
+    images = [o["image"] for o in host["batch"]]
+    assert len({img.untyped_storage().data_ptr() for img in images}) == 1
+    assert images[0].untyped_storage().nbytes() == batch.numel() * 4
+    assert host["odd"].untyped_storage().nbytes() == odd.numel() * 4  # only its own bytes
+    for img, dev in zip(images, batch):
+        assert img.is_pinned() and torch.equal(img, dev.cpu())
+    # 786,432 bytes each, but slices of a 3 MB storage: shared memory, each with its own bytes.
+    packed = ipc.Packer(os.getpid(), 0).pack(images)
+    try:
+        assert all(p.shm_name is not None and p.nbytes == 256 * 256 * 3 * 4 for p in packed)
+    finally:
+        unpacked = ipc.unpack(packed)
+    assert all(torch.equal(u, dev.cpu()) for u, dev in zip(unpacked, batch))
