@@ -15,8 +15,14 @@ adding one thing, and reports requests/s (device synchronized, async outputs dra
                        stream (as before it slept on a blocking event)
   ..., no pack         its output thread copies to the host but sends no payload
   ..., no copy         its output thread only waits for the forward pass
+  ..., queue, per item the output path before commits ce58483 and 46b4572: results through a
+                       multiprocessing.Queue (a feeder thread writes them), one device-to-host
+                       copy per request instead of one per batch
+  forward, N busy      the bare forward while N other processes spin on other cores: whether
+                       busy cores elsewhere (the serving stack's) slow the launching thread
 
-Messages go to a real multiprocessing queue that another process drains. The host's launch
+Messages go to the worker's real result pipe (or a multiprocessing queue) that another process
+drains. The host's launch
 speed drifts by tens of percent between measurements minutes apart, so the variants run in
 short interleaved rounds and each is reported as the median over rounds of its rate over the
 bare forward rate of the same round. Run on a GPU: python bench/worker_overhead.py
@@ -42,9 +48,13 @@ from stage_service import ipc, protocol  # noqa: E402
 from stage_service.models.config import PipelineConfig  # noqa: E402
 from stage_service.models.runners import DiffusionRunner, WorkItem  # noqa: E402
 from stage_service.models.weights import ensure_model_dir  # noqa: E402
+from stage_service import async_output, platform  # noqa: E402
 from stage_service.async_output import AsyncOutputThread, copy_to_host  # noqa: E402
 from stage_service.worker import Worker  # noqa: E402
 from stage_service.result_pipe import result_pipe  # noqa: E402
+
+
+BUSY_PROCESSES = 3  # the serving stack's busy threads outside the worker, roughly
 
 
 class NoPayload:
@@ -66,6 +76,26 @@ class WaitOnlyOutputThread(AsyncOutputThread):
         return None
 
 
+class PerItemCopyOutputThread(AsyncOutputThread):
+    """Copies each output tensor on its own, as before a batch's storage came over at once."""
+
+    def _host_payload(self, outputs, event):
+        with self._stream.active():
+            self._stream.wait_event(event)
+            host = async_output._copy(outputs, {})  # no whole storages: one copy per tensor
+            copied = platform.DeviceEvent(self._stream.device, blocking=True).record(self._stream)
+        copied.synchronize()
+        return self._packer.pack(host)
+
+
+def _spin(go, stop) -> None:
+    """Busy-loop while `go` is set, until `stop`."""
+    while not stop.is_set():
+        if go.wait(0.05):
+            while go.is_set():
+                sum(range(1000))
+
+
 class SpinningOutputThread(AsyncOutputThread):
     """The output thread as it was: waits for its copies with a (spinning) stream sync."""
 
@@ -83,6 +113,12 @@ def _drain(results) -> None:
         payload = getattr(msg, "payload", None)
         if payload is not None:
             ipc.unpack(payload)
+
+
+def _busy(fn):
+    """Mark a variant to run while the spinning processes are busy."""
+    fn.busy = True
+    return fn
 
 
 def _items(batch: int, size: int, steps: int, device: str) -> list[WorkItem]:
@@ -116,6 +152,20 @@ class Pieces:
             worker = self.workers[mode]
             worker.async_output.close()
             worker.async_output = thread(device, worker.packer, worker.writer)
+        # The output path as it was: a multiprocessing.Queue and one copy per request.
+        self.old_results = ctx.Queue()
+        self.old_consumer = ctx.Process(target=_drain, args=(self.old_results,), daemon=True)
+        self.old_consumer.start()
+        old = Worker(protocol.WorkerSpec(0, 1, "diffusion", str(model_dir), device, os.getpid()),
+                     self.runner, device, self.requests, self.old_results)
+        old.async_output.close()
+        old.async_output = PerItemCopyOutputThread(device, old.packer, old.writer)
+        self.workers["before"] = old
+        self.spin_go, self.spin_stop = ctx.Event(), ctx.Event()
+        self.spinners = [ctx.Process(target=_spin, args=(self.spin_go, self.spin_stop), daemon=True)
+                         for _ in range(BUSY_PROCESSES)]
+        for p in self.spinners:
+            p.start()
 
     def close(self) -> None:
         for worker in self.workers.values():
@@ -124,6 +174,11 @@ class Pieces:
             worker.packer.close()
         self.results.put(None)
         self.consumer.join(30)
+        self.old_results.put(None)
+        self.old_consumer.join(30)
+        self.spin_stop.set()
+        for p in self.spinners:
+            p.join(30)
         ipc.sweep(os.getpid())
 
     def variants(self, batch: int, size: int, steps: int) -> dict:
@@ -147,17 +202,24 @@ class Pieces:
                 "worker, async": execute("async"),
                 "worker, async, spinning wait": execute("spin"),
                 "worker, async, copy but no pack": execute("copy"),
-                "worker, async, no copy, no pack": execute("wait")}
+                "worker, async, no copy, no pack": execute("wait"),
+                "worker, async, queue, per item (before)": execute("before"),
+                f"forward, {BUSY_PROCESSES} busy": _busy(lambda: self.runner.run(on_device))}
 
     def rate(self, fn, batch: int, iters: int) -> float:
-        for _ in range(3):
-            fn()
-        self._settle()
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        self._settle()
-        return batch * iters / (time.perf_counter() - start)
+        if getattr(fn, "busy", False):
+            self.spin_go.set()
+        try:
+            for _ in range(3):
+                fn()
+            self._settle()
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            self._settle()
+            return batch * iters / (time.perf_counter() - start)
+        finally:
+            self.spin_go.clear()
 
     def _settle(self) -> None:
         if self.device.startswith("cuda"):
