@@ -303,7 +303,7 @@ def main() -> None:
     blocks = _block_bytes(bm)
     bandwidth = h2d_bandwidth(max(blocks), device)
     print(f"{bm.name}: {len(blocks)} blocks; H2D {bandwidth / 1e9:.1f} GB/s (pinned, the "
-          "largest block per copy)", flush=True)
+          "largest block per copy, best of 3 runs of 10)", flush=True)
     _free(device)
     baseline = _allocated(device)
     reference = run_resident(bm, device, args, baseline)
