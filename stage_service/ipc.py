@@ -21,7 +21,7 @@ from stagemesh.codec import dtype_name, host_bytes
 from stage_service.shm_pool import SlotPool, SlotReader, map_fd
 
 SHM_THRESHOLD_BYTES = 1_000_000
-WORKER_POOL_SLOTS = 8  # reusable segments per worker (see shm_pool): two batches of four in flight
+WORKER_POOL_SLOTS = 16  # reusable segments per worker (see shm_pool): queued batches of four and outputs still read
 SHM_PREFIX = "stagemesh"
 _SHM_DIR = Path("/dev/shm")
 

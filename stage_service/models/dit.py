@@ -242,4 +242,6 @@ def sample(dit: DiT, decoder: LatentDecoder, conds: list[torch.Tensor], width: i
             if progress is not None:
                 progress(i + 1, n)
         rgb = decoder(x).float()
-        return ((rgb + 1.0) / 2.0).clamp(0.0, 1.0).permute(0, 2, 3, 1)
+        # Channels last on the device: each request's image is then one contiguous slice, which
+        # the output path ships without a strided gather on the host.
+        return ((rgb + 1.0) / 2.0).clamp(0.0, 1.0).permute(0, 2, 3, 1).contiguous()
