@@ -50,7 +50,11 @@ def copy_to_host(obj: Any, stream: platform.Stream) -> Any:
     requests' slices) come over as one copy of that storage and stay views of it: one transfer
     and one pinned buffer per batch instead of per request, and the packer judges each slice by
     the batch's storage, as it does on the CPU."""
-    whole = _whole_storages(obj, stream)
+    whole = {}
+    for key, views in covering_groups(_device_tensors(obj)).items():
+        raw = storage_bytes(views[0])
+        whole[key] = platform.host_buffer_like(raw)
+        whole[key].copy_(raw, non_blocking=True)
     return _copy(obj, whole)
 
 
@@ -70,23 +74,26 @@ def _storage_key(t: torch.Tensor) -> tuple:
     return t.device, t.untyped_storage().data_ptr()
 
 
-def _whole_storages(obj: Any, stream: platform.Stream) -> dict[tuple, torch.Tensor]:
-    """Storage key -> a pinned host copy of that storage, for each storage that two or more of
-    the tensors share and cover (their view bytes add up to it)."""
+def covering_groups(tensors) -> dict[tuple, list[torch.Tensor]]:
+    """Storage key -> the tensors viewing it, for each storage that two or more of `tensors`
+    share and cover (their view bytes add up to at least its size)."""
     groups: dict[tuple, list[torch.Tensor]] = {}
-    for t in _device_tensors(obj):
+    for t in tensors:
         groups.setdefault(_storage_key(t), []).append(t)
-    copies = {}
-    for key, views in groups.items():
-        storage = views[0].untyped_storage()
-        covered = sum(v.numel() * v.element_size() for v in views)
-        if len(views) < 2 or covered < storage.nbytes():
-            continue
-        raw = torch.empty(0, dtype=torch.uint8, device=views[0].device).set_(storage)
-        host = platform.host_buffer_like(raw)
-        host.copy_(raw, non_blocking=True)
-        copies[key] = host
-    return copies
+    return {key: views for key, views in groups.items()
+            if len(views) > 1
+            and sum(v.numel() * v.element_size() for v in views) >= views[0].untyped_storage().nbytes()}
+
+
+def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage under `t`, as a flat uint8 tensor on its device."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+def same_view(storage_copy: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`t`'s view (offset, shape, strides, dtype) of a byte-for-byte copy of its storage."""
+    return torch.empty(0, dtype=t.dtype).set_(
+        storage_copy.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
 
 def _copy(obj: Any, whole: dict[tuple, torch.Tensor]) -> Any:
@@ -94,9 +101,8 @@ def _copy(obj: Any, whole: dict[tuple, torch.Tensor]) -> Any:
         if obj.device.type == "cpu":
             return obj
         base = whole.get(_storage_key(obj))
-        if base is not None:  # the same view of the storage's host copy
-            return torch.empty(0, dtype=obj.dtype).set_(
-                base.untyped_storage(), obj.storage_offset(), obj.size(), obj.stride())
+        if base is not None:
+            return same_view(base, obj)
         host = platform.host_buffer_like(obj)
         host.copy_(obj, non_blocking=True)
         return host

@@ -18,7 +18,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from stage_service import ipc, platform, protocol
+from stage_service import async_output, ipc, platform, protocol
 from stage_service.async_output import AsyncOutputThread, ResultWriter, new_output_id
 from stage_service.result_pipe import result_pipe
 from tests.shm_guard import no_segment_left_behind, our_segments  # noqa: F401 - autouse fixture
@@ -164,6 +164,27 @@ def test_two_threads_hammering_a_real_result_pipe_lose_and_mangle_nothing():
         assert msg.step == int(i)
         per_thread[int(tid)].append(int(i))
     assert per_thread == {0: list(range(n)), 1: list(range(n))}  # complete and in each writer's order
+
+
+# ---- point 4: a batch's storage comes over in one copy (the grouping, on CPU tensors) ---------------
+
+def test_slices_that_cover_their_storage_are_grouped_and_rebuilt_from_one_copy():
+    batch = torch.rand(4, 3, 8, 8).permute(0, 2, 3, 1)  # a batch seen channels-last, 4 slices
+    lone = torch.rand(100, 10)[:2]  # a small view of a bigger storage
+    pair = torch.rand(6).view(2, 3)
+    slices = list(batch)
+    groups = async_output.covering_groups([*slices, lone, pair[0]])
+    # One group, the batch's: not the lone view, not half of `pair`.
+    assert [[id(t) for t in views] for views in groups.values()] == [[id(t) for t in slices]]
+    assert async_output.covering_groups([pair[0], pair[1]])  # both halves do cover it
+    copy = async_output.storage_bytes(batch).clone()  # what the device->host copy lands in
+    assert copy.numel() == batch.numel() * 4
+    rebuilt = [async_output.same_view(copy, t) for t in slices]
+    for got, want in zip(rebuilt, slices):
+        assert got.shape == want.shape and got.stride() == want.stride() and torch.equal(got, want)
+    assert {t.untyped_storage().data_ptr() for t in rebuilt} == {copy.untyped_storage().data_ptr()}
+    # So the packer sends each slice by the batch's storage but ships only its own bytes.
+    assert all(ipc.goes_to_shm(t) for t in rebuilt) == ipc.goes_to_shm(batch)
 
 
 # ---- points 3 and 7: the background thread and drain -----------------------------------------------
