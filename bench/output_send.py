@@ -22,6 +22,7 @@ what is held falls back to one-shot segments. Run: python bench/output_send.py
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import sys
 import time
@@ -98,8 +99,6 @@ def main() -> None:
     parser.add_argument("--output", default="bench/results/output_send.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    import multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     cases = [("inline, queue", 0), ("inline, pipe", 0), ("slots", 8), ("slots", 8, "strided"),
              ("slots", ipc.WORKER_POOL_SLOTS), ("one-shot segments", 0)]

@@ -25,7 +25,7 @@ def new_output_id() -> str:
 
 
 class ResultWriter:
-    """The worker's result queue with one writer at a time (main loop and background thread)."""
+    """The worker's result pipe with one writer at a time (main loop and background thread)."""
 
     def __init__(self, results):
         self._results = results
@@ -35,11 +35,11 @@ class ResultWriter:
         with self._lock:
             self._results.put(message)
 
-    def flush(self) -> None:
-        """Close the queue and wait until what was put reached the pipe (before os._exit)."""
+    def close(self) -> None:
+        """Close the pipe once any write in progress is done (before os._exit): each put has
+        written its whole message by the time it returns."""
         with self._lock:
             self._results.close()
-            self._results.join_thread()
 
 
 def copy_to_host(obj: Any, stream: platform.Stream) -> Any:

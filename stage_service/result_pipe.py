@@ -24,20 +24,18 @@ PIPE_BYTES = 4 << 20  # above the largest inline payload of a small batch (1,000
 _MAX_PIPE_FILE = Path("/proc/sys/fs/pipe-max-size")
 
 
-def _enlarge(fd: int) -> int:
+def _enlarge(fd: int) -> None:
     """Grow the pipe's kernel buffer as far as allowed (unprivileged: pipe-max-size, 1 MiB by
-    default); returns the size in effect. A system without F_SETPIPE_SZ keeps its default."""
-    setsz = getattr(fcntl, "F_SETPIPE_SZ", None)
-    if setsz is None:
-        return 0
+    default). Where that cannot be done the pipe keeps its default size: sends then block
+    sooner, nothing else changes."""
     try:
         allowed = int(_MAX_PIPE_FILE.read_text())
     except (OSError, ValueError):
         allowed = PIPE_BYTES
     try:
-        return fcntl.fcntl(fd, setsz, min(PIPE_BYTES, allowed))
-    except OSError:
-        return fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ) if hasattr(fcntl, "F_GETPIPE_SZ") else 0
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, min(PIPE_BYTES, allowed))
+    except (AttributeError, OSError):
+        pass
 
 
 class ResultSender:
@@ -51,9 +49,6 @@ class ResultSender:
 
     def close(self) -> None:
         self._conn.close()
-
-    def join_thread(self) -> None:
-        """Nothing to wait for: each put has written its whole message (the Queue interface)."""
 
 
 class ResultReceiver:

@@ -128,7 +128,7 @@ class Worker:
             if self.spec.tp_group is not None:
                 # The other TP ranks may wait in a collective this rank never reaches: end the
                 # process so the stage restarts the group instead of running out of lockstep.
-                self.writer.flush()
+                self.writer.close()
                 os._exit(1)
 
     def control(self, msg: protocol.Control) -> None:
