@@ -1,0 +1,78 @@
+"""How fast the host launches the (launch-bound) default DiT from each CPU core.
+
+bench/async_output.py sees the bare forward rate move by tens of percent between rounds and the
+serving worker's forward run slower than the same forward in the benchmark's process. A
+launch-bound forward runs at the speed of the one thread that issues its kernels, and on a
+multi-socket host that speed depends on where the thread runs (its distance to the GPU's PCIe
+root, its cache). This pins the launching thread to each allowed core in turn and measures the
+forward rate there, in several interleaved passes, next to the GPU's local cores as the kernel
+reports them (/sys/bus/pci/devices/<gpu>/local_cpulist). Run on a GPU:
+  python bench/launch_affinity.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.async_output import Forward  # noqa: E402
+from bench.common import print_table, write_json  # noqa: E402
+from stage_service.models.config import PipelineConfig  # noqa: E402
+from stage_service.models.weights import ensure_model_dir  # noqa: E402
+
+
+def numa_node(cpu: int) -> int | None:
+    for entry in Path(f"/sys/devices/system/cpu/cpu{cpu}").glob("node*"):
+        return int(entry.name[4:])
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=8, help="forward passes per core and pass")
+    parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--output", default="bench/results/launch_affinity.json")
+    args = parser.parse_args()
+
+    from stage_service.platform import gpu_local_cpus
+
+    model_dir = ensure_model_dir(Path(tempfile.mkdtemp()) / "tiny", PipelineConfig.tiny())
+    cpus = sorted(os.sched_getaffinity(0))
+    local = gpu_local_cpus(args.device)
+    forward = Forward(model_dir, args.device, args.size, args.batch, args.steps)
+    rates: dict[int, list[float]] = {c: [] for c in cpus}
+    unpinned = []
+    for _ in range(args.passes):
+        os.sched_setaffinity(0, cpus)
+        unpinned.append(forward.rate(args.iters))
+        for cpu in cpus:
+            os.sched_setaffinity(0, {cpu})
+            time.sleep(0.01)
+            rates[cpu].append(forward.rate(args.iters))
+    os.sched_setaffinity(0, cpus)
+    rows = [[cpu, numa_node(cpu), "yes" if local and cpu in local else "no",
+             statistics.median(r), min(r), max(r)] for cpu, r in rates.items()]
+    rows.append(["any", None, "", statistics.median(unpinned), min(unpinned), max(unpinned)])
+    print(f"GPU-local cores: {sorted(local) if local else 'unknown'}")
+    print_table(["core", "NUMA node", "GPU-local", "forward req/s (median)", "min", "max"], rows, floatfmt=".1f")
+    path = write_json(args.output, "launch_affinity", {
+        "device": args.device, "size": args.size, "batch": args.batch, "local_cpus": sorted(local or []),
+        "per_cpu": {str(c): r for c, r in rates.items()}, "unpinned": unpinned})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
