@@ -11,7 +11,6 @@ import collections
 import os
 import queue
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +20,6 @@ from stage_service.sleep import SleepController
 from stagemesh import logs
 
 log = logs.get_logger("stagemesh.worker")
-
-# The launching thread holds the GIL almost without a break (a launch-bound forward pass never
-# blocks), so the async output thread gets it only when it asks and the switch interval runs
-# out. At Python's 5 ms each of its few GIL takes per batch waits that long: tens of ms of
-# output latency. Its work under the GIL is short, so switching sooner costs the launches little.
-SWITCH_INTERVAL_S = 0.001
 
 
 class _CancelledByCaller(Exception):
@@ -208,7 +201,6 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # SIGTERM (e.g. to the whole process group): nobody will read our segments any more.
     signal.signal(signal.SIGTERM, lambda *_: _exit_orphaned(spec))
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     import torch
 
     if spec.threads > 0:
