@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from stagemesh.codec import dtype_name, host_bytes
-from stage_service.shm_pool import SlotPool, SlotReader, map_fd
+from stage_service.shm_pool import SlotPool, SlotReader, copy_into, map_fd
 
 SHM_THRESHOLD_BYTES = 1_000_000
 WORKER_POOL_SLOTS = 16  # reusable segments per worker (see shm_pool): queued batches of four and outputs still read
@@ -61,9 +61,7 @@ def _write_segment(name: str, raw: torch.Tensor) -> None:
         size = max(raw.numel(), 1)
         os.ftruncate(fd, size)
         with map_fd(fd, size) as mapping:
-            if raw.numel():
-                torch.frombuffer(mapping, dtype=torch.uint8, count=raw.numel()).copy_(raw)
-                # frombuffer's tensor must be gone before the mapping closes.
+            copy_into(mapping, 0, raw)
     except BaseException:
         path.unlink(missing_ok=True)
         raise

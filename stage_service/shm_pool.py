@@ -10,6 +10,7 @@ executor, on the worker's death or at shutdown), never left behind.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import secrets
@@ -31,6 +32,19 @@ def map_fd(fd: int, size: int, shared: bool = True) -> mmap.mmap:
     # MAP_POPULATE faults every page in one call instead of one fault per 4 KiB page.
     flags = (mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE) | getattr(mmap, "MAP_POPULATE", 0)
     return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def copy_into(mapping: mmap.mmap, offset: int, raw: torch.Tensor) -> None:
+    """Copy `raw` (uint8, contiguous, on the host) into `mapping` at `offset`: one plain memcpy
+    on this thread, with the GIL released (ctypes drops it for the call), so the thread that
+    launches the forward pass keeps running while an output is copied."""
+    if not raw.numel():
+        return
+    dst = np.frombuffer(mapping, dtype=np.uint8, count=raw.numel(), offset=offset)
+    try:
+        ctypes.memmove(dst.ctypes.data, raw.data_ptr(), raw.numel())
+    finally:
+        del dst  # the mapping cannot close while a view exports it
 
 
 @dataclass
@@ -57,9 +71,7 @@ class SlotPool:
         slot = self._acquire(raw.numel())
         if slot is None:
             return None
-        view = torch.frombuffer(slot.mapping, dtype=torch.uint8, count=raw.numel(), offset=HEADER_BYTES)
-        view.copy_(raw)
-        del view
+        copy_into(slot.mapping, HEADER_BYTES, raw)
         slot.mapping[0] = _FULL  # after the data: the reader looks only once the message arrives
         return slot.name
 
