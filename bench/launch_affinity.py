@@ -30,6 +30,31 @@ from stage_service.models.config import PipelineConfig  # noqa: E402
 from stage_service.models.weights import ensure_model_dir  # noqa: E402
 
 
+def parse_cpulist(text: str) -> set[int]:
+    """The kernel's cpulist format ("0-7,16-23") as a set of CPU numbers."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def gpu_local_cpus(device: str) -> set[int] | None:
+    """The CPUs on the GPU's NUMA node, as the kernel reports for its PCIe device."""
+    if not device.startswith("cuda"):
+        return None
+    props = torch.cuda.get_device_properties(torch.device(device).index or 0)
+    bus = getattr(props, "pci_bus_id", None)
+    if bus is None:
+        return None
+    address = f"{getattr(props, 'pci_domain_id', 0):04x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
+    try:
+        return parse_cpulist(Path(f"/sys/bus/pci/devices/{address}/local_cpulist").read_text()) or None
+    except (OSError, ValueError):
+        return None
+
+
 def numa_node(cpu: int) -> int | None:
     for entry in Path(f"/sys/devices/system/cpu/cpu{cpu}").glob("node*"):
         return int(entry.name[4:])
@@ -46,8 +71,6 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--output", default="bench/results/launch_affinity.json")
     args = parser.parse_args()
-
-    from stage_service.platform import gpu_local_cpus
 
     model_dir = ensure_model_dir(Path(tempfile.mkdtemp()) / "tiny", PipelineConfig.tiny())
     cpus = sorted(os.sched_getaffinity(0))

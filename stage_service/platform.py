@@ -190,30 +190,3 @@ def lock_pages_in_place(tensor: torch.Tensor, device: str | torch.device):
         return None
     return lambda: cudart.cudaHostUnregister(ptr)
 
-
-def parse_cpulist(text: str) -> set[int]:
-    """The kernel's cpulist format ("0-7,16-23") as a set of CPU numbers."""
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        if part:
-            first, _, last = part.partition("-")
-            cpus.update(range(int(first), int(last or first) + 1))
-    return cpus
-
-
-def gpu_local_cpus(device: str | torch.device) -> set[int] | None:
-    """The CPUs on the GPU's own NUMA node (the kernel's view of its PCIe device); None on the
-    CPU or where the kernel does not say."""
-    if not is_cuda(device):
-        return None
-    index = torch.device(device).index or 0
-    props = torch.cuda.get_device_properties(index)
-    bus = getattr(props, "pci_bus_id", None)
-    if bus is None:
-        return None
-    address = f"{getattr(props, 'pci_domain_id', 0):04x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
-    try:
-        cpus = parse_cpulist(open(f"/sys/bus/pci/devices/{address}/local_cpulist").read())
-    except (OSError, ValueError):
-        return None
-    return cpus or None

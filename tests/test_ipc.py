@@ -188,6 +188,37 @@ def test_a_half_packed_payload_gives_its_pool_slot_back():
         packer.close()
 
 
+def test_rows_of_a_batch_go_to_reusable_slots_with_their_own_bytes():
+    """The 256²/batch-4 shape: each row is under the threshold, the batch storage above it, so
+    each row goes to a slot of its own, holding that row's bytes and nothing else."""
+    batch = torch.arange(4 * 600_000, dtype=torch.int64).remainder(251).to(torch.uint8).view(4, 600_000)
+    packer = ipc.Packer(os.getpid(), 6, pool_slots=4)
+    try:
+        packed = packer.pack(list(batch.unbind()))
+        assert all(p.pooled and p.nbytes == 600_000 for p in packed)
+        assert len({p.shm_name for p in packed}) == 4
+        back = ipc.unpack(packed)
+        for row, got in zip(batch, back):
+            assert torch.equal(got, row)
+    finally:
+        packer.close()
+
+
+def test_copy_into_writes_exactly_its_bytes_at_the_offset_and_lets_the_mapping_close():
+    import mmap
+
+    from stage_service.shm_pool import copy_into
+
+    mapping = mmap.mmap(-1, 4096)
+    mapping[:] = b"\xee" * 4096
+    raw = torch.arange(100, dtype=torch.uint8)
+    copy_into(mapping, 64, raw)
+    copy_into(mapping, 0, torch.empty(0, dtype=torch.uint8))  # nothing to copy: nothing touched
+    assert mapping[64:164] == bytes(range(100))
+    assert mapping[:64] == b"\xee" * 64 and mapping[164:] == b"\xee" * (4096 - 164)
+    mapping.close()  # raises BufferError if a view of it were still exported
+
+
 def test_namedtuples_round_trip_as_namedtuples():
     import collections
 
