@@ -119,19 +119,26 @@ class Served:
             self.executor.shutdown()
 
 
+async def start_paths(up: contextlib.AsyncExitStack, model_dir: Path, args, size: int,
+                      batch: int) -> list[Served]:
+    """(b) the synchronous and (c) the async path of one point, started; `up` closes each
+    one started, also on failure."""
+    paths = []
+    for step_execution in (True, False):
+        path = Served(model_dir, args.device, size, batch, args.steps, step_execution)
+        up.push_async_callback(path.close)
+        await path.start()
+        paths.append(path)
+    return paths
+
+
 async def measure_point(model_dir: Path, args, size: int, batch: int) -> dict:
     """Rounds of (a), (b), (c) in turn; each figure is the median over rounds, each ratio the
     median of the rounds' own ratios (the host's launch speed drifts between rounds)."""
     forward = Forward(model_dir, args.device, size, batch, args.steps)
     rounds = []
-    async with contextlib.AsyncExitStack() as up:  # each path started is closed, also on failure
-        paths = []
-        for step_execution in (True, False):
-            path = Served(model_dir, args.device, size, batch, args.steps, step_execution)
-            up.push_async_callback(path.close)
-            await path.start()
-            paths.append(path)
-        sync, served = paths
+    async with contextlib.AsyncExitStack() as up:
+        sync, served = await start_paths(up, model_dir, args, size, batch)
         # (a) runs as many forward passes as (b) and (c) do per round: windows of one length.
         iters = args.iters or max(1, args.requests // batch)
         for _ in range(args.rounds):

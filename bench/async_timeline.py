@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.async_output import Served  # noqa: E402
+from bench.async_output import start_paths  # noqa: E402
 from bench.common import print_table, write_json  # noqa: E402
 from stage_service import protocol  # noqa: E402
 from stage_service.models.config import PipelineConfig  # noqa: E402
@@ -130,18 +130,12 @@ def summarize(batches: list[dict]) -> dict:
 
 async def measure_point(model_dir: Path, args, size: int, batch: int) -> list[dict]:
     async with contextlib.AsyncExitStack() as up:
-        modes = []
-        for step_execution in (True, False):
-            path = Served(model_dir, args.device, size, batch, args.steps, step_execution)
-            up.push_async_callback(path.close)
-            await path.start()
-            modes.append((path, Timeline(path.executor), [], []))
+        modes = [(path, Timeline(path.executor), [], [])
+                 for path in await start_paths(up, model_dir, args, size, batch)]
         for _ in range(args.rounds):
             for path, timeline, marks, rates in modes:
                 first = len(timeline)
-                start = time.perf_counter()
-                await path._requests(args.requests)
-                rates.append(args.requests / (time.perf_counter() - start))
+                rates.append((await path.rate(args.requests))[0])
                 marks.extend(timeline.ordered(first))
     out = []
     for (path, _, marks, rates), mode in zip(modes, ("sync", "async")):

@@ -22,9 +22,8 @@ adding one thing, and reports requests/s (device synchronized, async outputs dra
                        busy cores elsewhere (the serving stack's) slow the launching thread
 
 Messages go to the worker's real result pipe (or a multiprocessing queue) that another process
-drains. The host's launch
-speed drifts by tens of percent between measurements minutes apart, so the variants run in
-short interleaved rounds and each is reported as the median over rounds of its rate over the
+drains. The host's launch speed drifts by tens of percent between measurements minutes apart,
+so the variants run in short interleaved rounds and each is reported as the median over rounds of its rate over the
 bare forward rate of the same round. Run on a GPU: python bench/worker_overhead.py
 """
 

@@ -189,4 +189,3 @@ def lock_pages_in_place(tensor: torch.Tensor, device: str | torch.device):
         clear_cuda_error()
         return None
     return lambda: cudart.cudaHostUnregister(ptr)
-
