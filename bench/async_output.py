@@ -52,8 +52,9 @@ def _params(size: int, steps: int, seed: int) -> Params:
 class Forward:
     """(a): runner.run alone in this process, conditioning on the device, synchronized each time."""
 
-    def __init__(self, model_dir: Path, device: str, size: int, batch: int, steps: int):
-        self.runner = DiffusionRunner(model_dir, device)
+    def __init__(self, model_dir: Path, device: str, size: int, batch: int, steps: int,
+                 cuda_graphs: bool = True):
+        self.runner = DiffusionRunner(model_dir, device, cuda_graphs=cuda_graphs)
         self.items = [WorkItem(f"r{i}", "p", size, size, steps, 4.0, i,
                                {"hidden_states": _cond(i).to(device)}) for i in range(batch)]
         self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -76,10 +77,10 @@ class Served:
     """(b) or (c): engine -> executor -> worker process, kept up across rounds."""
 
     def __init__(self, model_dir: Path, device: str, size: int, batch: int, steps: int,
-                 step_execution: bool):
+                 step_execution: bool, cuda_graphs: bool = True):
         self.size, self.steps = size, steps
         self.executor = Executor(1, "diffusion", str(model_dir), device, 1,
-                                 step_execution=step_execution)
+                                 step_execution=step_execution, cuda_graphs=cuda_graphs)
         self.executor.start()
         self.engine = Engine(self.executor, "diffusion", 1, max_batch_size=batch, max_queue=10_000)
         # Enough concurrent requests that full batches are always waiting (a saturated stage).
@@ -125,7 +126,8 @@ async def start_paths(up: contextlib.AsyncExitStack, model_dir: Path, args, size
     one started, also on failure."""
     paths = []
     for step_execution in (True, False):
-        path = Served(model_dir, args.device, size, batch, args.steps, step_execution)
+        path = Served(model_dir, args.device, size, batch, args.steps, step_execution,
+                      args.cuda_graphs)
         up.push_async_callback(path.close)
         await path.start()
         paths.append(path)
@@ -135,7 +137,7 @@ async def start_paths(up: contextlib.AsyncExitStack, model_dir: Path, args, size
 async def measure_point(model_dir: Path, args, size: int, batch: int) -> dict:
     """Rounds of (a), (b), (c) in turn; each figure is the median over rounds, each ratio the
     median of the rounds' own ratios (the host's launch speed drifts between rounds)."""
-    forward = Forward(model_dir, args.device, size, batch, args.steps)
+    forward = Forward(model_dir, args.device, size, batch, args.steps, args.cuda_graphs)
     rounds = []
     async with contextlib.AsyncExitStack() as up:
         sync, served = await start_paths(up, model_dir, args, size, batch)
@@ -168,6 +170,8 @@ def main() -> None:
                         help="(a): forward passes per round (default: as many as (b) and (c) run)")
     parser.add_argument("--requests", type=int, default=48, help="(b), (c): requests per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="denoising steps from captured CUDA graphs (the stage default)")
     parser.add_argument("--output", default="bench/results/async_output.json")
     args = parser.parse_args()
 
@@ -189,7 +193,7 @@ def main() -> None:
                  "(c)/(median pass)"],
                 rows, floatfmt=".2f")
     path = write_json(args.output, "async_output", {"device": args.device, "rounds": args.rounds,
-                                                    "points": points})
+                                                    "cuda_graphs": args.cuda_graphs, "points": points})
     print(f"wrote {path}")
 
 

@@ -152,6 +152,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--requests", type=int, default=96, help="requests per round and mode")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="denoising steps from captured CUDA graphs (the stage default)")
     parser.add_argument("--output", default="bench/results/async_timeline.json")
     args = parser.parse_args()
 

@@ -75,7 +75,8 @@ def main() -> None:
     model_dir = ensure_model_dir(Path(tempfile.mkdtemp()) / "tiny", PipelineConfig.tiny())
     cpus = sorted(os.sched_getaffinity(0))
     local = gpu_local_cpus(args.device)
-    forward = Forward(model_dir, args.device, args.size, args.batch, args.steps)
+    # The eager forward: the one whose speed is the launching thread's.
+    forward = Forward(model_dir, args.device, args.size, args.batch, args.steps, cuda_graphs=False)
     rates: dict[int, list[float]] = {c: [] for c in cpus}
     unpinned = []
     for _ in range(args.passes):

@@ -106,7 +106,8 @@ def main() -> None:
     args = parser.parse_args()
 
     model_dir = ensure_model_dir(Path(tempfile.mkdtemp()) / "tiny", PipelineConfig.tiny())
-    forward = Forward(model_dir, args.device, args.size, args.batch, 8)
+    # The eager forward: a launching thread that never blocks, as without step graphs.
+    forward = Forward(model_dir, args.device, args.size, args.batch, 8, cuda_graphs=False)
     cases = [(main_thread, source, copy.__name__.replace("_", " "), copy)
              for main_thread in ("idle", "launching") for source in ("pinned", "pageable")
              for copy in (torch_copy, memmove)]

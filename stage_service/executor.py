@@ -50,7 +50,7 @@ class _Worker:
 class Executor:
     def __init__(self, stage_id: int, kind: str, model_dir: str, device: str, workers: int,
                  threads: int = 0, on_death: DeathFn | None = None, step_execution: bool = False,
-                 dlo: dict | None = None):
+                 dlo: dict | None = None, cuda_graphs: bool = True):
         self.stage_name = f"stage {stage_id} ({kind})"
         self.step_execution = step_execution
         opts = DloOptions.from_mapping(dlo)
@@ -70,7 +70,7 @@ class Executor:
         self.engine_workers = 1 if self.tp_size > 1 else workers
         self._specs = [
             protocol.WorkerSpec(rank, stage_id, kind, str(model_dir), device, os.getpid(), threads, step_execution,
-                                dlo=dict(dlo or {}))
+                                cuda_graphs=cuda_graphs, dlo=dict(dlo or {}))
             for rank in range(workers)
         ]
         self.outputs = OutputRegistry(self.stage_name)

@@ -27,6 +27,8 @@ class WorkerSpec:
     threads: int = 0
     # True: outputs are copied and packed on the worker's main thread (the synchronous path).
     step_execution: bool = False
+    # Denoising steps from captured CUDA graphs (embedded DiT, CUDA, no DLO or TP).
+    cuda_graphs: bool = True
     # DLO options (offload.config.DloOptions fields); empty: DLO off.
     dlo: dict = field(default_factory=dict)
     # Set when the ranks form one process group; a fresh address for every (re)start of it.

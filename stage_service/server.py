@@ -115,7 +115,8 @@ async def serve_stage(settings: StageSettings) -> None:
     workers = settings.worker_processes()  # dp_size when the ranks form a DLO AllGather group
     executor = Executor(settings.stage_id, settings.kind, str(settings.resolved_model_dir()), settings.device,
                         workers, settings.threads, on_death=lambda r, why: engine.worker_died(r, why),
-                        step_execution=settings.step_execution, dlo=DloOptions.from_settings(settings).to_dict())
+                        step_execution=settings.step_execution, dlo=DloOptions.from_settings(settings).to_dict(),
+                        cuda_graphs=settings.cuda_graphs)
     engine = Engine(executor, settings.kind, executor.engine_workers, settings.max_batch_size, settings.max_queue, on_health)
     control = StageControl(executor.stage_name, engine, executor, settings.enable_sleep)
     servicer = StageServicer(settings, engine, executor, control)

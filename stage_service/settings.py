@@ -34,6 +34,7 @@ class StageSettings(DloOptions):
     model_preset: str = "tiny"
     max_batch_size: int = 4
     step_execution: bool = False
+    cuda_graphs: bool = True
     enable_sleep: bool = True
     max_queue: int = 256
     max_size: int = 1024
@@ -68,6 +69,9 @@ class StageSettings(DloOptions):
                         "--no-enable-sleep makes them UNIMPLEMENTED",
         "step_execution": "copy and pack outputs on the worker's main thread (synchronous path) instead of "
                           "handing them to the async output thread",
+        "cuda_graphs": "replay each denoising step of the embedded DiT from a captured CUDA graph (one launch "
+                       "per step instead of hundreds; on a CUDA device, without DLO or TP); "
+                       "--no-cuda-graphs launches every kernel from Python",
         "max_queue": "requests waiting beyond this are refused with RESOURCE_EXHAUSTED",
         "max_size": "largest width/height in pixels accepted",
         "max_steps": "largest num_inference_steps accepted",

@@ -212,7 +212,7 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
         group = _join_dp_group(spec, device)
         tp = _join_tp_group(spec, device)
         runner = build_runner(spec.kind, Path(spec.model_dir), device, dlo=spec.dlo, group=group,
-                              tp=tp)
+                              tp=tp, cuda_graphs=spec.cuda_graphs)
     except Exception as exc:  # noqa: BLE001
         if not _says_it_all(exc):
             log.exception("model load failed")  # a bug: its stack is what the log needs

@@ -13,9 +13,11 @@ from stage_service import platform
 from stage_service.offload.plan import OffloadPlan
 
 from .config import DiTConfig
+from .step_graphs import StepGraphs
 from .tp import TpGroup, column, row, split
 
 TIME_FREQ_DIM = 256
+MIN_COND_BUCKET = 8
 Progress = Callable[[int, int], None]
 
 
@@ -180,9 +182,21 @@ class LatentDecoder(nn.Module):
         return torch.tanh(self.conv_out(h))
 
 
-def pad_conds(conds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack [L_i, D] tensors into zero-padded [B, L_max, D] plus a validity mask [B, L_max]."""
+def cond_bucket(length: int) -> int:
+    """The padded conditioning length for a longest row of `length`: a power of two, at least
+    MIN_COND_BUCKET. Few distinct lengths keep the number of captured step graphs small; the
+    padding is masked out."""
+    return max(MIN_COND_BUCKET, 1 << (length - 1).bit_length())
+
+
+def pad_conds(conds: list[torch.Tensor], length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack [L_i, D] tensors into zero-padded [B, L, D] plus a validity mask [B, L], where L is
+    `length` (default: the longest L_i)."""
     longest = max(c.shape[0] for c in conds)
+    if length is not None:
+        if length < longest:
+            raise ValueError(f"pad length {length} is shorter than the longest cond ({longest})")
+        longest = length
     out = conds[0].new_zeros(len(conds), longest, conds[0].shape[1])
     mask = torch.zeros(len(conds), longest, dtype=torch.bool, device=conds[0].device)
     for i, c in enumerate(conds):
@@ -216,31 +230,40 @@ def initial_noise(dit: DiT, width: int, height: int, seeds: list[int]) -> torch.
     return torch.stack(noise)
 
 
+def _euler(dit: DiT, x: torch.Tensor, cond: torch.Tensor, mask: torch.Tensor, n: int,
+           guidance_scale: float, progress: Progress | None) -> torch.Tensor:
+    guided = guidance_scale != 1.0
+    for i in range(n):
+        t, t_next = 1.0 - i / n, 1.0 - (i + 1) / n
+        x_in = torch.cat([x, x]) if guided else x
+        v = dit(x_in, torch.full((x_in.shape[0],), t, device=x.device), cond, mask).float()
+        if guided:
+            v_c, v_u = v.chunk(2)
+            v = v_u + guidance_scale * (v_c - v_u)
+        x = x + (t_next - t) * v
+        if progress is not None:
+            progress(i + 1, n)
+    return x
+
+
 def sample(dit: DiT, decoder: LatentDecoder, conds: list[torch.Tensor], width: int,
            height: int, num_inference_steps: int, guidance_scale: float, seeds: list[int],
-           progress: Progress | None = None) -> torch.Tensor:
-    """Euler flow-matching sampler; returns images [B, height, width, 3] float32 in [0, 1]."""
+           progress: Progress | None = None, graphs: StepGraphs | None = None) -> torch.Tensor:
+    """Euler flow-matching sampler; returns images [B, height, width, 3] float32 in [0, 1].
+    With `graphs` the steps are replayed from captured CUDA graphs (same arithmetic)."""
     _check_sample_args(dit, conds, width, height, num_inference_steps, seeds)
     device, dtype = dit.null_cond.device, dit.null_cond.dtype
-    guided = guidance_scale != 1.0
     with torch.inference_mode():
         rows = [platform.to_device(c, device).to(dtype) for c in conds]
-        if guided:
+        if guidance_scale != 1.0:
             rows += [dit.null_cond] * len(conds)
-        cond, mask = pad_conds(rows)
+        cond, mask = pad_conds(rows, cond_bucket(max(r.shape[0] for r in rows)))
         # Latents stay float32 so the Euler sum does not drift in low precision.
         x = platform.to_device(initial_noise(dit, width, height, seeds), device)
-        n = num_inference_steps
-        for i in range(n):
-            t, t_next = 1.0 - i / n, 1.0 - (i + 1) / n
-            x_in = torch.cat([x, x]) if guided else x
-            v = dit(x_in, torch.full((x_in.shape[0],), t, device=device), cond, mask).float()
-            if guided:
-                v_c, v_u = v.chunk(2)
-                v = v_u + guidance_scale * (v_c - v_u)
-            x = x + (t_next - t) * v
-            if progress is not None:
-                progress(i + 1, n)
+        if graphs is not None:
+            x = graphs.denoise(x, cond, mask, num_inference_steps, guidance_scale, progress)
+        else:
+            x = _euler(dit, x, cond, mask, num_inference_steps, guidance_scale, progress)
         rgb = decoder(x).float()
         # Channels last on the device: each request's image is then one contiguous slice, which
         # the output path ships without a strided gather on the host.

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import torch
 
+from .. import platform
 from ..offload.config import DloOptions
 from ..offload.dit_loader import load_offloaded_dit
 from .dit import sample
+from .step_graphs import StepGraphs
 from .tp import TpGroup
 from ..sleep import WeightFile
 from .weights import DECODER_PREFIX, DIT_FILE, DIT_PREFIX, LM_FILE, load_dit, load_lm, read_config
@@ -92,7 +94,7 @@ class DiffusionRunner:
     kind = "diffusion"
 
     def __init__(self, model_dir: Path, device: str = "cpu", dlo: dict | None = None,
-                 group=None, tp: TpGroup | None = None) -> None:
+                 group=None, tp: TpGroup | None = None, cuda_graphs: bool = True) -> None:
         self.model_dir = Path(model_dir)
         self.device = device
         self.config = read_config(self.model_dir)
@@ -105,6 +107,9 @@ class DiffusionRunner:
                 self.model_dir, device, opts, group=group, tp=self.tp)
         else:
             self.dit, self.decoder = load_dit(self.model_dir, device, tp=self.tp)
+        # Graphs fix the weights' addresses: not with DLO (it streams them) or TP (collectives).
+        self.graphs = StepGraphs(self.dit) if (cuda_graphs and platform.is_cuda(device)
+                                               and self.offload is None and self.tp is None) else None
 
     def weight_files(self) -> list[WeightFile]:
         # Under DLO the streamed blocks belong to the offload engine (host copies or the
@@ -115,8 +120,9 @@ class DiffusionRunner:
         return [WeightFile(self.model_dir / DIT_FILE, parts, skip)]
 
     def device_holders(self) -> list:
-        """The DLO engine's device slots sleep and wake with the resident weights."""
-        return [self.offload] if self.offload is not None else []
+        """The DLO engine's device slots sleep and wake with the resident weights; captured
+        step graphs (which point at the weights) are dropped by sleep."""
+        return [h for h in (self.offload, self.graphs) if h is not None]
 
     def _cond(self, item: WorkItem) -> torch.Tensor:
         cond = item.inputs.get("hidden_states")
@@ -143,7 +149,7 @@ class DiffusionRunner:
                         width=head.width, height=head.height,
                         num_inference_steps=head.num_inference_steps,
                         guidance_scale=head.guidance_scale,
-                        seeds=[i.seed for i in batch], progress=progress)
+                        seeds=[i.seed for i in batch], progress=progress, graphs=self.graphs)
         return [{"image": _output(img)} for img in images]
 
     def limits(self) -> dict:
@@ -174,10 +180,11 @@ _RUNNERS: dict[str, type[ArRunner | DiffusionRunner]] = {
 
 def build_runner(kind: str, model_dir: Path, device: str = "cpu",
                  dlo: dict | None = None, group=None,
-                 tp: TpGroup | None = None) -> ArRunner | DiffusionRunner:
+                 tp: TpGroup | None = None, cuda_graphs: bool = True) -> ArRunner | DiffusionRunner:
     """Load the runner for a stage kind from an existing model folder (see ensure_model_dir).
     `group`: the stage's DP process group (DLO AllGather with dp_size > 1); `tp`: the rank's
-    TP coordinate (tensor_parallel_size > 1, diffusion only)."""
+    TP coordinate (tensor_parallel_size > 1, diffusion only); `cuda_graphs`: the embedded
+    DiT's steps from captured graphs where that applies (DiffusionRunner)."""
     from .diffusers_adapter import FOLDER_ONLY_KINDS, is_diffusers_folder
 
     # A diffusers-format folder (model_index.json) goes to the adapter, which alone imports
@@ -192,7 +199,7 @@ def build_runner(kind: str, model_dir: Path, device: str = "cpu",
         raise ValueError(f"unknown runner kind {kind!r}; expected one of {sorted(_RUNNERS)}") \
             from None
     if cls is DiffusionRunner:
-        return cls(model_dir, device, dlo, group, tp)
+        return cls(model_dir, device, dlo, group, tp, cuda_graphs=cuda_graphs)
     if tp is not None and tp.size > 1:
         raise ValueError(f"tensor parallelism covers the diffusion stage only, not {kind!r}")
     return cls(model_dir, device)
