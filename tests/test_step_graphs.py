@@ -100,3 +100,16 @@ def test_graphs_only_where_they_apply_and_the_flag_reaches_the_worker(model_dir)
     assert not StageSettings.from_args(parser.parse_args(off.to_flags())).cuda_graphs
     executor = Executor(1, "diffusion", str(model_dir), "cpu", 1, cuda_graphs=False)
     assert [spec.cuda_graphs for spec in executor._specs] == [False]
+
+
+def test_a_step_that_cannot_be_captured_runs_eagerly_from_then_on(dit_pair, monkeypatch):
+    # No GPU here: the capture itself is replaced by one that fails as a driver would.
+    from stage_service.models import step_graphs
+
+    def refuse(run, device):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(step_graphs, "_capture", refuse)
+    graphs = StepGraphs(dit_pair[0], capture=True)
+    assert torch.equal(_sample(dit_pair, _conds(4), graphs=graphs), _sample(dit_pair, _conds(4)))
+    assert not graphs._capture and len(graphs) == 1

@@ -23,6 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
+from stagemesh import logs
+
+from .. import platform
+
+log = logs.get_logger("stagemesh.step_graphs")
+
 Progress = Callable[[int, int], None]
 WARMUP_RUNS = 2  # torch: run a step on a side stream before capturing it (lazy inits, cuBLAS)
 # Each graph keeps its own pool of activation memory; a new shape costs its first batch about
@@ -118,7 +124,14 @@ class StepGraphs:
 
         step = _Step(run=run, **buffers)
         if self._capture:
-            step.graph = _capture(run, dev)
+            try:
+                step.graph = _capture(run, dev)
+            except RuntimeError as exc:
+                # A model or driver that cannot be captured still serves, at eager speed.
+                platform.clear_cuda_error()
+                self._capture = False
+                log.warning("CUDA graph capture failed; denoising steps run eagerly from now on",
+                            error=str(exc))
         return step
 
 
