@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -13,8 +14,10 @@ from stage_service import platform
 from stage_service.offload.plan import OffloadPlan
 
 from .config import DiTConfig
-from .step_graphs import StepGraphs
 from .tp import TpGroup, column, row, split
+
+if TYPE_CHECKING:
+    from .step_graphs import StepGraphs
 
 TIME_FREQ_DIM = 256
 MIN_COND_BUCKET = 8
@@ -230,17 +233,24 @@ def initial_noise(dit: DiT, width: int, height: int, seeds: list[int]) -> torch.
     return torch.stack(noise)
 
 
+def velocity(dit: DiT, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor, mask: torch.Tensor,
+             guided: bool, guidance: float | torch.Tensor) -> torch.Tensor:
+    """The flow velocity of latents `x` at times `t` (one per DiT row), float32; with guidance
+    `cond` holds the conditional rows then the unconditional ones."""
+    v = dit(torch.cat([x, x]) if guided else x, t, cond, mask).float()
+    if not guided:
+        return v
+    v_c, v_u = v.chunk(2)
+    return v_u + guidance * (v_c - v_u)
+
+
 def _euler(dit: DiT, x: torch.Tensor, cond: torch.Tensor, mask: torch.Tensor, n: int,
            guidance_scale: float, progress: Progress | None) -> torch.Tensor:
     guided = guidance_scale != 1.0
     for i in range(n):
         t, t_next = 1.0 - i / n, 1.0 - (i + 1) / n
-        x_in = torch.cat([x, x]) if guided else x
-        v = dit(x_in, torch.full((x_in.shape[0],), t, device=x.device), cond, mask).float()
-        if guided:
-            v_c, v_u = v.chunk(2)
-            v = v_u + guidance_scale * (v_c - v_u)
-        x = x + (t_next - t) * v
+        t_rows = torch.full((cond.shape[0],), t, device=x.device)
+        x = x + (t_next - t) * velocity(dit, x, t_rows, cond, mask, guided, guidance_scale)
         if progress is not None:
             progress(i + 1, n)
     return x

@@ -26,6 +26,7 @@ import torch
 from stagemesh import logs
 
 from .. import platform
+from .dit import velocity
 
 log = logs.get_logger("stagemesh.step_graphs")
 
@@ -115,11 +116,7 @@ class StepGraphs:
 
         def run() -> None:
             s = buffers
-            x_in = torch.cat([s["x"], s["x"]]) if guided else s["x"]
-            v = dit(x_in, s["t"], s["cond"], s["mask"]).float()
-            if guided:
-                v_c, v_u = v.chunk(2)
-                v = v_u + s["guidance"] * (v_c - v_u)
+            v = velocity(dit, s["x"], s["t"], s["cond"], s["mask"], guided, s["guidance"])
             s["x"].add_(s["dt"] * v)
 
         step = _Step(run=run, **buffers)
