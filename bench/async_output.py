@@ -77,14 +77,18 @@ class Served:
     """(b) or (c): engine -> executor -> worker process, kept up across rounds."""
 
     def __init__(self, model_dir: Path, device: str, size: int, batch: int, steps: int,
-                 step_execution: bool, cuda_graphs: bool = True):
+                 step_execution: bool, cuda_graphs: bool = True, concurrency: int = 0):
         self.size, self.steps = size, steps
         self.executor = Executor(1, "diffusion", str(model_dir), device, 1,
                                  step_execution=step_execution, cuda_graphs=cuda_graphs)
         self.executor.start()
         self.engine = Engine(self.executor, "diffusion", 1, max_batch_size=batch, max_queue=10_000)
-        # Enough concurrent requests that full batches are always waiting (a saturated stage).
-        self.concurrency = max(16, 4 * batch)
+        # Enough requests in flight that full batches are always waiting (a saturated stage). With
+        # captured steps the worker launches several batches ahead of the GPU, and a request is
+        # in flight until its output is back: the engine's next batch, the worker's queue, the
+        # GPU's queue and the output path all hold requests. At 4 x batch (16 at batch 4) the
+        # next batch was missing when the worker looked for it in 58 % of passes.
+        self.concurrency = concurrency or max(32, 16 * batch)
         self.seed = 0
 
     async def start(self) -> None:
@@ -127,7 +131,7 @@ async def start_paths(up: contextlib.AsyncExitStack, model_dir: Path, args, size
     paths = []
     for step_execution in (True, False):
         path = Served(model_dir, args.device, size, batch, args.steps, step_execution,
-                      args.cuda_graphs)
+                      args.cuda_graphs, args.concurrency)
         up.push_async_callback(path.close)
         await path.start()
         paths.append(path)
@@ -160,18 +164,25 @@ async def measure_point(model_dir: Path, args, size: int, batch: int) -> dict:
                 forward_spread=spread, rounds=rounds)
 
 
+def add_serving_args(parser: argparse.ArgumentParser, sizes: list[int], batches: list[int]) -> None:
+    """The options of a served point, shared with bench/async_timeline.py (start_paths reads them)."""
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--sizes", type=int, nargs="+", default=sizes)
+    parser.add_argument("--batches", type=int, nargs="+", default=batches)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=0,
+                        help="requests in flight per served path (default: max(32, 16 x batch))")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="denoising steps from captured CUDA graphs (the stage default)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 512, 1024])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--steps", type=int, default=8)
+    add_serving_args(parser, sizes=[256, 512, 1024], batches=[1, 4])
     parser.add_argument("--iters", type=int, default=0,
                         help="(a): forward passes per round (default: as many as (b) and (c) run)")
     parser.add_argument("--requests", type=int, default=48, help="(b), (c): requests per round")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                        help="denoising steps from captured CUDA graphs (the stage default)")
     parser.add_argument("--output", default="bench/results/async_output.json")
     args = parser.parse_args()
 
@@ -193,6 +204,8 @@ def main() -> None:
                  "(c)/(median pass)"],
                 rows, floatfmt=".2f")
     path = write_json(args.output, "async_output", {"device": args.device, "rounds": args.rounds,
+                                                    "requests": args.requests,
+                                                    "concurrency": args.concurrency or "max(32, 16 x batch)",
                                                     "cuda_graphs": args.cuda_graphs, "points": points})
     print(f"wrote {path}")
 

@@ -32,11 +32,10 @@ import threading
 import time
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.async_output import start_paths  # noqa: E402
+from bench.async_output import add_serving_args, start_paths  # noqa: E402
 from bench.common import print_table, write_json  # noqa: E402
 from stage_service import protocol  # noqa: E402
 from stage_service.models.config import PipelineConfig  # noqa: E402
@@ -146,14 +145,9 @@ async def measure_point(model_dir: Path, args, size: int, batch: int) -> list[di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[256])
-    parser.add_argument("--batches", type=int, nargs="+", default=[4])
-    parser.add_argument("--steps", type=int, default=8)
+    add_serving_args(parser, sizes=[256], batches=[4])
     parser.add_argument("--requests", type=int, default=96, help="requests per round and mode")
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                        help="denoising steps from captured CUDA graphs (the stage default)")
     parser.add_argument("--output", default="bench/results/async_timeline.json")
     args = parser.parse_args()
 

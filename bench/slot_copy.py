@@ -19,7 +19,6 @@ copies. Run on a GPU: python bench/slot_copy.py
 from __future__ import annotations
 
 import argparse
-import ctypes
 import mmap
 import statistics
 import sys
@@ -28,7 +27,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
