@@ -163,7 +163,9 @@ def main() -> None:
                   r["gap_ms"], r["gap_p90_ms"], r["queued_fraction"], r["output_lag_ms"], r["unpack_ms"],
                   r["progress_per_batch"]] for r in rows], floatfmt=".2f")
     path = write_json(args.output, "async_timeline", {"device": args.device, "rounds": args.rounds,
-                                                      "rows": rows})
+                                                      "requests": args.requests,
+                                                      "concurrency": args.concurrency or "max(32, 16 x batch)",
+                                                      "cuda_graphs": args.cuda_graphs, "rows": rows})
     print(f"wrote {path}")
 
 
