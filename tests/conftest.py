@@ -1,13 +1,23 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from stage_service.models.config import PipelineConfig
+from stage_service.models.weights import ensure_model_dir
 from tests.meshproc import Mesh, segments_of, shm_entries, start_mesh, write_config
 
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("model") / "default-tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_dir) -> Path:
+    """The embedded default model written into `model_dir` (once; read-only for tests)."""
+    return ensure_model_dir(Path(model_dir), PipelineConfig.tiny())
 
 
 @pytest.fixture(scope="session")

@@ -17,19 +17,13 @@ import torch
 
 from cache_service import locks
 from stage_service.executor import Executor
-from stage_service.models.config import PipelineConfig
 from stage_service.models.runners import DiffusionRunner, WorkItem, build_runner
-from stage_service.models.weights import ensure_model_dir, load_dit
+from stage_service.models.weights import load_dit
 from stage_service.offload import DloOptions
 from stage_service.offload.runtime_weights import (DitWeightCache, final_tensors,
                                                    swap_storage)
 
 TOLERANCE = 1e-6  # TP=2 vs TP=1 rounding, see tests/test_tensor_parallel.py
-
-
-@pytest.fixture(scope="module")
-def tiny(model_dir) -> Path:
-    return ensure_model_dir(Path(model_dir), PipelineConfig.tiny())
 
 
 def _opts(root: Path, **kw) -> dict:
@@ -43,9 +37,9 @@ def _items() -> list[WorkItem]:
 
 
 @pytest.fixture(scope="module")
-def want(tiny) -> torch.Tensor:
+def want(tiny_model) -> torch.Tensor:
     torch.set_num_threads(1)
-    return build_runner("diffusion", tiny).run(_items())[0]["image"]
+    return build_runner("diffusion", tiny_model).run(_items())[0]["image"]
 
 
 def _layout_entries(root: Path) -> list[Path]:
@@ -72,10 +66,10 @@ def _in_entry(t: torch.Tensor, entry: Path) -> bool:
 
 # ---- in one process ----------------------------------------------------------------------
 
-def test_publish_then_skip_load_hit(tiny, want, tmp_path):
+def test_publish_then_skip_load_hit(tiny_model, want, tmp_path):
     torch.set_num_threads(1)
     started = time.perf_counter()
-    first = DiffusionRunner(tiny, "cpu", _opts(tmp_path))
+    first = DiffusionRunner(tiny_model, "cpu", _opts(tmp_path))
     miss_s = time.perf_counter() - started
     assert first.runtime_cache.reason == "published"
     [entry] = _layout_entries(tmp_path)
@@ -85,7 +79,7 @@ def test_publish_then_skip_load_hit(tiny, want, tmp_path):
     assert torch.equal(first.run(_items())[0]["image"], want)
 
     started = time.perf_counter()
-    second = DiffusionRunner(tiny, "cpu", _opts(tmp_path))
+    second = DiffusionRunner(tiny_model, "cpu", _opts(tmp_path))
     hit_s = time.perf_counter() - started
     assert second.runtime_cache.reason == "skip_load_hit"
     assert second.runtime_cache.key == first.runtime_cache.key
@@ -96,8 +90,8 @@ def test_publish_then_skip_load_hit(tiny, want, tmp_path):
           f"{first.runtime_cache.load_s * 1e3:.1f} / {second.runtime_cache.load_s * 1e3:.1f} ms")
 
 
-def test_swap_keeps_the_parameter_objects(tiny, tmp_path):
-    dit, decoder = load_dit(tiny)
+def test_swap_keeps_the_parameter_objects(tiny_model, tmp_path):
+    dit, decoder = load_dit(tiny_model)
     parts = {"dit.": dit, "decoder.": decoder}
     before = {n: id(p) for n, p in dit.named_parameters()}
     mapped = {n: t.clone() for n, t in final_tensors(parts).items()}
@@ -106,16 +100,16 @@ def test_swap_keeps_the_parameter_objects(tiny, tmp_path):
     assert dit.x_embed.weight.data_ptr() == mapped["dit.x_embed.weight"].data_ptr()
     # A mismatch changes nothing.
     mapped.pop("dit.x_embed.bias")
-    fresh, fresh_dec = load_dit(tiny)
+    fresh, fresh_dec = load_dit(tiny_model)
     ptr = fresh.x_embed.weight.data_ptr()
     with pytest.raises(Exception, match="names differ"):
         swap_storage({"dit.": fresh, "decoder.": fresh_dec}, mapped)
     assert fresh.x_embed.weight.data_ptr() == ptr
 
 
-def test_one_changed_byte_gives_a_new_key(tiny, tmp_path):
-    cache = DitWeightCache(tiny, DloOptions(**_opts(tmp_path)), None)
-    dit, decoder = load_dit(tiny)
+def test_one_changed_byte_gives_a_new_key(tiny_model, tmp_path):
+    cache = DitWeightCache(tiny_model, DloOptions(**_opts(tmp_path)), None)
+    dit, decoder = load_dit(tiny_model)
     tensors = final_tensors({"dit.": dit, "decoder.": decoder})
     key = cache.layout_key_of(tensors)
     assert cache.layout_key_of(dict(tensors)) == key
@@ -126,15 +120,15 @@ def test_one_changed_byte_gives_a_new_key(tiny, tmp_path):
     assert cache.layout_key_of(changed) != key
 
 
-def test_cache_not_usable_keeps_private_tensors(tiny, want, tmp_path):
+def test_cache_not_usable_keeps_private_tensors(tiny_model, want, tmp_path):
     root = tmp_path / "root"
-    dit, decoder = load_dit(tiny)
-    cache = DitWeightCache(tiny, DloOptions(**_opts(root)), None)
+    dit, decoder = load_dit(tiny_model)
+    cache = DitWeightCache(tiny_model, DloOptions(**_opts(root)), None)
     key = cache.layout_key_of(final_tensors({"dit.": dit, "decoder.": decoder}))
     cache.cache.store.ensure_root()
     held = locks.publication_lock(root, key, 5.0)  # another publisher that never finishes
     try:
-        runner = DiffusionRunner(tiny, "cpu", _opts(root, dlo_runtime_cache_lock_timeout=0.3))
+        runner = DiffusionRunner(tiny_model, "cpu", _opts(root, dlo_runtime_cache_lock_timeout=0.3))
     finally:
         held.release()
     assert runner.runtime_cache.reason == "lock_timeout" and runner.runtime_cache.entry is None
@@ -142,7 +136,7 @@ def test_cache_not_usable_keeps_private_tensors(tiny, want, tmp_path):
     assert torch.equal(runner.run(_items())[0]["image"], want)
     # A root that cannot exist (under a regular file): io_error, same fallback.
     (tmp_path / "file").write_text("x")
-    broken = DiffusionRunner(tiny, "cpu", _opts(tmp_path / "file" / "root"))
+    broken = DiffusionRunner(tiny_model, "cpu", _opts(tmp_path / "file" / "root"))
     assert broken.runtime_cache.reason == "io_error"
     assert torch.equal(broken.run(_items())[0]["image"], want)
 
@@ -158,8 +152,8 @@ def _image(ex: Executor) -> torch.Tensor:
     return fut.result(120)[0]["image"]
 
 
-def test_two_stages_with_one_layout_share_one_entry(tiny, want, tmp_path):
-    stages = [Executor(i, "diffusion", str(tiny), "cpu", 1, threads=1, step_execution=True,
+def test_two_stages_with_one_layout_share_one_entry(tiny_model, want, tmp_path):
+    stages = [Executor(i, "diffusion", str(tiny_model), "cpu", 1, threads=1, step_execution=True,
                        dlo=_opts(tmp_path)) for i in (1, 2)]
     try:
         # Started from this thread: a worker dies with the thread that spawned it (PDEATHSIG).
@@ -174,8 +168,8 @@ def test_two_stages_with_one_layout_share_one_entry(tiny, want, tmp_path):
             ex.shutdown()
 
 
-def test_tp_ranks_get_distinct_entries(tiny, want, tmp_path):
-    ex = Executor(1, "diffusion", str(tiny), "cpu", 2, threads=1, step_execution=True,
+def test_tp_ranks_get_distinct_entries(tiny_model, want, tmp_path):
+    ex = Executor(1, "diffusion", str(tiny_model), "cpu", 2, threads=1, step_execution=True,
                   dlo=_opts(tmp_path, tensor_parallel_size=2))
     try:
         ex.start(120)

@@ -31,14 +31,6 @@ SIZE, STEPS = 64, 3
 COND_DIM = 64  # the tiny preset's DiT
 
 
-@pytest.fixture(scope="module")
-def tiny(model_dir) -> Path:
-    from stage_service.models.config import PipelineConfig
-    from stage_service.models.weights import ensure_model_dir
-
-    return ensure_model_dir(Path(model_dir), PipelineConfig.tiny())
-
-
 def _params(seed: int, **kw) -> Params:
     base = dict(prompt=f"prompt {seed}", width=SIZE, height=SIZE, num_inference_steps=STEPS,
                 guidance_scale=4.0, seed=seed, output_format="png")
@@ -51,9 +43,9 @@ def _inputs(seed: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny):
+def reference(tiny_model):
     """seed -> the image a dp_size 1 DLO runner draws for that request alone."""
-    runner = build_runner("diffusion", tiny, dlo={"enable_dlo": True})
+    runner = build_runner("diffusion", tiny_model, dlo={"enable_dlo": True})
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers run
     cache: dict = {}
@@ -213,11 +205,11 @@ def test_a_failing_rank_ends_the_wave_without_waiting_for_the_timeout():
 
 
 @pytest.mark.parametrize("dp,fault", [(2, "kill"), (3, "stop")])
-def test_dp_waves_on_real_gloo_ranks(tiny, reference, monkeypatch, dp, fault):
+def test_dp_waves_on_real_gloo_ranks(tiny_model, reference, monkeypatch, dp, fault):
     monkeypatch.setenv(WAVE_TIMEOUT_ENV, "2")
 
     async def scenario() -> None:
-        async with running(tiny, dp) as stage:
+        async with running(tiny_model, dp) as stage:
             await _check_waves(stage, dp, reference)
             await _check_sleep_wake(stage, dp, reference)
             await _check_fail_closed(stage, dp, fault, reference)

@@ -12,7 +12,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -179,14 +178,6 @@ def test_shutdown_closes_queues_and_fails_pending_even_when_the_request_queue_is
 
 
 # ---- points 8 and 9 with a real worker process on the real tiny model ---------------------------------
-
-@pytest.fixture(scope="module")
-def tiny_model(model_dir) -> Path:
-    from stage_service.models.config import PipelineConfig
-    from stage_service.models.weights import ensure_model_dir
-
-    return ensure_model_dir(Path(model_dir), PipelineConfig.tiny())
-
 
 def diffusion_item(seed: int, size: int, steps: int, cond_dim: int) -> dict:
     g = torch.Generator().manual_seed(seed)

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stage_service.models.config import PipelineConfig
 from stage_service.models.runners import DiffusionRunner, WorkItem
-from stage_service.models.weights import DIT_PREFIX, ensure_model_dir
+from stage_service.models.weights import DIT_PREFIX
 from stage_service.sleep import SleepController
 
 STAGED = {"enable_dlo": True}
@@ -24,13 +23,8 @@ PACKED = {"enable_dlo": True, "dlo_checkpoint_mmap": False}  # ordinary loader: 
 OPTIONS = {"staged": STAGED, "resident-1": RESIDENT, "packed": PACKED}
 
 
-@pytest.fixture(scope="module")
-def weights_dir(model_dir) -> Path:
-    return ensure_model_dir(Path(model_dir), PipelineConfig.tiny())
-
-
-def _runner(weights_dir: Path, name: str) -> DiffusionRunner:
-    return DiffusionRunner(weights_dir, "cpu", OPTIONS[name])
+def _runner(tiny_model: Path, name: str) -> DiffusionRunner:
+    return DiffusionRunner(tiny_model, "cpu", OPTIONS[name])
 
 
 def _image(runner: DiffusionRunner, seed: int = 11) -> torch.Tensor:
@@ -69,8 +63,8 @@ def _host_state(runner: DiffusionRunner) -> list[tuple[int, bytes]]:
 
 @pytest.mark.parametrize("level", [1, 2])
 @pytest.mark.parametrize("name", sorted(OPTIONS))
-def test_sleep_frees_slots_and_resident_weights_and_wake_restores_them(weights_dir, name, level):
-    runner = _runner(weights_dir, name)
+def test_sleep_frees_slots_and_resident_weights_and_wake_restores_them(tiny_model, name, level):
+    runner = _runner(tiny_model, name)
     before = _bits(_image(runner))
     resident, streamed = _split(runner)
     slots = runner.offload.stats().slot_bytes
@@ -95,8 +89,8 @@ def test_sleep_frees_slots_and_resident_weights_and_wake_restores_them(weights_d
     assert _bits(_image(runner)) == before
 
 
-def test_resident_layers_are_managed_by_sleep(weights_dir):
-    runner = _runner(weights_dir, "resident-1")
+def test_resident_layers_are_managed_by_sleep(tiny_model):
+    runner = _runner(tiny_model, "resident-1")
     files = runner.weight_files()
     block0 = runner.dit.blocks[0]
     assert runner.offload.stats().resident_blocks == 1
@@ -110,8 +104,8 @@ def test_resident_layers_are_managed_by_sleep(weights_dir):
     assert all(p.numel() > 0 for p in block0.parameters())
 
 
-def test_deeper_sleep_and_many_cycles_keep_the_output(weights_dir):
-    runner = _runner(weights_dir, "staged")
+def test_deeper_sleep_and_many_cycles_keep_the_output(tiny_model):
+    runner = _runner(tiny_model, "staged")
     before = _bits(_image(runner, seed=5))
     controller = SleepController(runner.weight_files(), "cpu")
     slots = runner.offload.stats().slot_bytes
@@ -126,8 +120,8 @@ def test_deeper_sleep_and_many_cycles_keep_the_output(weights_dir):
     assert _bits(_image(runner, seed=5)) == before
 
 
-def test_without_dlo_every_weight_is_managed_and_nothing_else_sleeps(weights_dir):
-    runner = DiffusionRunner(weights_dir, "cpu")
+def test_without_dlo_every_weight_is_managed_and_nothing_else_sleeps(tiny_model):
+    runner = DiffusionRunner(tiny_model, "cpu")
     assert runner.device_holders() == [] and runner.weight_files()[0].skip == ()
     controller = SleepController(runner.weight_files(), "cpu")
     everything = [*runner.dit.parameters(), *runner.dit.buffers(), *runner.decoder.parameters(),

@@ -12,27 +12,21 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from stage_service.models.config import PipelineConfig
 from stage_service.models.runners import ArRunner, DiffusionRunner, WorkItem
-from stage_service.models.weights import DIT_FILE, ensure_model_dir
+from stage_service.models.weights import DIT_FILE
 from stage_service.sleep import SleepController, WeightFile
 
 ALIGN = 64
 
 
-@pytest.fixture(scope="module")
-def weights_dir(model_dir) -> Path:
-    return ensure_model_dir(Path(model_dir), PipelineConfig.tiny())
+@pytest.fixture
+def ar(tiny_model) -> ArRunner:
+    return ArRunner(tiny_model, "cpu")
 
 
 @pytest.fixture
-def ar(weights_dir) -> ArRunner:
-    return ArRunner(weights_dir, "cpu")
-
-
-@pytest.fixture
-def diffusion(weights_dir) -> DiffusionRunner:
-    return DiffusionRunner(weights_dir, "cpu")
+def diffusion(tiny_model) -> DiffusionRunner:
+    return DiffusionRunner(tiny_model, "cpu")
 
 
 # ---- helpers --------------------------------------------------------------------------------------
@@ -204,8 +198,8 @@ def test_level_3_is_refused_without_touching_the_weights(diffusion):
 
 
 # ---- level 2 reload from a checkpoint that does not fit -----------------------------------------
-def _broken_checkpoint(tmp_path: Path, weights_dir: Path, edit) -> Path:
-    tensors = load_file(str(weights_dir / DIT_FILE))
+def _broken_checkpoint(tmp_path: Path, tiny_model: Path, edit) -> Path:
+    tensors = load_file(str(tiny_model / DIT_FILE))
     key = edit(tensors)
     path = tmp_path / "broken.safetensors"
     save_file(tensors, str(path))
@@ -225,8 +219,8 @@ def _reshape_one(tensors: dict) -> str:
 
 
 @pytest.mark.parametrize("edit, words", [(_drop_one, "lacks"), (_reshape_one, "the model holds")])
-def test_level_2_wake_from_a_mismatched_checkpoint_names_the_key(tmp_path, weights_dir, diffusion, edit, words):
-    path, key = _broken_checkpoint(tmp_path, weights_dir, edit)
+def test_level_2_wake_from_a_mismatched_checkpoint_names_the_key(tmp_path, tiny_model, diffusion, edit, words):
+    path, key = _broken_checkpoint(tmp_path, tiny_model, edit)
     files = [WeightFile(path, diffusion.weight_files()[0].parts)]
     controller = SleepController(files, "cpu")
     controller.sleep(2)

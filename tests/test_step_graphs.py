@@ -11,20 +11,15 @@ import pytest
 import torch
 
 from stage_service.executor import Executor
-from stage_service.models import DiffusionRunner, PipelineConfig, ensure_model_dir, load_dit
+from stage_service.models import DiffusionRunner, load_dit
 from stage_service.models.dit import MIN_COND_BUCKET, cond_bucket, pad_conds, sample
 from stage_service.models.step_graphs import StepGraphs
 from stage_service.settings import StageSettings
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_model_dir(tmp_path_factory.mktemp("models") / "tiny", PipelineConfig.tiny())
-
-
-@pytest.fixture(scope="module")
-def dit_pair(model_dir: Path):
-    return load_dit(model_dir)
+def dit_pair(tiny_model: Path):
+    return load_dit(tiny_model)
 
 
 def _conds(*lengths: int) -> list[torch.Tensor]:
@@ -90,15 +85,15 @@ def test_conditioning_pads_to_a_power_of_two_bucket():
         pad_conds(_conds(9), length=8)
 
 
-def test_graphs_only_where_they_apply_and_the_flag_reaches_the_worker(model_dir):
-    runner = DiffusionRunner(model_dir, "cpu")
+def test_graphs_only_where_they_apply_and_the_flag_reaches_the_worker(tiny_model):
+    runner = DiffusionRunner(tiny_model, "cpu")
     assert runner.graphs is None and runner.device_holders() == []  # no capture on a CPU
     parser = argparse.ArgumentParser()
     StageSettings.add_arguments(parser)
     off = StageSettings.from_args(parser.parse_args(["--kind", "diffusion", "--no-cuda-graphs"]))
     assert not off.cuda_graphs and StageSettings.from_args(parser.parse_args([])).cuda_graphs
     assert not StageSettings.from_args(parser.parse_args(off.to_flags())).cuda_graphs
-    executor = Executor(1, "diffusion", str(model_dir), "cpu", 1, cuda_graphs=False)
+    executor = Executor(1, "diffusion", str(tiny_model), "cpu", 1, cuda_graphs=False)
     assert [spec.cuda_graphs for spec in executor._specs] == [False]
 
 

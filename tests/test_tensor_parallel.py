@@ -20,20 +20,13 @@ from PIL import Image
 
 from stage_service.executor import Executor
 from stagemesh.procutil import free_port
-from stage_service.models.config import PipelineConfig
 from stage_service.models.runners import WorkItem, build_runner
-from stage_service.models.weights import ensure_model_dir
 from stage_service.settings import StageSettings
 from stagemesh.v1 import gateway_pb2, generation_pb2
 from tests.meshproc import Mesh, segments_of, shm_entries, start_mesh, write_config
 
 TOLERANCE = 1e-6
 CASES = [(64, 48, 3, 1, "a lighthouse at dusk"), (128, 64, 2, 2, "a red fox")]
-
-
-@pytest.fixture(scope="module")
-def tiny(model_dir) -> Path:
-    return ensure_model_dir(Path(model_dir), PipelineConfig.tiny())
 
 
 def _items() -> list[WorkItem]:
@@ -100,20 +93,20 @@ def test_the_tp_ranks_are_the_workers():
                          enable_dlo=True, dlo_use_allgather=False).worker_processes() == 2
 
 
-def test_runner_outside_a_stage_needs_the_group(tiny):
+def test_runner_outside_a_stage_needs_the_group(tiny_model):
     with pytest.raises(ValueError, match="process group of the stage's TP ranks"):
-        build_runner("diffusion", tiny, dlo={"tensor_parallel_size": 2})
+        build_runner("diffusion", tiny_model, dlo={"tensor_parallel_size": 2})
 
 
 # ---- runner ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dlo", [{}, {"enable_dlo": True, "dlo_use_allgather": False}],
                          ids=["resident", "dlo"])
-def test_tp2_equals_tp1_on_gloo_ranks(tiny, dlo):
+def test_tp2_equals_tp1_on_gloo_ranks(tiny_model, dlo):
     torch.set_num_threads(1)
-    ref = build_runner("diffusion", tiny)
+    ref = build_runner("diffusion", tiny_model)
     want = ref.run(_items())[0]["image"]
-    results = _run_tp2(tiny, dlo)
+    results = _run_tp2(tiny_model, dlo)
     image, q0, mode = results[0]
     assert (image - want).abs().max().item() <= TOLERANCE
     assert torch.equal(_levels(image), _levels(want))
@@ -133,11 +126,11 @@ def _submit(ex: Executor) -> torch.Tensor:
     return fut.result(120)[0]["image"]
 
 
-def test_executor_runs_every_batch_on_all_tp_ranks(tiny):
+def test_executor_runs_every_batch_on_all_tp_ranks(tiny_model):
     torch.set_num_threads(1)
-    want = build_runner("diffusion", tiny).run(_items())[0]["image"]
+    want = build_runner("diffusion", tiny_model).run(_items())[0]["image"]
     died = threading.Event()
-    ex = Executor(1, "diffusion", str(tiny), "cpu", 2, threads=1, step_execution=True,
+    ex = Executor(1, "diffusion", str(tiny_model), "cpu", 2, threads=1, step_execution=True,
                   dlo={"tensor_parallel_size": 2}, on_death=lambda rank, why: died.set())
     try:
         ex.start(120)
@@ -158,9 +151,9 @@ def test_executor_runs_every_batch_on_all_tp_ranks(tiny):
 # ---- through a real mesh -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tp_mesh(tmp_path_factory, tiny, mesh):
+def tp_mesh(tmp_path_factory, tiny_model, mesh):
     root = tmp_path_factory.mktemp("tp-mesh")
-    config = write_config(root / "mesh.toml", tiny, extra_diffusion="tensor_parallel_size = 2")
+    config = write_config(root / "mesh.toml", tiny_model, extra_diffusion="tensor_parallel_size = 2")
     shm_before = shm_entries()
     running = start_mesh(config, root / "mesh.log")
     yield running
