@@ -7,9 +7,9 @@ captured once as a CUDA graph is replayed with one launch (plus two tiny fills f
 time and step size), so the GPU, not the host, sets the pace.
 
 One graph per batch shape (rows, latent size, conditioning length, dtype, guided or not), kept
-up to `max_graphs` (least recently used dropped, with its memory). A graph reads and writes fixed device buffers:
-the latents are updated in place, step after step. The same code runs without capture (each
-"replay" calls the step), so the CPU tests cover the buffer handling.
+up to `max_graphs` (the least recently used dropped, with its memory). A graph reads and writes
+fixed device buffers: the latents are updated in place, step after step. The same code runs
+without capture (each "replay" calls the step), so the CPU tests cover the buffer handling.
 
 Graphs hold the addresses of the DiT's weights: sleep drops them (this is a device holder for
 the sleep controller) and the next batch after wake captures afresh.
