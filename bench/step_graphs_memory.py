@@ -66,8 +66,8 @@ def serve_shapes(model_dir: Path, shapes: list[tuple[int, int]], steps: int, gra
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["256x1", "256x4", "512x4", "1024x4", "256x1"],
-                        help="SIZExBATCH in serving order (five shapes with four kept: the last "
-                             "one's graph was dropped and is captured again)")
+                        help="SIZExBATCH in serving order (default: the four shapes a stage keeps "
+                             "graphs for, then the first again, which finds its graph kept)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--output", default="bench/results/step_graphs_memory.json")
     args = parser.parse_args()

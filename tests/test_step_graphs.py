@@ -77,6 +77,21 @@ def test_sleep_drops_every_entry_and_the_next_batch_builds_anew(dit_pair):
     assert torch.equal(_sample(dit_pair, _conds(6), graphs=graphs), before) and len(graphs) == 1
 
 
+def test_a_weight_moved_behind_the_graphs_back_makes_the_next_batch_capture_anew(dit_pair):
+    # A sleep controller not told about the graphs (or a reload) gives the weights new storage;
+    # a replay must never read the old addresses.
+    dit = dit_pair[0]
+    graphs = StepGraphs(dit, capture=False)
+    before = _sample(dit_pair, _conds(6), graphs=graphs)
+    captured = next(iter(graphs._steps.values()))
+    _sample(dit_pair, _conds(6), graphs=graphs)
+    assert next(iter(graphs._steps.values())) is captured  # same addresses: kept
+    weight = next(dit.parameters())
+    weight.data = weight.data.clone()  # same values, new storage
+    assert torch.equal(_sample(dit_pair, _conds(6), graphs=graphs), before)
+    assert len(graphs) == 1 and next(iter(graphs._steps.values())) is not captured
+
+
 def test_conditioning_pads_to_a_power_of_two_bucket():
     assert [cond_bucket(n) for n in (1, 8, 9, 16, 17, 100)] == [MIN_COND_BUCKET, 8, 16, 16, 32, 128]
     cond, mask = pad_conds(_conds(3, 5), length=8)

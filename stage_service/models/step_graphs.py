@@ -12,7 +12,9 @@ fixed device buffers: the latents are updated in place, step after step. The sam
 without capture (each "replay" calls the step), so the CPU tests cover the buffer handling.
 
 Graphs hold the addresses of the DiT's weights: sleep drops them (this is a device holder for
-the sleep controller) and the next batch after wake captures afresh.
+the sleep controller) and the next batch after wake captures afresh. Whoever else moves a weight
+(a sleep controller not told about the graphs, a reload), the next batch sees the new addresses
+and captures afresh too: a replay never reads memory the weights have left.
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ class StepGraphs:
         self._capture = capture
         self._max = max(1, max_graphs)
         self._steps: collections.OrderedDict[tuple, _Step] = collections.OrderedDict()
+        # The weight tensors (their storage can move; the tensors stay) and the addresses the
+        # graphs were captured with. The list is walked once: walking the module costs ~30x more.
+        self._weights = [*dit.parameters(), *dit.buffers()]
+        self._weights_at: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -73,6 +79,10 @@ class StepGraphs:
         guided rows (conditional then unconditional) when guidance is on. Returns the latents
         in the step's buffer: read them before the next call."""
         guided = guidance_scale != 1.0
+        weights_at = tuple(map(torch.Tensor.data_ptr, self._weights))
+        if weights_at != self._weights_at:
+            self._steps.clear()
+            self._weights_at = weights_at
         step = self._step(x, cond, mask, guided)
         step.x.copy_(x)
         step.cond.copy_(cond)
