@@ -197,7 +197,8 @@ def main() -> None:
     add_serving_args(parser, sizes=[256, 512, 1024], batches=[1, 4])
     parser.add_argument("--iters", type=int, default=0,
                         help="(a): forward passes per round (default: as many as (b) and (c) run)")
-    parser.add_argument("--requests", type=int, default=48, help="(b), (c): requests per round")
+    parser.add_argument("--requests", type=int, default=192,
+                        help="(b), (c): requests per round (several times the requests in flight)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--output", default="bench/results/async_output.json")
     args = parser.parse_args()

@@ -146,7 +146,8 @@ async def measure_point(model_dir: Path, args, size: int, batch: int) -> list[di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serving_args(parser, sizes=[256], batches=[4])
-    parser.add_argument("--requests", type=int, default=96, help="requests per round and mode")
+    parser.add_argument("--requests", type=int, default=192,
+                        help="requests per round and mode (several times the requests in flight)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--output", default="bench/results/async_timeline.json")
     args = parser.parse_args()

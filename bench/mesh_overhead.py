@@ -287,37 +287,49 @@ def measure(args: argparse.Namespace, mesh: Mesh) -> dict:
     direct = DirectPath([stages[0], stages[1]], params)
     try:
         print(f"mesh: gateway {mesh.address}, stage 0 {stages[0]}, stage 1 {stages[1]}", flush=True)
-        _, png_g = gateway.run()
-        _, png_d = direct.run()
-        if png_g != png_d:
-            raise RuntimeError("the gateway and the direct client produced different PNGs: not the same work")
-        for _ in range(args.warmup):
-            gateway.run()
-            direct.run()
-        gateway.stage_ms.clear()
-        direct.phase_ns.clear()
-        gateway.cpu_ns.clear()
-        direct.cpu_ns.clear()
-        gc.collect()
-        loadavg_before = list(os.getloadavg())
-        gateway_pid = child_pids(mesh.logs()).get("gateway")
-        gateway_cpu_before = process_cpu_s(gateway_pid)
-
-        samples: dict[str, list[int]] = {"gateway": [], "direct": []}
-        print(f"measuring {args.requests} iterations per path ...", flush=True)
-        for i in range(args.requests):
-            for path in ((gateway, direct) if i % 2 == 0 else (direct, gateway)):
-                samples[path.name].append(path.run()[0])
-        gateway_cpu_after = process_cpu_s(gateway_pid)
-
+        run = _sample_paths(args, mesh, gateway, direct)
         wire = converters.params_to_proto(converters.params_from_proto(params, direct.limits))
-        relay = relay_costs(direct.stubs[0], wire)
+        run["relay_costs"] = relay_costs(direct.stubs[0], wire)
     finally:
         gateway.close()
         direct.close()
+    return _summary(args, mesh, stages, gateway, direct, run)
 
-    g_ms = [_ms(v) for v in samples["gateway"]]
-    d_ms = [_ms(v) for v in samples["direct"]]
+
+def _sample_paths(args: argparse.Namespace, mesh: Mesh, gateway: GatewayPath, direct: DirectPath) -> dict:
+    """Check both paths do the same work, warm them up, then time them in alternating order."""
+    _, png_g = gateway.run()
+    _, png_d = direct.run()
+    if png_g != png_d:
+        raise RuntimeError("the gateway and the direct client produced different PNGs: not the same work")
+    for _ in range(args.warmup):
+        gateway.run()
+        direct.run()
+    gateway.stage_ms.clear()
+    direct.phase_ns.clear()
+    gateway.cpu_ns.clear()
+    direct.cpu_ns.clear()
+    gc.collect()
+    loadavg_before = list(os.getloadavg())
+    gateway_pid = child_pids(mesh.logs()).get("gateway")
+    gateway_cpu_before = process_cpu_s(gateway_pid)
+
+    samples: dict[str, list[int]] = {"gateway": [], "direct": []}
+    print(f"measuring {args.requests} iterations per path ...", flush=True)
+    for i in range(args.requests):
+        for path in ((gateway, direct) if i % 2 == 0 else (direct, gateway)):
+            samples[path.name].append(path.run()[0])
+    gateway_cpu_after = process_cpu_s(gateway_pid)
+    # The gateway process's CPU over the measured loop (it only works on the gateway path).
+    gateway_cpu_ms = (None if gateway_cpu_before is None or gateway_cpu_after is None
+                      else (gateway_cpu_after - gateway_cpu_before) / args.requests * 1e3)
+    return {"samples": samples, "loadavg_before": loadavg_before, "gateway_cpu_ms": gateway_cpu_ms}
+
+
+def _summary(args: argparse.Namespace, mesh: Mesh, stages: dict, gateway: GatewayPath,
+             direct: DirectPath, run: dict) -> dict:
+    g_ms = [_ms(v) for v in run["samples"]["gateway"]]
+    d_ms = [_ms(v) for v in run["samples"]["direct"]]
     g, d = common.summarize(g_ms), common.summarize(d_ms)
     paired = common.summarize([a - b for a, b in zip(g_ms, d_ms)])
     g_stage0 = [s0 for s0, _ in gateway.stage_ms]
@@ -329,7 +341,7 @@ def measure(args: argparse.Namespace, mesh: Mesh) -> dict:
                    "seed": args.seed, "prompt": PROMPT, "client": "grpc sync, one channel per target",
                    "order": "alternating (gateway, direct), (direct, gateway)"},
         "mesh": {"gateway": mesh.address, "stages": {str(k): v for k, v in stages.items()}},
-        "loadavg_before": loadavg_before,
+        "loadavg_before": run["loadavg_before"],
         "gateway": g,
         "direct": d,
         "paired_diff": paired,
@@ -346,13 +358,11 @@ def measure(args: argparse.Namespace, mesh: Mesh) -> dict:
                        "png_encode": common.percentile([_ms(v) for v in d_phase[2]], 50)},
         },
         "cpu_ms_per_request": {
-            # The gateway process's CPU over the measured loop (it only works on the gateway path).
-            "gateway_process": (None if gateway_cpu_before is None or gateway_cpu_after is None
-                                else (gateway_cpu_after - gateway_cpu_before) / args.requests * 1e3),
+            "gateway_process": run["gateway_cpu_ms"],
             "client_gateway_path": common.percentile([_ms(v) for v in gateway.cpu_ns], 50),
             "client_direct_path": common.percentile([_ms(v) for v in direct.cpu_ns], 50),
         },
-        "relay_costs": relay,
+        "relay_costs": run["relay_costs"],
         "raw_ms": {"gateway": [round(v, 4) for v in g_ms], "direct": [round(v, 4) for v in d_ms]},
     }
 
