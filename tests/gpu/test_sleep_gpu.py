@@ -37,7 +37,7 @@ def test_sleep_frees_device_memory_and_wake_restores_the_output(tmp_path):
     weights = controller.weight_bytes
     assert weights >= 0.9 * held
     for level in (1, 2):
-        result = controller.sleep(level)
+        result = controller.sleep(level, holders=runner.device_holders())  # as the worker does
         # Measured by the driver (mem_get_info), not a sum of parameter sizes.
         assert result.freed_bytes >= 0.95 * held, (level, result.freed_bytes, held, weights)
         assert torch.cuda.memory_allocated() <= held - 0.95 * weights, (level, torch.cuda.memory_allocated(), held)
@@ -48,7 +48,7 @@ def test_sleep_frees_device_memory_and_wake_restores_the_output(tmp_path):
     torch.cuda.synchronize()
     first_allocated, first_rss = None, None
     for cycle in range(20):
-        controller.sleep(1 + cycle % 2)
+        controller.sleep(1 + cycle % 2, holders=runner.device_holders())
         controller.wake()
         torch.cuda.synchronize()
         if first_allocated is None:

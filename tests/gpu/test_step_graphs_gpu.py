@@ -1,23 +1,16 @@
 """On a real GPU: denoising steps replayed from captured CUDA graphs give the eager loop's
 images, for several shapes, on replay as on capture, and again after sleep and wake (which
-move the weights the graphs point at)."""
+move the weights the graphs point at), also when the sleep controller was not told about them."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
 
-from stage_service.models import DiffusionRunner, PipelineConfig, WorkItem, ensure_model_dir
+from stage_service.models import DiffusionRunner, WorkItem
 from stage_service.sleep import SleepController
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_model_dir(tmp_path_factory.mktemp("models") / "tiny", PipelineConfig.tiny())
 
 
 def _batch(size: int, rows: int, guidance: float, cond_len: int) -> list[WorkItem]:
@@ -30,9 +23,9 @@ def _images(runner: DiffusionRunner, batch: list[WorkItem]) -> list[torch.Tensor
     return [o["image"].cpu() for o in runner.run(batch)]
 
 
-def test_graph_replay_gives_the_eager_images(model_dir):
-    graphed = DiffusionRunner(model_dir, "cuda")
-    eager = DiffusionRunner(model_dir, "cuda", cuda_graphs=False)
+def test_graph_replay_gives_the_eager_images(tiny_model):
+    graphed = DiffusionRunner(tiny_model, "cuda")
+    eager = DiffusionRunner(tiny_model, "cuda", cuda_graphs=False)
     assert graphed.graphs is not None and eager.graphs is None
     shapes = [(64, 1, 4.0, 5), (128, 4, 4.0, 12), (64, 2, 1.0, 20), (256, 3, 4.0, 7)]
     for size, rows, guidance, cond_len in shapes * 2:  # the second pass replays
@@ -42,14 +35,29 @@ def test_graph_replay_gives_the_eager_images(model_dir):
     assert len(graphed.graphs) == 4
 
 
-def test_graphs_are_captured_again_after_sleep_and_wake(model_dir):
-    runner = DiffusionRunner(model_dir, "cuda")
+def test_graphs_are_captured_again_after_sleep_and_wake(tiny_model):
+    runner = DiffusionRunner(tiny_model, "cuda")
     batch = _batch(128, 2, 4.0, 9)
     before = _images(runner, batch)
     sleep = SleepController(runner.weight_files(), "cuda")
     for level in (1, 2):
         sleep.sleep(level, holders=runner.device_holders())
         assert len(runner.graphs) == 0
+        sleep.wake()
+        after = _images(runner, batch)
+        assert all(torch.equal(a, b) for a, b in zip(after, before)), level
+
+
+def test_weights_moved_by_a_controller_without_holders_are_not_replayed_stale(tiny_model):
+    # Sleep without the runner's holders keeps the graphs while the weights move: the next
+    # batch must see the new addresses and capture again (it used to read freed memory).
+    runner = DiffusionRunner(tiny_model, "cuda")
+    batch = _batch(128, 2, 4.0, 9)
+    before = _images(runner, batch)
+    sleep = SleepController(runner.weight_files(), "cuda")
+    for level in (1, 2):
+        sleep.sleep(level)
+        assert len(runner.graphs) == 1  # not told: kept
         sleep.wake()
         after = _images(runner, batch)
         assert all(torch.equal(a, b) for a, b in zip(after, before)), level
