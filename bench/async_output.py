@@ -192,6 +192,12 @@ def add_serving_args(parser: argparse.ArgumentParser, sizes: list[int], batches:
                         help="denoising steps from captured CUDA graphs (the stage default)")
 
 
+def serving_options(args: argparse.Namespace) -> dict:
+    """The options of add_serving_args a run's JSON records (with the requests per round)."""
+    return {"device": args.device, "rounds": args.rounds, "requests": args.requests,
+            "concurrency": args.concurrency or "max(32, 16 x batch)", "cuda_graphs": args.cuda_graphs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_serving_args(parser, sizes=[256, 512, 1024], batches=[1, 4])
@@ -220,10 +226,7 @@ def main() -> None:
                  "(c) async QPS", "(d) worker fwd req/s", "(c)/(a)", "(c)/(d)", "(c)/(b) gain %",
                  "(e) pipelined fwd req/s", "(c)/(e)"],
                 rows, floatfmt=".2f")
-    path = write_json(args.output, "async_output", {"device": args.device, "rounds": args.rounds,
-                                                    "requests": args.requests,
-                                                    "concurrency": args.concurrency or "max(32, 16 x batch)",
-                                                    "cuda_graphs": args.cuda_graphs, "points": points})
+    path = write_json(args.output, "async_output", {**serving_options(args), "points": points})
     print(f"wrote {path}")
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.async_output import add_serving_args, start_paths  # noqa: E402
+from bench.async_output import add_serving_args, serving_options, start_paths  # noqa: E402
 from bench.common import print_table, write_json  # noqa: E402
 from stage_service import protocol  # noqa: E402
 from stage_service.models.config import PipelineConfig  # noqa: E402
@@ -163,10 +163,7 @@ def main() -> None:
                 [[r["size"], r["batch"], r["mode"], r["qps"], r["batches"], r["period_ms"], r["forward_ms"],
                   r["gap_ms"], r["gap_p90_ms"], r["queued_fraction"], r["output_lag_ms"], r["unpack_ms"],
                   r["progress_per_batch"]] for r in rows], floatfmt=".2f")
-    path = write_json(args.output, "async_timeline", {"device": args.device, "rounds": args.rounds,
-                                                      "requests": args.requests,
-                                                      "concurrency": args.concurrency or "max(32, 16 x batch)",
-                                                      "cuda_graphs": args.cuda_graphs, "rows": rows})
+    path = write_json(args.output, "async_timeline", {**serving_options(args), "rows": rows})
     print(f"wrote {path}")
 
 

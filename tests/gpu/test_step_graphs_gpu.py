@@ -35,29 +35,18 @@ def test_graph_replay_gives_the_eager_images(tiny_model):
     assert len(graphed.graphs) == 4
 
 
-def test_graphs_are_captured_again_after_sleep_and_wake(tiny_model):
+@pytest.mark.parametrize("told", [True, False], ids=["holders", "no-holders"])
+def test_graphs_are_captured_again_after_sleep_and_wake(tiny_model, told):
+    # Told (as the worker does), sleep drops the graphs. Not told, the graphs stay while the
+    # weights move: the next batch must see the new addresses and capture again (it used to
+    # read freed memory).
     runner = DiffusionRunner(tiny_model, "cuda")
     batch = _batch(128, 2, 4.0, 9)
     before = _images(runner, batch)
     sleep = SleepController(runner.weight_files(), "cuda")
     for level in (1, 2):
-        sleep.sleep(level, holders=runner.device_holders())
-        assert len(runner.graphs) == 0
-        sleep.wake()
-        after = _images(runner, batch)
-        assert all(torch.equal(a, b) for a, b in zip(after, before)), level
-
-
-def test_weights_moved_by_a_controller_without_holders_are_not_replayed_stale(tiny_model):
-    # Sleep without the runner's holders keeps the graphs while the weights move: the next
-    # batch must see the new addresses and capture again (it used to read freed memory).
-    runner = DiffusionRunner(tiny_model, "cuda")
-    batch = _batch(128, 2, 4.0, 9)
-    before = _images(runner, batch)
-    sleep = SleepController(runner.weight_files(), "cuda")
-    for level in (1, 2):
-        sleep.sleep(level)
-        assert len(runner.graphs) == 1  # not told: kept
+        sleep.sleep(level, holders=runner.device_holders() if told else ())
+        assert len(runner.graphs) == (0 if told else 1)
         sleep.wake()
         after = _images(runner, batch)
         assert all(torch.equal(a, b) for a, b in zip(after, before)), level
