@@ -36,12 +36,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import print_table, write_json  # noqa: E402
-from stage_service.engine import Engine, OutputsEvent  # noqa: E402
-from stage_service.executor import Executor  # noqa: E402
+from stage_service.engine.engine import Engine, OutputsEvent  # noqa: E402
+from stage_service.executor.executor import Executor  # noqa: E402
 from stage_service.models.config import PipelineConfig  # noqa: E402
 from stage_service.models.runners import DiffusionRunner, WorkItem  # noqa: E402
 from stage_service.models.weights import ensure_model_dir  # noqa: E402
-from stagemesh.params import Params  # noqa: E402
+from stagemesh.core.params import Params  # noqa: E402
 
 
 def _cond(seed: int) -> torch.Tensor:

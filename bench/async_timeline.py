@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.async_output import add_serving_args, serving_options, start_paths  # noqa: E402
 from bench.common import print_table, write_json  # noqa: E402
-from stage_service import protocol  # noqa: E402
+from stage_service.transport import protocol
 from stage_service.models.config import PipelineConfig  # noqa: E402
 from stage_service.models.weights import ensure_model_dir  # noqa: E402
 

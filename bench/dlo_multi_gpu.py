@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import dlo, dlo_models as models, dlo_timing  # noqa: E402
 from bench.common import RESULTS_DIR, print_table, write_json  # noqa: E402
 from stage_service.offload.collective import gather_into  # noqa: E402
-from stagemesh.procutil import free_port  # noqa: E402
+from stagemesh.core.procutil import free_port  # noqa: E402
 
 
 # ---- per rank --------------------------------------------------------------------------------

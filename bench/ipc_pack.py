@@ -1,4 +1,4 @@
-"""Pack + unpack throughput of stage_service.ipc against a plain memcpy of the same bytes.
+"""Pack + unpack throughput of stage_service.transport.ipc against a plain memcpy of the same bytes.
 
 The packer copies a tensor into a new shared-memory segment and the reader copies it out and
 unlinks it: two copies plus segment set-up, so the physical floor is half of memcpy's rate
@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import print_table, write_json  # noqa: E402
-from stage_service import ipc  # noqa: E402
+from stage_service.transport import ipc
 
 SIZES = {"1 MB": 1_000_000, "16 MB": 16_000_000, "256 MB": 256_000_000}
 

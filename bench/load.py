@@ -32,7 +32,7 @@ if str(REPO) not in sys.path:  # run as a script: `python3 bench/load.py`
 import grpc  # noqa: E402
 
 from bench import common  # noqa: E402
-from stagemesh import rpc  # noqa: E402
+from stagemesh.core import rpc
 from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2  # noqa: E402
 from tests.meshproc import segments_of, shm_entries  # noqa: E402
 

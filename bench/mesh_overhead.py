@@ -38,8 +38,8 @@ import grpc  # noqa: E402
 
 from bench import common  # noqa: E402
 from gateway.images import encode_png  # noqa: E402
-from stagemesh import codec, converters, logs, rpc  # noqa: E402
-from stagemesh.params import Limits  # noqa: E402
+from stagemesh.core import codec, converters, logs, rpc
+from stagemesh.core.params import Limits  # noqa: E402
 from stagemesh.v1 import (  # noqa: E402
     gateway_pb2, gateway_pb2_grpc, generation_pb2, stage_pb2, stage_pb2_grpc,
 )

@@ -33,8 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import print_table, write_json  # noqa: E402
-from stage_service import ipc, protocol  # noqa: E402
-from stage_service.result_pipe import result_pipe  # noqa: E402
+from stage_service.transport import ipc, protocol
+from stage_service.transport.result_pipe import result_pipe  # noqa: E402
 
 
 def _read(channel, held: int, ready) -> None:

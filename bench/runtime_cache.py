@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import RESULTS_DIR, print_table, usable_cpus, write_json  # noqa: E402
-from stage_service.executor import Executor  # noqa: E402
+from stage_service.executor.executor import Executor  # noqa: E402
 from stage_service.models.config import PipelineConfig  # noqa: E402
 from stage_service.models.weights import ensure_model_dir  # noqa: E402
 

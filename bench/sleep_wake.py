@@ -22,8 +22,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import print_table, write_json  # noqa: E402
-from stage_service.sleep import SleepController, WeightFile  # noqa: E402
-from stage_service.models.safetensors_writer import write_streamed  # noqa: E402
+from stage_service.models.contract import WeightFile  # noqa: E402
+from stage_service.worker.sleep import SleepController  # noqa: E402
+from stagemesh.weight_store.safetensors_writer import write_streamed  # noqa: E402
 
 LAYER_SHAPE = (8192, 8192)  # 128 MiB per bf16 weight: FLUX-like large matrices
 

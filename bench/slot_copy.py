@@ -34,11 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.async_output import Forward  # noqa: E402
 from bench.common import print_table, write_json  # noqa: E402
 from stage_service import platform  # noqa: E402
-from stage_service.async_output import copy_to_host  # noqa: E402
+from stage_service.worker.async_output import copy_to_host  # noqa: E402
 from stage_service.models.config import PipelineConfig  # noqa: E402
 from stage_service.models.weights import ensure_model_dir  # noqa: E402
-from stage_service.shm_pool import HEADER_BYTES, copy_into  # noqa: E402
-from stagemesh.codec import host_bytes  # noqa: E402
+from stage_service.transport.shm_pool import HEADER_BYTES, copy_into  # noqa: E402
+from stagemesh.core.codec import host_bytes  # noqa: E402
 
 
 def torch_copy(mapping: mmap.mmap, raw: torch.Tensor) -> None:

@@ -39,7 +39,7 @@ import grpc  # noqa: E402
 from bench import common  # noqa: E402
 from bench.load import _cmdline, mesh_processes, mesh_segments, process_resources  # noqa: E402
 from bench.mesh_overhead import start_mesh, stop_mesh  # noqa: E402
-from stagemesh import rpc  # noqa: E402
+from stagemesh.core import rpc
 from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2  # noqa: E402
 from tests.meshproc import Mesh, alive, descendants, segments_of, shm_entries, write_config  # noqa: E402
 

@@ -43,14 +43,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import print_table, write_json  # noqa: E402
-from stage_service import ipc, protocol  # noqa: E402
+from stage_service.transport import ipc, protocol
 from stage_service.models.config import PipelineConfig  # noqa: E402
 from stage_service.models.runners import DiffusionRunner, WorkItem  # noqa: E402
 from stage_service.models.weights import ensure_model_dir  # noqa: E402
-from stage_service import async_output, platform  # noqa: E402
-from stage_service.async_output import AsyncOutputThread, copy_to_host  # noqa: E402
-from stage_service.worker import Worker  # noqa: E402
-from stage_service.result_pipe import result_pipe  # noqa: E402
+from stage_service.worker import async_output
+from stage_service import platform
+from stage_service.worker.async_output import AsyncOutputThread, copy_to_host  # noqa: E402
+from stage_service.worker.worker import Worker  # noqa: E402
+from stage_service.transport.result_pipe import result_pipe  # noqa: E402
 
 
 BUSY_PROCESSES = 3  # the serving stack's busy threads outside the worker, roughly

@@ -12,8 +12,8 @@ import shutil
 import uuid
 from dataclasses import dataclass, field
 
-from cache_service import locks
-from cache_service.store import CacheStore, EntryInfo
+from stagemesh.weight_store import locks
+from stagemesh.weight_store.store import CacheStore, EntryInfo
 
 
 @dataclass

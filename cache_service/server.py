@@ -9,11 +9,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cache_service import evict, locks
-from cache_service.store import CacheStore, EntryInfo, StoreStats, default_root
-from stagemesh import auth, errors, logs, metrics, tls
-from stagemesh import serve as lifecycle
-from stagemesh.rpc import ServiceHost, servicer_method
+from cache_service import evict
+from stagemesh.weight_store import locks
+from stagemesh.weight_store.store import CacheStore, EntryInfo, StoreStats, default_root
+from stagemesh.core import auth, errors, logs, metrics, tls
+from stagemesh.core import serve as lifecycle
+from stagemesh.core.rpc import ServiceHost, servicer_method
 from stagemesh.v1 import cache_pb2, cache_pb2_grpc
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from stagemesh import errors, logs
+from stagemesh.core import errors, logs
 from stagemesh.v1 import control_pb2
 from gateway.stages import ReplicaAcks, StageClient
 

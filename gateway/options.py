@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from stagemesh import auth, metrics, tls
+from stagemesh.core import auth, metrics, tls
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 

@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from stagemesh import codec, converters, errors, logs
-from stagemesh.params import OUTPUT_PNG, Limits, Params
+from stagemesh.core import codec, converters, errors, logs
+from stagemesh.core.params import OUTPUT_PNG, Limits, Params
 from stagemesh.v1 import gateway_pb2, generation_pb2
 from gateway.images import encode_png
 from gateway.control import Admission

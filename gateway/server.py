@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from stagemesh import auth, errors, logs, serve, tls
-from stagemesh.metrics import ServiceMetrics, gateway_readings
-from stagemesh.params import check_request_id
-from stagemesh.rpc import ServiceHost, servicer_method
+from stagemesh.core import auth, errors, logs, serve, tls
+from stagemesh.core.metrics import ServiceMetrics, gateway_readings
+from stagemesh.core.params import check_request_id
+from stagemesh.core.rpc import ServiceHost, servicer_method
 from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
 from gateway.control import Admission, ControlPlane
 from gateway.pipeline import DenoisingStep, Pipeline, StageStarted

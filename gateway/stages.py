@@ -16,8 +16,8 @@ from typing import AsyncIterator
 
 import grpc
 
-from stagemesh import auth, errors, logs, rpc, tls
-from stagemesh.params import Limits
+from stagemesh.core import auth, errors, logs, rpc, tls
+from stagemesh.core.params import Limits
 from stagemesh.v1 import control_pb2, generation_pb2, stage_pb2, stage_pb2_grpc
 
 log = logs.get_logger("stagemesh.gateway")

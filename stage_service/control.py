@@ -7,9 +7,9 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from stagemesh import errors, logs
-from stage_service.engine import Engine
-from stage_service.executor import Executor
+from stagemesh.core import errors, logs
+from stage_service.engine.engine import Engine
+from stage_service.executor.executor import Executor
 
 log = logs.get_logger("stagemesh.control")
 

@@ -10,8 +10,8 @@ from typing import Any
 
 from stage_service.offload.config import DloOptions
 from stage_service.offload.config import HELP as DLO_HELP
-from stagemesh import metrics
-from stagemesh.params import Limits
+from stagemesh.core import metrics
+from stagemesh.core.params import Limits
 
 # encoder / denoise / decode: stages of a diffusers-format folder (docs/MODELS.md)
 KINDS = ("ar", "diffusion", "encoder", "denoise", "decode")

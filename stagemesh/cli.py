@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(args, "service_main"):
         importlib.import_module(args.service_main).main(args)
         return 0
-    from stagemesh import errors
+    from stagemesh.core import errors
 
     try:
         return args.client_main(args)

@@ -10,7 +10,7 @@ import grpc
 from grpc_status import rpc_status
 from google.rpc import error_details_pb2
 
-from stagemesh import auth, rpc, tls
+from stagemesh.core import auth, rpc, tls
 from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2
 
 ADDRESS_ENV = "STAGEMESH_ADDRESS"

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from stage_service.settings import StageSettings
-from stagemesh import metrics
+from stagemesh.core import metrics
 
 DEFAULT_GATEWAY_PORT = 50051
 

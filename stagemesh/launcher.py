@@ -8,7 +8,7 @@ import signal
 import sys
 from dataclasses import replace
 
-from stagemesh import auth, errors, logs, tls
+from stagemesh.core import auth, errors, logs, tls
 from stagemesh.config import MeshConfig, SecurityConfig
 from stagemesh.supervisor import Child, StartFailed, Supervisor, service_argv
 from stage_service.offload.config import DEFAULT_RUNTIME_CACHE_DIR

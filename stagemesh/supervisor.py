@@ -17,7 +17,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stagemesh import logs, procutil, readyfile, tls
+from stagemesh.core import logs, procutil, readyfile, tls
 from stagemesh.config import SupervisionConfig
 
 log = logs.get_logger("stagemesh.supervisor")

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from cache_service import store as store_mod
-from cache_service.store import CacheStore, Manifest, file_record
+from stagemesh.weight_store import store as store_mod
+from stagemesh.weight_store.store import CacheStore, Manifest, file_record
 
 KEY_A = "a" * 64
 KEY_B = "0123456789abcdef" * 4

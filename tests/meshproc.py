@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 import grpc
 
-from stagemesh import readyfile, rpc
+from stagemesh.core import readyfile, rpc
 from stagemesh.v1 import gateway_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from cache_service import locks
-from stage_service.runtime_cache import RuntimeCache
+from stagemesh.weight_store import locks
+from stage_service.runtime_cache.lookup import RuntimeCache
 
 REPO = Path(__file__).resolve().parent.parent
 _MARK = "@@ "  # marks our lines among log lines on stdout

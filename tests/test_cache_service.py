@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from stagemesh import readyfile
+from stagemesh.core import readyfile
 from stagemesh.v1 import cache_pb2, cache_pb2_grpc
 from tests.cache_entries import KEY_A, KEY_B
 

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from cache_service import store as store_mod
-from cache_service.store import CacheStore, Manifest, ManifestError, default_root
+from stagemesh.weight_store import store as store_mod
+from stagemesh.weight_store.store import CacheStore, Manifest, ManifestError, default_root
 from tests.cache_entries import KEY_A, KEY_B, dir_bytes, two_shards, write_entry
 
 
@@ -213,7 +213,7 @@ def test_ensure_root_creates_and_rejects(tmp_path):
     assert root.is_dir()
     blocker = tmp_path / "file"
     blocker.write_text("")
-    from stagemesh import errors
+    from stagemesh.core import errors
 
     with pytest.raises(errors.FailedPrecondition, match="not a directory"):
         CacheStore(blocker).ensure_root()

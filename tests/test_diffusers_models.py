@@ -28,7 +28,7 @@ diffusers = pytest.importorskip("diffusers")
 from gateway.images import encode_png
 from stage_service.models.diffusers_adapter import FolderError, check_stage_folder
 from stage_service.models.diffusers_adapter.synthetic import write_tiny
-from stagemesh import codec
+from stagemesh.core import codec
 from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2
 from tests.meshproc import REPO, Mesh, parallel_meshes, start_mesh
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache_service import locks
-from stage_service.executor import Executor
+from stagemesh.weight_store import locks
+from stage_service.executor.executor import Executor
 from stage_service.models.runners import DiffusionRunner, WorkItem, build_runner
 from stage_service.models.weights import load_dit
 from stage_service.offload import DloOptions
-from stage_service.offload.runtime_weights import (DitWeightCache, final_tensors,
+from stage_service.models.runtime_weights import (DitWeightCache, final_tensors,
                                                    swap_storage)
 
 TOLERANCE = 1e-6  # TP=2 vs TP=1 rounding, see tests/test_tensor_parallel.py

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stage_service import ipc, protocol
-from stage_service.executor import Executor, _Worker
-from stagemesh import errors
+from stage_service.transport import ipc, protocol
+from stage_service.executor.executor import Executor, _Worker
+from stagemesh.core import errors
 from tests.executor_parts import oid, packed_outputs, pend
 from tests.shm_guard import no_segment_left_behind, our_segments  # noqa: F401 - autouse fixture
 

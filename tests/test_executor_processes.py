@@ -16,11 +16,11 @@ import time
 import pytest
 import torch
 
-from stage_service import executor as executor_mod
-from stage_service import ipc, protocol
-from stage_service.executor import Executor, _Worker
-from stage_service.result_pipe import result_pipe
-from stagemesh import errors
+from stage_service.executor import executor as executor_mod
+from stage_service.transport import ipc, protocol
+from stage_service.executor.executor import Executor, _Worker
+from stage_service.transport.result_pipe import result_pipe
+from stagemesh.core import errors
 from tests.executor_parts import WAIT_S, oid, packed_outputs, pend
 from tests.shm_guard import no_segment_left_behind, our_segments  # noqa: F401 - autouse fixture
 

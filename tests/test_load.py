@@ -20,7 +20,7 @@ from bench.load import (
     process_resources,
     run_load,
 )
-from stage_service.ipc import WORKER_POOL_SLOTS
+from stage_service.transport.ipc import WORKER_POOL_SLOTS
 from tests.test_lifecycle import generate
 
 CLIENTS, REQUESTS = 32, 10

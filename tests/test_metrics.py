@@ -21,7 +21,7 @@ from stage_service.models.config import PipelineConfig
 from stage_service.models.weights import ensure_model_dir
 from stage_service.settings import StageSettings
 from stagemesh import config as mesh_config
-from stagemesh import auth, metrics, readyfile
+from stagemesh.core import auth, metrics, readyfile
 from stagemesh.cli import _parser
 from stagemesh.v1 import cache_pb2, cache_pb2_grpc, gateway_pb2, generation_pb2
 from tests.meshproc import (

@@ -16,7 +16,7 @@ from stage_service.models.dit import DiT
 from stage_service.offload import LayerwiseOffload, collective
 from stage_service.offload.host import shard_nbytes
 from stage_service.offload.layout import ALIGN
-from stagemesh.procutil import free_port
+from stagemesh.core.procutil import free_port
 
 # hidden 36: a block whose byte size 3 does not divide (asserted below).
 CFG = DiTConfig(hidden_size=36, num_heads=3, cond_dim=12, decoder_channels=8, depth=5)

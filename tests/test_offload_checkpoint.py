@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from structlog.testing import capture_logs
 from torch import nn
 
-from stage_service.checkpoint import CheckpointError, map_tensors, read_index
+from stagemesh.weight_store.checkpoint import CheckpointError, map_tensors, read_index
 from stage_service.offload import load_or_fallback
 
 
@@ -175,7 +175,7 @@ def _raw_safetensors(path: Path, header: dict, data: bytes) -> Path:
 
 
 def test_one_header_reader_serves_the_plan_and_sleep(tmp_path: Path):
-    """stage_service.checkpoint.read_index is the only safetensors header reader: it checks the
+    """stagemesh.weight_store.checkpoint.read_index is the only safetensors header reader: it checks the
     header against the file, and the plan refuses what it refuses."""
     state = _state()
     path = _write(tmp_path, state)

@@ -195,7 +195,7 @@ def _mapped(model: nn.Module, path) -> nn.Module:
     entry is)."""
     from safetensors.torch import save_file
 
-    from stage_service.checkpoint import map_tensors
+    from stagemesh.weight_store.checkpoint import map_tensors
 
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
     model.load_state_dict(map_tensors(path), assign=True)

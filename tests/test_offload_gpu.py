@@ -65,7 +65,7 @@ def test_resident_layers_and_staging_are_bitwise_equal_to_plain_dlo():
 def test_a_runtime_cache_style_mapping_is_page_locked_and_copied_from_directly(tmp_path):
     from safetensors.torch import save_file
 
-    from stage_service.checkpoint import map_tensors
+    from stagemesh.weight_store.checkpoint import map_tensors
 
     plain = _run(_offloaded(7)[0])
     model = _dit(7)

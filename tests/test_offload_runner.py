@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stage_service import protocol
-from stage_service.executor import Executor
+from stage_service.transport import protocol
+from stage_service.executor.executor import Executor
 from stage_service.models.config import PipelineConfig
 from stage_service.models.runners import WorkItem, build_runner
 from stage_service.models.weights import ensure_model_dir

@@ -15,7 +15,7 @@ import torch
 
 from stage_service.models.runners import DiffusionRunner, WorkItem
 from stage_service.models.weights import DIT_PREFIX
-from stage_service.sleep import SleepController
+from stage_service.worker.sleep import SleepController
 
 STAGED = {"enable_dlo": True}
 RESIDENT = {"enable_dlo": True, "dlo_use_allgather": False, "dlo_resident_layers": 1}

@@ -8,7 +8,7 @@ import time
 import pytest
 from structlog.testing import capture_logs
 
-from stage_service.offload.waves import (WAVE_TIMEOUT_ENV, WaveFailed, WaveRejected, WaveRequest,
+from stage_service.engine.wave_rules import (WAVE_TIMEOUT_ENV, WaveFailed, WaveRejected, WaveRequest,
                                          run_wave, wave_timeout)
 
 

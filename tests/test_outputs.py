@@ -15,14 +15,14 @@ import time
 import pytest
 from structlog.testing import capture_logs
 
-from stage_service import outputs
-from stage_service.outputs import (
+from stage_service.executor import outputs
+from stage_service.executor.outputs import (
     DEFAULT_TIMEOUT_S,
     TIMEOUT_ENV,
     OutputRegistry,
     output_timeout,
 )
-from stagemesh import errors
+from stagemesh.core import errors
 
 STAGE = "stage 1 (diffusion)"
 WAIT_S = 10.0

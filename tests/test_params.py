@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from stagemesh import codec, converters
-from stagemesh.errors import InvalidArgument
-from stagemesh.params import Limits, resolve
+from stagemesh.core import codec, converters
+from stagemesh.core.errors import InvalidArgument
+from stagemesh.core.params import Limits, resolve
 from stagemesh.v1 import generation_pb2
 
 import torch

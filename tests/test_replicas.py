@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.stages import NO_WORKER_RANK, aggregate, dns_host_port, resolve
-from stagemesh import auth, rpc, tls
+from stagemesh.core import auth, rpc, tls
 from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2, stage_pb2, stage_pb2_grpc
 from tests.meshproc import START_TIMEOUT_S, Service, spawn_service
 from tests.test_security import make_certificates

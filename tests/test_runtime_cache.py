@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache_service import evict, locks
-from cache_service.store import CacheStore
-from stage_service.runtime_cache import REASONS, RuntimeCache, content_hash, layout_key
+from cache_service import evict
+from stagemesh.weight_store import locks
+from stagemesh.weight_store.store import CacheStore
+from stage_service.runtime_cache.lookup import REASONS, RuntimeCache, content_hash, layout_key
 from tests.runtime_cache_proc import Child, weights
 
 KEY = "c" * 64

@@ -13,9 +13,9 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from cache_service import locks
-from cache_service.store import CacheStore
-from stage_service.runtime_cache import RuntimeCache
+from stagemesh.weight_store import locks
+from stagemesh.weight_store.store import CacheStore
+from stage_service.runtime_cache.lookup import RuntimeCache
 from stagemesh.v1 import cache_pb2, cache_pb2_grpc
 from tests.runtime_cache_proc import Child, weights
 from tests.test_cache_service import stop, wait_ready, wait_serving

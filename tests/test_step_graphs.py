@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stage_service.executor import Executor
+from stage_service.executor.executor import Executor
 from stage_service.models import DiffusionRunner, load_dit
 from stage_service.models.dit import MIN_COND_BUCKET, cond_bucket, pad_conds, sample
 from stage_service.models.step_graphs import StepGraphs

@@ -18,8 +18,8 @@ import pytest
 import torch
 from PIL import Image
 
-from stage_service.executor import Executor
-from stagemesh.procutil import free_port
+from stage_service.executor.executor import Executor
+from stagemesh.core.procutil import free_port
 from stage_service.models.runners import WorkItem, build_runner
 from stage_service.settings import StageSettings
 from stagemesh.v1 import gateway_pb2, generation_pb2

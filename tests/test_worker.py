@@ -15,7 +15,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from stage_service import ipc, protocol
+from stage_service.transport import ipc, protocol
 from tests.shm_guard import no_segment_left_behind, our_segments  # noqa: F401 - autouse fixture
 from tests.worker_harness import (
     WAIT_S,

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 
-from stage_service import async_output, ipc, protocol
-from stage_service.async_output import AsyncOutputThread
-from stage_service.result_pipe import result_pipe
-from stage_service.worker import Worker
+from stage_service.worker import async_output
+from stage_service.transport import ipc, protocol
+from stage_service.worker.async_output import AsyncOutputThread
+from stage_service.transport.result_pipe import result_pipe
+from stage_service.worker.worker import Worker
 
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 CTX = mp.get_context("spawn")
@@ -34,7 +35,7 @@ class StubRunner:
         self.net = torch.nn.Linear(8, 8)  # a few real weights, for sleep
 
     def weight_files(self):
-        from stage_service.sleep import WeightFile
+        from stage_service.models.contract import WeightFile
 
         return [WeightFile(Path("/nonexistent/stub.safetensors"), {"": self.net})]
 

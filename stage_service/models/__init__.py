@@ -1,10 +1,10 @@
 """Embedded default pipeline: byte-level causal LM (stage 0) feeding a DiT (stage 1)."""
 
-from .config import DiTConfig, LMConfig, PipelineConfig
-from .dit import DiT, LatentDecoder, sample
-from .lm import ByteTokenizer, CausalLM
-from .runners import ArRunner, DiffusionRunner, WorkItem, build_runner
-from .weights import default_model_dir, ensure_model_dir, load_dit, load_lm, read_config
+from stage_service.models.config import DiTConfig, LMConfig, PipelineConfig
+from stage_service.models.dit import DiT, LatentDecoder, sample
+from stage_service.models.lm import ByteTokenizer, CausalLM
+from stage_service.models.runners import ArRunner, DiffusionRunner, WorkItem, build_runner
+from stage_service.models.weights import default_model_dir, ensure_model_dir, load_dit, load_lm, read_config
 
 __all__ = [
     "ArRunner", "ByteTokenizer", "CausalLM", "DiT", "DiTConfig", "DiffusionRunner",

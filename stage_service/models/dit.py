@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -13,15 +13,20 @@ from torch import nn
 from stage_service import platform
 from stage_service.offload.plan import OffloadPlan
 
-from .config import DiTConfig
-from .tp import TpGroup, column, row, split
+from stage_service.models.config import DiTConfig
+from stage_service.models.tp import TpGroup, column, row, split
 
-if TYPE_CHECKING:
-    from .step_graphs import StepGraphs
 
 TIME_FREQ_DIM = 256
 MIN_COND_BUCKET = 8
 Progress = Callable[[int, int], None]
+
+
+class CapturedSteps(Protocol):
+    """Replays the denoising loop from captured graphs (models.step_graphs.StepGraphs)."""
+
+    def denoise(self, x: torch.Tensor, cond: torch.Tensor, mask: torch.Tensor, steps: int,
+                guidance_scale: float, progress: Progress | None = None) -> torch.Tensor: ...
 
 
 def timestep_embedding(t: torch.Tensor, dim: int = TIME_FREQ_DIM) -> torch.Tensor:
@@ -258,7 +263,7 @@ def _euler(dit: DiT, x: torch.Tensor, cond: torch.Tensor, mask: torch.Tensor, n:
 
 def sample(dit: DiT, decoder: LatentDecoder, conds: list[torch.Tensor], width: int,
            height: int, num_inference_steps: int, guidance_scale: float, seeds: list[int],
-           progress: Progress | None = None, graphs: StepGraphs | None = None) -> torch.Tensor:
+           progress: Progress | None = None, graphs: CapturedSteps | None = None) -> torch.Tensor:
     """Euler flow-matching sampler; returns images [B, height, width, 3] float32 in [0, 1].
     With `graphs` the steps are replayed from captured CUDA graphs (same arithmetic)."""
     _check_sample_args(dit, conds, width, height, num_inference_steps, seeds)

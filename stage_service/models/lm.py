@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import BOS_ID, EOS_ID, PAD_ID, LMConfig
+from stage_service.models.config import BOS_ID, EOS_ID, PAD_ID, LMConfig
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 

@@ -2,47 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .. import platform
-from ..offload.config import DloOptions
-from ..offload.dit_loader import load_offloaded_dit
-from .dit import sample
-from .step_graphs import StepGraphs
-from .tp import TpGroup
-from ..sleep import WeightFile
-from .weights import DECODER_PREFIX, DIT_FILE, DIT_PREFIX, LM_FILE, load_dit, load_lm, read_config
-
-Progress = Callable[[int, int], None]
-
-
-@dataclass
-class WorkItem:
-    request_id: str
-    prompt: str
-    width: int
-    height: int
-    num_inference_steps: int
-    guidance_scale: float
-    seed: int
-    # diffusion: {"hidden_states": Tensor[L, cond_dim]} from the AR stage
-    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-def check_batch(batch: list[WorkItem]) -> None:
-    """A batch is sampled as one: every item must share size, steps and guidance."""
-    head = batch[0]
-    shared = (head.width, head.height, head.num_inference_steps, head.guidance_scale)
-    for item in batch[1:]:
-        mine = (item.width, item.height, item.num_inference_steps, item.guidance_scale)
-        if mine != shared:
-            raise ValueError(f"{item.request_id}: (width, height, steps, guidance) {mine} "
-                             f"differs from the batch's {shared}")
-
+from stage_service import platform
+from stage_service.offload.config import DloOptions
+from stage_service.models.dit_offload import load_offloaded_dit
+from stage_service.models.dit import sample
+from stage_service.models.step_graphs import StepGraphs
+from stage_service.models.tp import TpGroup
+from stage_service.models.contract import DeviceHolder, Progress, WeightFile, WorkItem, check_batch
+from stage_service.models.weights import DECODER_PREFIX, DIT_FILE, DIT_PREFIX, LM_FILE, load_dit, load_lm, read_config
 
 def _output(t: torch.Tensor) -> torch.Tensor:
     # Outputs stay on the device: the worker's output path copies them to the host (on a side
@@ -185,12 +156,12 @@ def build_runner(kind: str, model_dir: Path, device: str = "cpu",
     `group`: the stage's DP process group (DLO AllGather with dp_size > 1); `tp`: the rank's
     TP coordinate (tensor_parallel_size > 1, diffusion only); `cuda_graphs`: the embedded
     DiT's steps from captured graphs where that applies (DiffusionRunner)."""
-    from .diffusers_adapter import FOLDER_ONLY_KINDS, is_diffusers_folder
+    from stage_service.models.diffusers_adapter import FOLDER_ONLY_KINDS, is_diffusers_folder
 
     # A diffusers-format folder (model_index.json) goes to the adapter, which alone imports
     # diffusers; so do the kinds only such a folder serves.
     if is_diffusers_folder(model_dir) or kind in FOLDER_ONLY_KINDS:
-        from .diffusers_adapter import build_runner as build_diffusers_runner
+        from stage_service.models.diffusers_adapter import build_runner as build_diffusers_runner
 
         return build_diffusers_runner(kind, model_dir, device, dlo, group, tp)
     try:

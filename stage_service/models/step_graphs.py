@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from stagemesh import logs
+from stagemesh.core import logs
 
-from .. import platform
-from .dit import velocity
+from stage_service import platform
+from stage_service.models.dit import velocity
 
 log = logs.get_logger("stagemesh.step_graphs")
 

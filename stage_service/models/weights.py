@@ -18,12 +18,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from ..checkpoint import CheckpointError
-from .config import PipelineConfig
-from .dit import DiT, LatentDecoder
-from .lm import CausalLM
-from .safetensors_writer import write_streamed
-from .tp import TpGroup, shard_functions
+from stagemesh.weight_store.checkpoint import CheckpointError
+from stage_service.models.config import PipelineConfig
+from stage_service.models.dit import DiT, LatentDecoder
+from stage_service.models.lm import CausalLM
+from stagemesh.weight_store.safetensors_writer import write_streamed
+from stage_service.models.tp import TpGroup, shard_functions
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"

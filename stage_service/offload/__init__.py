@@ -1,7 +1,7 @@
 """Distributed layerwise offload (DLO): stream a model's blocks from host memory.
 
 Names are imported on first use, so reading the options (offload.config) from the CLI or the
-gateway does not import torch. The DiT-specific loader is `stage_service.offload.dit_loader`.
+gateway does not import torch. The DiT-specific loader is `stage_service.models.dit_offload`.
 """
 
 from __future__ import annotations

@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from stage_service.checkpoint import (
+from stagemesh.weight_store.checkpoint import (
     CheckpointError,
     TensorRecord,
     map_file,
     read_index,
     record_view,
 )
-from stagemesh import logs
+from stagemesh.core import logs
 
 log = logs.get_logger("stagemesh.offload.checkpoint")
 

@@ -26,12 +26,12 @@ import torch
 from torch import nn
 
 from stage_service import platform
-from stagemesh import logs
+from stagemesh.core import logs
 
-from .collective import gather_into, group_shape
-from .host import InitBlock, PackedStore, ShardStore, StagedStore, locked_mapping_store
-from .layout import BlockLayout
-from .plan import Block, Discovery, OffloadPlan, discover
+from stage_service.offload.collective import gather_into, group_shape
+from stage_service.offload.host import InitBlock, PackedStore, ShardStore, StagedStore, locked_mapping_store
+from stage_service.offload.layout import BlockLayout
+from stage_service.offload.plan import Block, Discovery, OffloadPlan, discover
 
 log = logs.get_logger("stagemesh.offload")
 

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from stage_service import platform
-from stagemesh import logs
+from stagemesh.core import logs
 
-from .layout import BlockLayout, align_up
+from stage_service.offload.layout import BlockLayout, align_up
 
 InitBlock = Callable[[nn.Module], None]
 

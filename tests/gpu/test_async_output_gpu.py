@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from stage_service.executor import Executor
+from stage_service.executor.executor import Executor
 from stage_service.models.config import PipelineConfig
 from stage_service.models.weights import ensure_model_dir
 
@@ -62,8 +62,9 @@ def test_async_outputs_equal_the_synchronous_path(tmp_path):
 
 
 def test_a_batch_comes_over_in_one_copy_and_its_slices_go_by_the_batch_storage():
-    from stage_service import ipc, platform
-    from stage_service.async_output import copy_to_host
+    from stage_service.transport import ipc
+    from stage_service import platform
+    from stage_service.worker.async_output import copy_to_host
 
     stream = platform.Stream("cuda")
     batch = torch.rand(4, 3, 256, 256, device="cuda").permute(0, 2, 3, 1)  # as the DiT's images

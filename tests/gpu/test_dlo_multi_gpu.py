@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from stage_service.models.config import DiTConfig
 from stage_service.models.dit import DiT
 from stage_service.offload import LayerwiseOffload
-from stagemesh.procutil import free_port
+from stagemesh.core.procutil import free_port
 from stagemesh.v1 import gateway_pb2, generation_pb2
 from tests.meshproc import start_mesh, write_config
 

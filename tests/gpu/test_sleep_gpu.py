@@ -10,7 +10,7 @@ import torch
 from stage_service.models.config import DiTConfig, LMConfig, PipelineConfig
 from stage_service.models.runners import DiffusionRunner, WorkItem
 from stage_service.models.weights import ensure_model_dir
-from stage_service.sleep import SleepController
+from stage_service.worker.sleep import SleepController
 
 pytestmark = pytest.mark.gpu
 

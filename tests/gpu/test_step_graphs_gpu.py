@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stage_service.models import DiffusionRunner, WorkItem
-from stage_service.sleep import SleepController
+from stage_service.worker.sleep import SleepController
 
 pytestmark = pytest.mark.gpu
 

@@ -6,7 +6,7 @@ runners (`runners`) import diffusers and transformers, the optional extra
 `pip install stagemesh[diffusers]`, and only a stage configured with such a folder loads them.
 """
 
-from .folder import (
+from stage_service.models.diffusers_adapter.folder import (
     FOLDER_ONLY_KINDS,
     MODEL_INDEX,
     STAGE_KINDS,
@@ -29,15 +29,15 @@ def build_runner(kind: str, model_dir, device: str = "cpu", dlo: dict | None = N
                          "diffusers-format folders; use dp_size = 1 (or dlo_use_allgather = "
                          "false) and tensor_parallel_size = 1")
     if kind == "encoder":
-        from .encoder import EncoderRunner
+        from stage_service.models.diffusers_adapter.encoder import EncoderRunner
 
         return EncoderRunner(model_dir, device)
     if kind in ("diffusion", "denoise"):
-        from .denoise import DenoiseRunner
+        from stage_service.models.diffusers_adapter.denoise import DenoiseRunner
 
         return DenoiseRunner(model_dir, device, dlo, kind)
     if kind == "decode":
-        from .denoise import DecodeRunner
+        from stage_service.models.diffusers_adapter.denoise import DecodeRunner
 
         return DecodeRunner(model_dir, device)
     raise FolderError(f"kind {kind!r} cannot be served from a diffusers folder ({model_dir}); "

@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 
 from stage_service.offload.config import DloOptions
-from stage_service.sleep import WeightFile
+from stage_service.models.contract import WeightFile
 
-from .families import family_of, pixel_multiple, vae_scale_factor
-from ..runners import check_batch
-from .folder import check_stage_folder
-from .loading import (
+from stage_service.models.diffusers_adapter.families import family_of, pixel_multiple, vae_scale_factor
+from stage_service.models.contract import check_batch
+from stage_service.models.diffusers_adapter.folder import check_stage_folder
+from stage_service.models.diffusers_adapter.loading import (
     checkpoint_dtype,
     load_pipeline,
     load_transformer,

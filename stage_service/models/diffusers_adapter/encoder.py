@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from stage_service.sleep import WeightFile
+from stage_service.models.contract import WeightFile
 
-from .families import family_of
-from .folder import check_stage_folder
-from .loading import checkpoint_dtype, load_pipeline, weight_files
+from stage_service.models.diffusers_adapter.families import family_of
+from stage_service.models.diffusers_adapter.folder import check_stage_folder
+from stage_service.models.diffusers_adapter.loading import checkpoint_dtype, load_pipeline, weight_files
 
 
 class EncoderRunner:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .folder import CheckpointFolder, FolderError
+from stage_service.models.diffusers_adapter.folder import CheckpointFolder, FolderError
 
 Encode = Callable[..., dict]  # (pipe, prompt, guidance_scale, device) -> named [1, ...] tensors
 

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from stage_service.checkpoint import read_index
+from stagemesh.weight_store.checkpoint import read_index
 from stage_service.offload.config import DloOptions
-from stage_service.sleep import WeightFile
-from stagemesh import logs
+from stage_service.models.contract import WeightFile
+from stagemesh.core import logs
 
-from .families import Family
-from .folder import CheckpointFolder
+from stage_service.models.diffusers_adapter.families import Family
+from stage_service.models.diffusers_adapter.folder import CheckpointFolder
 
 log = logs.get_logger("stagemesh.diffusers")
 

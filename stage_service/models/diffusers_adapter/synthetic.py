@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .loading import import_diffusers
+from stage_service.models.diffusers_adapter.loading import import_diffusers
 
 CLIP_MAX_LENGTH = 77
 T5_MAX_LENGTH = 512

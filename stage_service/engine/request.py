@@ -1,0 +1,53 @@
+"""A request inside the stage engine, the batch it runs in, and the events its caller reads."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stagemesh.core.params import Params
+
+
+@dataclass(frozen=True)
+class ProgressEvent:
+    step: int
+    total: int
+
+
+@dataclass(frozen=True)
+class OutputsEvent:
+    outputs: dict[str, torch.Tensor]
+
+
+@dataclass(eq=False)
+class StageRequest:
+    request_id: str
+    params: Params
+    inputs: dict[str, torch.Tensor]
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    batch: "Batch | None" = None
+    done: bool = False
+    output_id: str = ""
+    # False when the caller left num_inference_steps to the stage's default (DP waves refuse it).
+    explicit_steps: bool = True
+    # Unique inside the engine (client request ids may repeat): names this request's share of a batch output.
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def work_item(self) -> dict[str, Any]:
+        p = self.params
+        return dict(request_id=self.request_id, prompt=p.prompt, width=p.width, height=p.height,
+                    num_inference_steps=p.num_inference_steps, guidance_scale=p.guidance_scale,
+                    seed=p.seed, inputs=self.inputs)
+
+
+@dataclass(eq=False)
+class Batch:
+    rank: int
+    requests: list[StageRequest]
+    rpc_id: str = ""
+
+

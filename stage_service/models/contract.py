@@ -1,0 +1,79 @@
+"""The runner contract: what a worker process drives, and the types runners and workers share.
+
+A runner turns a batch of `WorkItem`s into one output dict per item. The worker calls only what
+`Runner` declares; a runner without an offload engine reports zero streamed bytes and no DLO
+stats rather than lacking the attribute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+# progress(step, total); may raise to abort the batch between steps.
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class WorkItem:
+    request_id: str
+    prompt: str
+    width: int
+    height: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+    # diffusion: {"hidden_states": Tensor[L, cond_dim]} from the AR stage
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def check_batch(batch: list[WorkItem]) -> None:
+    """A batch is sampled as one: every item must share size, steps and guidance."""
+    head = batch[0]
+    shared = (head.width, head.height, head.num_inference_steps, head.guidance_scale)
+    for item in batch[1:]:
+        mine = (item.width, item.height, item.num_inference_steps, item.guidance_scale)
+        if mine != shared:
+            raise ValueError(f"{item.request_id}: (width, height, steps, guidance) {mine} "
+                             f"differs from the batch's {shared}")
+
+
+@dataclass(frozen=True)
+class WeightFile:
+    """A checkpoint file and the modules it fills, by key prefix (e.g. {"dit.": dit}). Tensors
+    whose key starts with one of `skip` (e.g. "dit.blocks.3.") are someone else's to manage."""
+
+    path: Path
+    parts: dict[str, nn.Module]
+    skip: tuple[str, ...] = ()
+
+    def manages(self, key: str) -> bool:
+        return not key.startswith(self.skip) if self.skip else True
+
+
+class DeviceHolder(Protocol):
+    """Device memory outside the weight files (e.g. DLO slots) that sleeps with them."""
+
+    def release_device(self) -> int: ...  # bytes released
+
+    def restore_device(self) -> int: ...  # bytes taken back
+
+
+class Runner(Protocol):
+    """What the worker calls. `kind` names the stage kind the runner serves."""
+
+    kind: str
+
+    def run(self, batch: list[WorkItem], progress: Progress | None = None
+            ) -> list[dict[str, torch.Tensor]]: ...
+
+    def limits(self) -> dict[str, Any]: ...
+
+    def weight_files(self) -> list[WeightFile]: ...
+
+    def device_holders(self) -> list[DeviceHolder]: ...

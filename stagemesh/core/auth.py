@@ -1,0 +1,121 @@
+"""Bearer-token auth for control calls (Sleep, WakeUp, Pause, Resume, cache mutations).
+
+The token comes from a file (`--token-file`, `[security] token_file`) or $STAGEMESH_TOKEN, never
+from a flag carrying the value: command lines are visible to every user through `ps`. When a
+token is configured, a server interceptor refuses the protected methods without it
+(UNAUTHENTICATED); every other method (Generate, ListStages, health, reflection) stays open.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import os
+import stat
+from pathlib import Path
+from typing import Iterable
+
+import grpc
+
+from stagemesh.core import errors, logs, rpc
+
+TOKEN_ENV = "STAGEMESH_TOKEN"
+HEADER = "authorization"
+SCHEME = "bearer"
+
+log = logs.get_logger("stagemesh.core.auth")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--token-file", default=None, metavar="PATH",
+        help=f"file holding the bearer token that control calls must carry (default: ${TOKEN_ENV}; "
+             "neither: control calls are open)")
+
+
+def load_token(token_file: str | None, option: str = "--token-file") -> str | None:
+    """The configured token: the file's content if a file is named, else $STAGEMESH_TOKEN, else None."""
+    if not token_file:
+        return _valid(os.environ.get(TOKEN_ENV) or None, f"${TOKEN_ENV}")
+    path = Path(token_file).expanduser()
+    try:
+        text = path.read_text(encoding="ascii")
+        mode = path.stat().st_mode
+    except (OSError, UnicodeDecodeError) as exc:
+        raise errors.InvalidArgument.field(option, f"cannot read token file {path}: {exc}") from None
+    token = text.rstrip("\r\n")  # editors and `echo` add a trailing newline
+    if not token:
+        raise errors.InvalidArgument.field(option, f"token file {path} is empty; put the token in it")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("token file is readable by group or others; chmod 600 it", path=str(path))
+    return _valid(token, option)
+
+
+def _valid(token: str | None, where: str) -> str | None:
+    # gRPC metadata values must be printable ASCII without line breaks.
+    if token is not None and not all(0x20 <= ord(c) < 0x7F for c in token):
+        raise errors.InvalidArgument.field(where, "the token must be printable ASCII on one line")
+    return token
+
+
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """Metadata a client adds to a control call; empty without a token."""
+    return ((HEADER, f"Bearer {token}"),) if token else ()
+
+
+def check_bearer(metadata: Iterable[tuple[str, object]] | None, token: str) -> None:
+    """Raise Unauthenticated unless `metadata` carries `authorization: Bearer <token>`."""
+    values = [v for k, v in metadata or () if k == HEADER]
+    if not values:
+        raise errors.Unauthenticated("missing bearer token")
+    value = values[0] if isinstance(values[0], str) else bytes(values[0]).decode("latin-1")
+    scheme, _, presented = value.partition(" ")
+    # compare_digest: the time taken does not depend on how much of the token matched.
+    if scheme.lower() != SCHEME or not hmac.compare_digest(presented.strip().encode(), token.encode()):
+        raise errors.Unauthenticated("invalid bearer token")
+
+
+def control_methods(service_name: str, names: Iterable[str]) -> frozenset[str]:
+    """Full gRPC method paths (`/package.Service/Method`) of a service's protected methods."""
+    return frozenset(f"/{service_name}/{name}" for name in names)
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses the `protected` methods unless they carry the token."""
+
+    def __init__(self, token: str, protected: Iterable[str]):
+        self._token = token
+        self._protected = frozenset(protected)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method not in self._protected:
+            return handler
+        try:
+            check_bearer(handler_call_details.invocation_metadata, self._token)
+        except errors.Unauthenticated as exc:
+            log.warning("control call refused", method=handler_call_details.method, reason=str(exc))
+            return _refusal(handler, exc)
+        return handler
+
+
+def _refusal(handler: grpc.RpcMethodHandler, exc: errors.StagemeshError) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that only aborts with `exc`'s status."""
+    code, message, trailing = rpc.status_for(exc)
+
+    async def refuse(request_or_iterator, context):
+        await context.abort(code, message, trailing_metadata=trailing)
+
+    factory = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(handler.request_streaming, handler.response_streaming)]
+    return factory(refuse, request_deserializer=handler.request_deserializer,
+                   response_serializer=handler.response_serializer)
+
+
+def interceptors(token: str | None, protected: Iterable[str]) -> list[grpc.aio.ServerInterceptor]:
+    """The interceptors a server installs: none when no token is configured."""
+    return [BearerTokenInterceptor(token, protected)] if token else []
