@@ -35,13 +35,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import print_table, write_json  # noqa: E402
-from stage_service.engine.engine import Engine, OutputsEvent  # noqa: E402
-from stage_service.executor.executor import Executor  # noqa: E402
-from stage_service.models.config import PipelineConfig  # noqa: E402
-from stage_service.models.runners import DiffusionRunner, WorkItem  # noqa: E402
-from stage_service.models.weights import ensure_model_dir  # noqa: E402
-from stagemesh.core.params import Params  # noqa: E402
+from bench.common import print_table, write_json
+from stage_service.engine.engine import Engine, OutputsEvent
+from stage_service.executor.executor import Executor
+from stage_service.models.config import PipelineConfig
+from stage_service.models.runners import DiffusionRunner, WorkItem
+from stage_service.models.weights import ensure_model_dir
+from stagemesh.core.params import Params
 
 
 def _cond(seed: int) -> torch.Tensor:
@@ -49,18 +49,26 @@ def _cond(seed: int) -> torch.Tensor:
 
 
 def _params(size: int, steps: int, seed: int) -> Params:
-    return Params(prompt="p", width=size, height=size, num_inference_steps=steps, guidance_scale=4.0,
-                  seed=seed, output_format="tensor")
+    return Params(
+        prompt="p",
+        width=size,
+        height=size,
+        num_inference_steps=steps,
+        guidance_scale=4.0,
+        seed=seed,
+        output_format="tensor",
+    )
 
 
 class Forward:
     """(a): runner.run alone in this process, conditioning on the device, synchronized each time."""
 
-    def __init__(self, model_dir: Path, device: str, size: int, batch: int, steps: int,
-                 cuda_graphs: bool = True):
+    def __init__(self, model_dir: Path, device: str, size: int, batch: int, steps: int, cuda_graphs: bool = True):
         self.runner = DiffusionRunner(model_dir, device, cuda_graphs=cuda_graphs)
-        self.items = [WorkItem(f"r{i}", "p", size, size, steps, 4.0, i,
-                               {"hidden_states": _cond(i).to(device)}) for i in range(batch)]
+        self.items = [
+            WorkItem(f"r{i}", "p", size, size, steps, 4.0, i, {"hidden_states": _cond(i).to(device)})
+            for i in range(batch)
+        ]
         self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
         self.rate(3)  # warm-up
 
@@ -89,11 +97,21 @@ class Forward:
 class Served:
     """(b) or (c): engine -> executor -> worker process, kept up across rounds."""
 
-    def __init__(self, model_dir: Path, device: str, size: int, batch: int, steps: int,
-                 step_execution: bool, cuda_graphs: bool = True, concurrency: int = 0):
+    def __init__(
+        self,
+        model_dir: Path,
+        device: str,
+        size: int,
+        batch: int,
+        steps: int,
+        step_execution: bool,
+        cuda_graphs: bool = True,
+        concurrency: int = 0,
+    ):
         self.size, self.steps = size, steps
-        self.executor = Executor(1, "diffusion", str(model_dir), device, 1,
-                                 step_execution=step_execution, cuda_graphs=cuda_graphs)
+        self.executor = Executor(
+            1, "diffusion", str(model_dir), device, 1, step_execution=step_execution, cuda_graphs=cuda_graphs
+        )
         self.executor.start()
         self.engine = Engine(self.executor, "diffusion", 1, max_batch_size=batch, max_queue=10_000)
         # Enough requests in flight that full batches are always waiting (a saturated stage). With
@@ -137,14 +155,14 @@ class Served:
             self.executor.shutdown()
 
 
-async def start_paths(up: contextlib.AsyncExitStack, model_dir: Path, args, size: int,
-                      batch: int) -> list[Served]:
+async def start_paths(up: contextlib.AsyncExitStack, model_dir: Path, args, size: int, batch: int) -> list[Served]:
     """(b) the synchronous and (c) the async path of one point, started; `up` closes each
     one started, also on failure."""
     paths = []
     for step_execution in (True, False):
-        path = Served(model_dir, args.device, size, batch, args.steps, step_execution,
-                      args.cuda_graphs, args.concurrency)
+        path = Served(
+            model_dir, args.device, size, batch, args.steps, step_execution, args.cuda_graphs, args.concurrency
+        )
         up.push_async_callback(path.close)
         await path.start()
         paths.append(path)
@@ -167,17 +185,30 @@ async def measure_point(model_dir: Path, args, size: int, batch: int) -> dict:
             c, d = await served.rate(args.requests)
             rounds.append({"a": a, "b": b, "c": c, "d": d, "e": e, "a_median_pass": a_median})
     med = {k: statistics.median(r[k] for r in rounds) for k in ("a", "b", "c", "d", "e", "a_median_pass")}
-    ratio = {f"{x}/{y}": statistics.median(r[x] / r[y] for r in rounds)
-             for x, y in (("c", "a"), ("c", "d"), ("d", "a"), ("c", "b"), ("c", "e"),
-                         ("c", "a_median_pass"))}
+    ratio = {
+        f"{x}/{y}": statistics.median(r[x] / r[y] for r in rounds)
+        for x, y in (("c", "a"), ("c", "d"), ("d", "a"), ("c", "b"), ("c", "e"), ("c", "a_median_pass"))
+    }
     spread = (max(r["a"] for r in rounds) - min(r["a"] for r in rounds)) / med["a"]
-    return dict(size=size, batch=batch, steps=args.steps, forward_rps=med["a"],
-                sync_qps=med["b"], async_qps=med["c"], worker_forward_rps=med["d"],
-                async_over_forward=ratio["c/a"], async_over_worker_forward=ratio["c/d"],
-                worker_forward_over_forward=ratio["d/a"], async_over_sync=ratio["c/b"],
-                pipelined_forward_rps=med["e"], async_over_pipelined=ratio["c/e"],
-                forward_median_pass_rps=med["a_median_pass"], async_over_median_pass=ratio["c/a_median_pass"],
-                forward_spread=spread, rounds=rounds)
+    return dict(
+        size=size,
+        batch=batch,
+        steps=args.steps,
+        forward_rps=med["a"],
+        sync_qps=med["b"],
+        async_qps=med["c"],
+        worker_forward_rps=med["d"],
+        async_over_forward=ratio["c/a"],
+        async_over_worker_forward=ratio["c/d"],
+        worker_forward_over_forward=ratio["d/a"],
+        async_over_sync=ratio["c/b"],
+        pipelined_forward_rps=med["e"],
+        async_over_pipelined=ratio["c/e"],
+        forward_median_pass_rps=med["a_median_pass"],
+        async_over_median_pass=ratio["c/a_median_pass"],
+        forward_spread=spread,
+        rounds=rounds,
+    )
 
 
 def add_serving_args(parser: argparse.ArgumentParser, sizes: list[int], batches: list[int]) -> None:
@@ -186,25 +217,37 @@ def add_serving_args(parser: argparse.ArgumentParser, sizes: list[int], batches:
     parser.add_argument("--sizes", type=int, nargs="+", default=sizes)
     parser.add_argument("--batches", type=int, nargs="+", default=batches)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, default=0,
-                        help="requests in flight per served path (default: max(32, 16 x batch))")
-    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                        help="denoising steps from captured CUDA graphs (the stage default)")
+    parser.add_argument(
+        "--concurrency", type=int, default=0, help="requests in flight per served path (default: max(32, 16 x batch))"
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="denoising steps from captured CUDA graphs (the stage default)",
+    )
 
 
 def serving_options(args: argparse.Namespace) -> dict:
     """The options of add_serving_args a run's JSON records (with the requests per round)."""
-    return {"device": args.device, "rounds": args.rounds, "requests": args.requests,
-            "concurrency": args.concurrency or "max(32, 16 x batch)", "cuda_graphs": args.cuda_graphs}
+    return {
+        "device": args.device,
+        "rounds": args.rounds,
+        "requests": args.requests,
+        "concurrency": args.concurrency or "max(32, 16 x batch)",
+        "cuda_graphs": args.cuda_graphs,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_serving_args(parser, sizes=[256, 512, 1024], batches=[1, 4])
-    parser.add_argument("--iters", type=int, default=0,
-                        help="(a): forward passes per round (default: as many as (b) and (c) run)")
-    parser.add_argument("--requests", type=int, default=192,
-                        help="(b), (c): requests per round (several times the requests in flight)")
+    parser.add_argument(
+        "--iters", type=int, default=0, help="(a): forward passes per round (default: as many as (b) and (c) run)"
+    )
+    parser.add_argument(
+        "--requests", type=int, default=192, help="(b), (c): requests per round (several times the requests in flight)"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--output", default="bench/results/async_output.json")
     args = parser.parse_args()
@@ -215,17 +258,46 @@ def main() -> None:
         for batch in args.batches:
             p = asyncio.run(measure_point(model_dir, args, size, batch))
             points.append(p)
-            rows.append([size, batch, p["forward_rps"], p["forward_spread"] * 100, p["sync_qps"],
-                         p["async_qps"], p["worker_forward_rps"], p["async_over_forward"],
-                         p["async_over_worker_forward"], (p["async_over_sync"] - 1) * 100,
-                         p["pipelined_forward_rps"], p["async_over_pipelined"]])
-            print(f"size {size} batch {batch}: forward {p['forward_rps']:.1f}/s, sync "
-                  f"{p['sync_qps']:.1f}/s, async {p['async_qps']:.1f}/s (worker forward "
-                  f"{p['worker_forward_rps']:.1f}/s)", flush=True)
-    print_table(["size", "batch", "(a) forward req/s", "(a) spread %", "(b) sync QPS",
-                 "(c) async QPS", "(d) worker fwd req/s", "(c)/(a)", "(c)/(d)", "(c)/(b) gain %",
-                 "(e) pipelined fwd req/s", "(c)/(e)"],
-                rows, floatfmt=".2f")
+            rows.append(
+                [
+                    size,
+                    batch,
+                    p["forward_rps"],
+                    p["forward_spread"] * 100,
+                    p["sync_qps"],
+                    p["async_qps"],
+                    p["worker_forward_rps"],
+                    p["async_over_forward"],
+                    p["async_over_worker_forward"],
+                    (p["async_over_sync"] - 1) * 100,
+                    p["pipelined_forward_rps"],
+                    p["async_over_pipelined"],
+                ]
+            )
+            print(
+                f"size {size} batch {batch}: forward {p['forward_rps']:.1f}/s, sync "
+                f"{p['sync_qps']:.1f}/s, async {p['async_qps']:.1f}/s (worker forward "
+                f"{p['worker_forward_rps']:.1f}/s)",
+                flush=True,
+            )
+    print_table(
+        [
+            "size",
+            "batch",
+            "(a) forward req/s",
+            "(a) spread %",
+            "(b) sync QPS",
+            "(c) async QPS",
+            "(d) worker fwd req/s",
+            "(c)/(a)",
+            "(c)/(d)",
+            "(c)/(b) gain %",
+            "(e) pipelined fwd req/s",
+            "(c)/(e)",
+        ],
+        rows,
+        floatfmt=".2f",
+    )
     path = write_json(args.output, "async_output", {**serving_options(args), "points": points})
     print(f"wrote {path}")
 

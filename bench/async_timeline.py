@@ -32,14 +32,13 @@ import threading
 import time
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.async_output import add_serving_args, serving_options, start_paths  # noqa: E402
-from bench.common import print_table, write_json  # noqa: E402
+from bench.async_output import add_serving_args, serving_options, start_paths
+from bench.common import print_table, write_json
+from stage_service.models.config import PipelineConfig
+from stage_service.models.weights import ensure_model_dir
 from stage_service.transport import protocol
-from stage_service.models.config import PipelineConfig  # noqa: E402
-from stage_service.models.weights import ensure_model_dir  # noqa: E402
 
 
 class Timeline:
@@ -120,17 +119,24 @@ def summarize(batches: list[dict]) -> dict:
         if "unpacked" in cur:
             unpacks.append(cur["unpacked"] - cur["output"])
     ms = lambda xs: statistics.median(xs) * 1e3 if xs else float("nan")  # noqa: E731
-    return {"batches": len(done), "period_ms": ms(periods), "forward_ms": ms([b["forward_s"] for b in done]),
-            "gap_ms": ms(gaps), "gap_p90_ms": sorted(gaps)[int(0.9 * (len(gaps) - 1))] * 1e3 if gaps else float("nan"),
-            "queued_fraction": sum(queued) / len(queued) if queued else float("nan"),
-            "output_lag_ms": ms(lags), "unpack_ms": ms(unpacks),
-            "progress_per_batch": statistics.median(b["progress"] for b in done) if done else 0}
+    return {
+        "batches": len(done),
+        "period_ms": ms(periods),
+        "forward_ms": ms([b["forward_s"] for b in done]),
+        "gap_ms": ms(gaps),
+        "gap_p90_ms": sorted(gaps)[int(0.9 * (len(gaps) - 1))] * 1e3 if gaps else float("nan"),
+        "queued_fraction": sum(queued) / len(queued) if queued else float("nan"),
+        "output_lag_ms": ms(lags),
+        "unpack_ms": ms(unpacks),
+        "progress_per_batch": statistics.median(b["progress"] for b in done) if done else 0,
+    }
 
 
 async def measure_point(model_dir: Path, args, size: int, batch: int) -> list[dict]:
     async with contextlib.AsyncExitStack() as up:
-        modes = [(path, Timeline(path.executor), [], [])
-                 for path in await start_paths(up, model_dir, args, size, batch)]
+        modes = [
+            (path, Timeline(path.executor), [], []) for path in await start_paths(up, model_dir, args, size, batch)
+        ]
         for _ in range(args.rounds):
             for path, timeline, marks, rates in modes:
                 first = len(timeline)
@@ -138,16 +144,16 @@ async def measure_point(model_dir: Path, args, size: int, batch: int) -> list[di
                 marks.extend(timeline.ordered(first))
     out = []
     for (path, _, marks, rates), mode in zip(modes, ("sync", "async")):
-        out.append({"size": size, "batch": batch, "mode": mode, "qps": statistics.median(rates),
-                    **summarize(marks)})
+        out.append({"size": size, "batch": batch, "mode": mode, "qps": statistics.median(rates), **summarize(marks)})
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serving_args(parser, sizes=[256], batches=[4])
-    parser.add_argument("--requests", type=int, default=192,
-                        help="requests per round and mode (several times the requests in flight)")
+    parser.add_argument(
+        "--requests", type=int, default=192, help="requests per round and mode (several times the requests in flight)"
+    )
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--output", default="bench/results/async_timeline.json")
     args = parser.parse_args()
@@ -158,11 +164,42 @@ def main() -> None:
         for batch in args.batches:
             for r in asyncio.run(measure_point(model_dir, args, size, batch)):
                 rows.append(r)
-    print_table(["size", "batch", "mode", "QPS", "batches", "period ms", "forward ms", "gap ms",
-                 "gap p90 ms", "next queued", "output lag ms", "unpack ms", "progress msgs"],
-                [[r["size"], r["batch"], r["mode"], r["qps"], r["batches"], r["period_ms"], r["forward_ms"],
-                  r["gap_ms"], r["gap_p90_ms"], r["queued_fraction"], r["output_lag_ms"], r["unpack_ms"],
-                  r["progress_per_batch"]] for r in rows], floatfmt=".2f")
+    print_table(
+        [
+            "size",
+            "batch",
+            "mode",
+            "QPS",
+            "batches",
+            "period ms",
+            "forward ms",
+            "gap ms",
+            "gap p90 ms",
+            "next queued",
+            "output lag ms",
+            "unpack ms",
+            "progress msgs",
+        ],
+        [
+            [
+                r["size"],
+                r["batch"],
+                r["mode"],
+                r["qps"],
+                r["batches"],
+                r["period_ms"],
+                r["forward_ms"],
+                r["gap_ms"],
+                r["gap_p90_ms"],
+                r["queued_fraction"],
+                r["output_lag_ms"],
+                r["unpack_ms"],
+                r["progress_per_batch"],
+            ]
+            for r in rows
+        ],
+        floatfmt=".2f",
+    )
     path = write_json(args.output, "async_timeline", {**serving_options(args), "rows": rows})
     print(f"wrote {path}")
 

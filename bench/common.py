@@ -11,8 +11,9 @@ import platform
 import socket
 import subprocess
 import sys
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "bench" / "results"
@@ -35,8 +36,12 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def summarize(values: Sequence[float], quantiles: Iterable[float] = (50, 90, 99)) -> dict[str, float]:
     """count, mean, min, max and the requested percentiles (keys p50, p90, ...)."""
-    out: dict[str, float] = {"count": len(values), "mean": sum(values) / len(values),
-                             "min": min(values), "max": max(values)}
+    out: dict[str, float] = {
+        "count": len(values),
+        "mean": sum(values) / len(values),
+        "min": min(values),
+        "max": max(values),
+    }
     for q in quantiles:
         out[f"p{q:g}"] = percentile(values, q)
     return out
@@ -45,6 +50,7 @@ def summarize(values: Sequence[float], quantiles: Iterable[float] = (50, 90, 99)
 # output -------------------------------------------------------------------------------------
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], floatfmt: str = ".3f") -> str:
     """A fixed-width table; floats use `floatfmt`, the first column is left-aligned, the rest right."""
+
     def cell(v: Any) -> str:
         return format(v, floatfmt) if isinstance(v, float) else str(v)
 
@@ -108,7 +114,7 @@ def _gpu_name() -> str | None:
 
 def environment() -> dict[str, Any]:
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
         "commit": git_commit(),
         "python": sys.version.split()[0],

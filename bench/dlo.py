@@ -38,9 +38,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import dlo_models as models  # noqa: E402
-from bench.common import RESULTS_DIR, print_table, write_json  # noqa: E402
-from bench.dlo_timing import (  # noqa: E402
+from bench import dlo_models as models
+from bench.common import RESULTS_DIR, print_table, write_json
+from bench.dlo_timing import (
     h2d_bandwidth,
     link_timeline,
     slot_window_times,
@@ -48,8 +48,8 @@ from bench.dlo_timing import (  # noqa: E402
     step_time,
     store_bandwidth,
 )
-from stage_service.models.config import PipelineConfig  # noqa: E402
-from stage_service.offload import discover  # noqa: E402
+from stage_service.models.config import PipelineConfig
+from stage_service.offload import discover
 
 LEFTOVER_WARN_BYTES = 256 << 20
 
@@ -58,12 +58,12 @@ LEFTOVER_WARN_BYTES = 256 << 20
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
-        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # noqa: SLF001
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
         if clear is not None:
             clear()
         torch.cuda.empty_cache()
         # torch's pinned host cache keeps a finished case's pinned copies (the peer's) otherwise.
-        host_empty = getattr(torch._C, "_host_emptyCache", None)  # noqa: SLF001
+        host_empty = getattr(torch._C, "_host_emptyCache", None)
         if host_empty is not None:
             host_empty()
         torch.cuda.reset_peak_memory_stats(device)
@@ -111,25 +111,51 @@ def _timed(bm, model, device, args, size: int) -> tuple[float, torch.Tensor]:
     return step_time(bm, model, inputs, device, args.steps, args.warmup)
 
 
-def _row(case: str, size: int, seconds: float, out: torch.Tensor, ref: dict, streamed: int,
-         bandwidth: float, device: torch.device, **extra) -> dict:
+def _row(
+    case: str,
+    size: int,
+    seconds: float,
+    out: torch.Tensor,
+    ref: dict,
+    streamed: int,
+    bandwidth: float,
+    device: torch.device,
+    **extra,
+) -> dict:
     floor = max(ref["step_s"], streamed / bandwidth)
-    return {"case": case, "size": size, "step_s": seconds, "resident_step_s": ref["step_s"],
-            "floor_s": floor, "ratio": seconds / floor, "streamed_bytes": streamed,
-            "peak_device_bytes": _peak(device),
-            "max_abs_diff": float((out - ref["output"]).abs().max()), **extra}
+    return {
+        "case": case,
+        "size": size,
+        "step_s": seconds,
+        "resident_step_s": ref["step_s"],
+        "floor_s": floor,
+        "ratio": seconds / floor,
+        "streamed_bytes": streamed,
+        "peak_device_bytes": _peak(device),
+        "max_abs_diff": float((out - ref["output"]).abs().max()),
+        **extra,
+    }
 
 
-def _two_slot_bound(row: dict, times: dict[str, float] | None, first_two_bytes: int,
-                    bandwidth: float) -> dict:
+def _two_slot_bound(row: dict, times: dict[str, float] | None, first_two_bytes: int, bandwidth: float) -> dict:
     """The row with the two-slot bound: the floor plus the part of the slot window (see
     slot_window_times) the link cannot fill, since two slots hold only two blocks."""
     if times is None:
-        return {**row, "resident_compute_s": None, "slot_window_s": None,
-                "two_slot_bound_s": None, "ratio_to_two_slot_bound": None}
+        return {
+            **row,
+            "resident_compute_s": None,
+            "slot_window_s": None,
+            "two_slot_bound_s": None,
+            "ratio_to_two_slot_bound": None,
+        }
     bound = row["floor_s"] + max(0.0, times["window_s"] - first_two_bytes / bandwidth)
-    return {**row, "resident_compute_s": times["resident_s"], "slot_window_s": times["window_s"],
-            "two_slot_bound_s": bound, "ratio_to_two_slot_bound": row["step_s"] / bound}
+    return {
+        **row,
+        "resident_compute_s": times["resident_s"],
+        "slot_window_s": times["window_s"],
+        "two_slot_bound_s": bound,
+        "ratio_to_two_slot_bound": row["step_s"] / bound,
+    }
 
 
 def _left_behind(device: torch.device, baseline: int, case: str) -> int:
@@ -147,12 +173,17 @@ def run_resident(bm, device, args, baseline: int) -> dict[int, dict]:
     out = {}
     for size in args.sizes:
         seconds, result = _timed(bm, model, device, args, size)
-        out[size] = {"step_s": seconds, "output": result, "weights_bytes": weights,
-                     "peak_device_bytes": _peak(device),
-                     "activation_bytes": max(0, _peak(device) - weights)}
+        out[size] = {
+            "step_s": seconds,
+            "output": result,
+            "weights_bytes": weights,
+            "peak_device_bytes": _peak(device),
+            "activation_bytes": max(0, _peak(device) - weights),
+        }
         inputs = bm.make_inputs(size, args.text_tokens, device)
         out[size]["slot_windows"] = slot_window_times(
-            bm, model, inputs, device, args.resident_blocks, args.steps, args.warmup)
+            bm, model, inputs, device, args.resident_blocks, args.steps, args.warmup
+        )
         del inputs
     del model
     left = _left_behind(device, baseline, "resident")
@@ -174,8 +205,13 @@ def run_group_offload(bm, device, args, reference, bandwidth: float, baseline: i
     model_bytes = _model_bytes(model)
     streamed = sum(_block_bytes(bm))
     use_stream = device.type == "cuda"  # diffusers refuses streams on a CPU onload device
-    options = {"onload_device": device, "offload_device": torch.device("cpu"),
-               "offload_type": "block_level", "num_blocks_per_group": 1, "use_stream": use_stream}
+    options = {
+        "onload_device": device,
+        "offload_device": torch.device("cpu"),
+        "offload_type": "block_level",
+        "num_blocks_per_group": 1,
+        "use_stream": use_stream,
+    }
     if hasattr(model, "enable_group_offload"):
         model.enable_group_offload(**options)
     else:
@@ -185,17 +221,28 @@ def run_group_offload(bm, device, args, reference, bandwidth: float, baseline: i
         seconds, result = _timed(bm, model, device, args, size)
         pinned = _pinned_by_torch(device)
         host = None if pinned is None else pinned - (pinned_before or 0)
-        rows.append(_row("diffusers group offload", size, seconds, result, reference[size],
-                         streamed, bandwidth, device, resident_blocks=0, host_bytes=host,
-                         host_over_model=None if host is None else host / model_bytes,
-                         use_stream=use_stream))
+        rows.append(
+            _row(
+                "diffusers group offload",
+                size,
+                seconds,
+                result,
+                reference[size],
+                streamed,
+                bandwidth,
+                device,
+                resident_blocks=0,
+                host_bytes=host,
+                host_over_model=None if host is None else host / model_bytes,
+                use_stream=use_stream,
+            )
+        )
     del model
     left = _left_behind(device, baseline, "diffusers group offload")
     return [{**r, "device_bytes_left": left} for r in rows]
 
 
-def run_dlo(bm, device, args, resident: int, reference, bandwidth: float,
-            baseline: int) -> list[dict]:
+def run_dlo(bm, device, args, resident: int, reference, bandwidth: float, baseline: int) -> list[dict]:
     model, engine = models.build_offloaded(bm, device, resident)
     stats = engine.stats()
     model_bytes = _model_bytes(model)
@@ -209,11 +256,21 @@ def run_dlo(bm, device, args, resident: int, reference, bandwidth: float,
         start_up = start_up_time(bm, model, inputs, device, args.steps, seconds)
         ref = reference[size]
         row = _row(
-            "stagemesh DLO", size, seconds, result, ref, stats.h2d_bytes_per_iteration,
-            bandwidth, device, resident_blocks=stats.resident_blocks,
-            host_bytes=stats.host_bytes, host_over_model=stats.host_bytes / model_bytes,
+            "stagemesh DLO",
+            size,
+            seconds,
+            result,
+            ref,
+            stats.h2d_bytes_per_iteration,
+            bandwidth,
+            device,
+            resident_blocks=stats.resident_blocks,
+            host_bytes=stats.host_bytes,
+            host_over_model=stats.host_bytes / model_bytes,
             peak_bound_bytes=rest + stats.slot_bytes + ref["activation_bytes"],
-            start_up_s=start_up, **link)
+            start_up_s=start_up,
+            **link,
+        )
         times = ref["slot_windows"].get(resident) if stats.resident_blocks else None
         rows.append(_two_slot_bound(row, times, first_two, bandwidth))
     own = store_bandwidth(engine, device)
@@ -226,13 +283,25 @@ def run_dlo(bm, device, args, resident: int, reference, bandwidth: float,
 
 # ---- report ----------------------------------------------------------------------------------
 def _resident_rows(reference: dict[int, dict], model_bytes: int) -> list[dict]:
-    return [{"case": "resident", "size": size, "step_s": ref["step_s"],
-             "resident_step_s": ref["step_s"], "floor_s": None, "ratio": None,
-             "streamed_bytes": 0, "resident_blocks": None,
-             "peak_device_bytes": ref["peak_device_bytes"],
-             "host_bytes": 0, "host_over_model": 0.0, "max_abs_diff": 0.0,
-             "weights_bytes": model_bytes, "device_bytes_left": ref["device_bytes_left"]}
-            for size, ref in reference.items()]
+    return [
+        {
+            "case": "resident",
+            "size": size,
+            "step_s": ref["step_s"],
+            "resident_step_s": ref["step_s"],
+            "floor_s": None,
+            "ratio": None,
+            "streamed_bytes": 0,
+            "resident_blocks": None,
+            "peak_device_bytes": ref["peak_device_bytes"],
+            "host_bytes": 0,
+            "host_over_model": 0.0,
+            "max_abs_diff": 0.0,
+            "weights_bytes": model_bytes,
+            "device_bytes_left": ref["device_bytes_left"],
+        }
+        for size, ref in reference.items()
+    ]
 
 
 def _fmt(value, scale: float = 1.0, digits: int = 3) -> str:
@@ -242,37 +311,75 @@ def _fmt(value, scale: float = 1.0, digits: int = 3) -> str:
 def _table(rows: list[dict]) -> None:
     gb = 1e-9
     print_table(
-        ["case", "size", "resident blocks", "step ms", "floor ms", "ratio", "2-slot bound ms",
-         "ratio/2-slot", "start-up ms", "store GB/s", "link idle ms", "widest gap ms (block)",
-         "fill GB/s med/min", "streamed GB", "peak dev GB", "bound GB", "pinned/model",
-         "max |diff|"],
-        [[r["case"], r["size"], "-" if r.get("resident_blocks") is None else r["resident_blocks"],
-          _fmt(r["step_s"], 1e3, 1), _fmt(r["floor_s"], 1e3, 1), _fmt(r["ratio"]),
-          _fmt(r.get("two_slot_bound_s"), 1e3, 1), _fmt(r.get("ratio_to_two_slot_bound")),
-          _fmt(r.get("start_up_s"), 1e3, 1),
-          _fmt(r.get("store_h2d_bytes_per_s"), gb, 1), _fmt(r.get("link_idle_s"), 1e3, 1),
-          "-" if r.get("widest_gap_s") is None
-          else f"{r['widest_gap_s'] * 1e3:.1f} ({r['widest_gap_before_block']})",
-          "-" if r.get("fill_rate_median") is None
-          else f"{r['fill_rate_median'] * gb:.1f}/{r['fill_rate_min'] * gb:.1f}",
-          _fmt(r["streamed_bytes"], gb, 2), _fmt(r["peak_device_bytes"], gb, 2),
-          _fmt(r.get("peak_bound_bytes"), gb, 2), _fmt(r.get("host_over_model")),
-          _fmt(r["max_abs_diff"], 1.0, 4)]
-         for r in sorted(rows, key=lambda r: r["size"])])
+        [
+            "case",
+            "size",
+            "resident blocks",
+            "step ms",
+            "floor ms",
+            "ratio",
+            "2-slot bound ms",
+            "ratio/2-slot",
+            "start-up ms",
+            "store GB/s",
+            "link idle ms",
+            "widest gap ms (block)",
+            "fill GB/s med/min",
+            "streamed GB",
+            "peak dev GB",
+            "bound GB",
+            "pinned/model",
+            "max |diff|",
+        ],
+        [
+            [
+                r["case"],
+                r["size"],
+                "-" if r.get("resident_blocks") is None else r["resident_blocks"],
+                _fmt(r["step_s"], 1e3, 1),
+                _fmt(r["floor_s"], 1e3, 1),
+                _fmt(r["ratio"]),
+                _fmt(r.get("two_slot_bound_s"), 1e3, 1),
+                _fmt(r.get("ratio_to_two_slot_bound")),
+                _fmt(r.get("start_up_s"), 1e3, 1),
+                _fmt(r.get("store_h2d_bytes_per_s"), gb, 1),
+                _fmt(r.get("link_idle_s"), 1e3, 1),
+                "-"
+                if r.get("widest_gap_s") is None
+                else f"{r['widest_gap_s'] * 1e3:.1f} ({r['widest_gap_before_block']})",
+                "-"
+                if r.get("fill_rate_median") is None
+                else f"{r['fill_rate_median'] * gb:.1f}/{r['fill_rate_min'] * gb:.1f}",
+                _fmt(r["streamed_bytes"], gb, 2),
+                _fmt(r["peak_device_bytes"], gb, 2),
+                _fmt(r.get("peak_bound_bytes"), gb, 2),
+                _fmt(r.get("host_over_model")),
+                _fmt(r["max_abs_diff"], 1.0, 4),
+            ]
+            for r in sorted(rows, key=lambda r: r["size"])
+        ],
+    )
 
 
 def _parse() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=("dit", "flux"), default="dit",
-                        help="the embedded DiT, or diffusers' FluxTransformer2DModel")
-    parser.add_argument("--preset", choices=("flux-sized", "tiny"), default="flux-sized",
-                        help="--model dit: its dimensions")
-    parser.add_argument("--tiny-flux", action="store_true",
-                        help="--model flux: a small config (5 blocks), for a CPU check")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--model", choices=("dit", "flux"), default="dit", help="the embedded DiT, or diffusers' FluxTransformer2DModel"
+    )
+    parser.add_argument(
+        "--preset", choices=("flux-sized", "tiny"), default="flux-sized", help="--model dit: its dimensions"
+    )
+    parser.add_argument(
+        "--tiny-flux", action="store_true", help="--model flux: a small config (5 blocks), for a CPU check"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--sizes", type=int, nargs="+", default=None,
-                        help="image sizes in pixels (default: 512 1024; small models: 128 256)")
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="image sizes in pixels (default: 512 1024; small models: 128 256)",
+    )
     parser.add_argument("--resident-blocks", type=int, nargs="+", default=[0, 8])
     parser.add_argument("--text-tokens", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5, help="timed denoising steps per case")
@@ -302,8 +409,11 @@ def main() -> None:
     bm = _bench_model(args)
     blocks = _block_bytes(bm)
     bandwidth = h2d_bandwidth(max(blocks), device)
-    print(f"{bm.name}: {len(blocks)} blocks; H2D {bandwidth / 1e9:.1f} GB/s (pinned, the "
-          "largest block per copy, best of 3 runs of 10)", flush=True)
+    print(
+        f"{bm.name}: {len(blocks)} blocks; H2D {bandwidth / 1e9:.1f} GB/s (pinned, the "
+        "largest block per copy, best of 3 runs of 10)",
+        flush=True,
+    )
     _free(device)
     baseline = _allocated(device)
     reference = run_resident(bm, device, args, baseline)
@@ -314,12 +424,23 @@ def main() -> None:
     for resident in args.resident_blocks:
         rows += run_dlo(bm, device, args, resident, reference, bandwidth, baseline)
     _table(rows)
-    path = write_json(args.json, "dlo", {
-        "model": bm.name, "device": str(device), "dtype": str(bm.dtype).removeprefix("torch."),
-        "params": sum(p.numel() for p in bm.build_meta().parameters()),
-        "model_bytes": model_bytes, "blocks": len(blocks), "h2d_bytes_per_s": bandwidth,
-        "text_tokens": args.text_tokens, "steps": args.steps, "warmup": args.warmup,
-        "rows": rows})
+    path = write_json(
+        args.json,
+        "dlo",
+        {
+            "model": bm.name,
+            "device": str(device),
+            "dtype": str(bm.dtype).removeprefix("torch."),
+            "params": sum(p.numel() for p in bm.build_meta().parameters()),
+            "model_bytes": model_bytes,
+            "blocks": len(blocks),
+            "h2d_bytes_per_s": bandwidth,
+            "text_tokens": args.text_tokens,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "rows": rows,
+        },
+    )
     print(f"wrote {path}")
 
 

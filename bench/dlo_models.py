@@ -27,12 +27,20 @@ from stage_service.offload import LayerwiseOffload, OffloadPlan, discover
 
 TINY_DIT = PipelineConfig(dit=DiTConfig(hidden_size=256, depth=12, num_heads=4, cond_dim=64))
 # Odd block counts (2 + 3), rope axes summing to the head dim.
-TINY_FLUX = {"num_layers": 2, "num_single_layers": 3, "attention_head_dim": 16,
-             "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 16,
-             "in_channels": 16, "axes_dims_rope": (4, 6, 6)}
+TINY_FLUX = {
+    "num_layers": 2,
+    "num_single_layers": 3,
+    "attention_head_dim": 16,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 32,
+    "pooled_projection_dim": 16,
+    "in_channels": 16,
+    "axes_dims_rope": (4, 6, 6),
+}
 # Resident blocks come from the double-stream list, the first to run.
-FLUX_PLAN = OffloadPlan(block_attrs={"": ("transformer_blocks", "single_transformer_blocks")},
-                        resident_paths=("transformer_blocks",))
+FLUX_PLAN = OffloadPlan(
+    block_attrs={"": ("transformer_blocks", "single_transformer_blocks")}, resident_paths=("transformer_blocks",)
+)
 
 
 @dataclass(frozen=True)
@@ -55,8 +63,9 @@ def _inside(name: str, roots: set[str]) -> bool:
     return any(name == r or name.startswith(r + ".") for r in roots)
 
 
-def materialize(module: nn.Module, prefix: str, device: torch.device, target: torch.device,
-                skip: set[str] = frozenset()) -> None:
+def materialize(
+    module: nn.Module, prefix: str, device: torch.device, target: torch.device, skip: set[str] = frozenset()
+) -> None:
     """Real values for every parameter under `module` (generated on `device`, stored on
     `target`), one tensor at a time; submodules named in `skip` are left alone."""
     for name, sub in module.named_modules():
@@ -87,8 +96,9 @@ def build_host(bm: BenchModel, device: torch.device) -> nn.Module:
     return model
 
 
-def build_offloaded(bm: BenchModel, device: torch.device, resident: int, group=None
-                    ) -> tuple[nn.Module, LayerwiseOffload]:
+def build_offloaded(
+    bm: BenchModel, device: torch.device, resident: int, group=None
+) -> tuple[nn.Module, LayerwiseOffload]:
     """Non-block weights on the device; streamed blocks materialised on the host one at a time
     (inside the engine, straight into their packed buffers); resident blocks on the device.
     With a `group` the blocks are sharded across its ranks and rebuilt by AllGather."""
@@ -105,9 +115,15 @@ def build_offloaded(bm: BenchModel, device: torch.device, resident: int, group=N
     for block in found.blocks:
         if block.path in kept:
             init_block(block.module)
-    engine = LayerwiseOffload(model, device, plan=bm.plan, resident_layers=resident,
-                              group=group, use_allgather=group is not None,
-                              init_block=init_block)
+    engine = LayerwiseOffload(
+        model,
+        device,
+        plan=bm.plan,
+        resident_layers=resident,
+        group=group,
+        use_allgather=group is not None,
+        init_block=init_block,
+    )
     return model, engine
 
 
@@ -123,8 +139,7 @@ def dit_model(config: PipelineConfig) -> BenchModel:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(2, c.latent_channels, side, side, generator=g)  # cond + uncond
         cond = torch.randn(2, tokens, c.cond_dim, generator=g).to(config.torch_dtype)
-        return {"x": x.to(device), "t": torch.full((2,), 0.7, device=device),
-                "cond": cond.to(device)}
+        return {"x": x.to(device), "t": torch.full((2,), 0.7, device=device), "cond": cond.to(device)}
 
     def forward(model: nn.Module, inputs: dict) -> torch.Tensor:
         return model(inputs["x"], inputs["t"], inputs["cond"])
@@ -163,11 +178,12 @@ def flux_model(tiny: bool = False, dtype: torch.dtype = torch.bfloat16) -> Bench
         img_ids = torch.stack([torch.zeros_like(rows), rows, torch.arange(side).repeat(side)], 1)
         values = {
             "hidden_states": torch.randn(1, side * side, config.in_channels, generator=g),
-            "encoder_hidden_states": torch.randn(1, tokens, config.joint_attention_dim,
-                                                 generator=g),
+            "encoder_hidden_states": torch.randn(1, tokens, config.joint_attention_dim, generator=g),
             "pooled_projections": torch.randn(1, config.pooled_projection_dim, generator=g),
-            "timestep": torch.full((1,), 0.7), "guidance": torch.full((1,), 3.5),
-            "img_ids": img_ids.float(), "txt_ids": torch.zeros(tokens, 3),
+            "timestep": torch.full((1,), 0.7),
+            "guidance": torch.full((1,), 3.5),
+            "img_ids": img_ids.float(),
+            "txt_ids": torch.zeros(tokens, 3),
         }
         floating = {"hidden_states", "encoder_hidden_states", "pooled_projections"}
         return {k: (v.to(dtype) if k in floating else v).to(device) for k, v in values.items()}
@@ -175,5 +191,4 @@ def flux_model(tiny: bool = False, dtype: torch.dtype = torch.bfloat16) -> Bench
     def forward(model: nn.Module, inputs: dict) -> torch.Tensor:
         return model(**inputs, return_dict=False)[0]
 
-    return BenchModel("tiny-flux" if tiny else "flux", dtype, build_meta, make_inputs, forward,
-                      FLUX_PLAN)
+    return BenchModel("tiny-flux" if tiny else "flux", dtype, build_meta, make_inputs, forward, FLUX_PLAN)

@@ -38,10 +38,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import dlo, dlo_models as models, dlo_timing  # noqa: E402
-from bench.common import RESULTS_DIR, print_table, write_json  # noqa: E402
-from stage_service.offload.collective import gather_into  # noqa: E402
-from stagemesh.core.procutil import free_port  # noqa: E402
+from bench import dlo, dlo_timing
+from bench import dlo_models as models
+from bench.common import RESULTS_DIR, print_table, write_json
+from stage_service.offload.collective import gather_into
+from stagemesh.core.procutil import free_port
 
 
 # ---- per rank --------------------------------------------------------------------------------
@@ -101,8 +102,12 @@ class Rank:
 
     def run(self) -> dict:
         a, sizes, big = self.args, self.args.sizes, max(self.blocks)
-        out: dict = {"rank": self.rank, "blocks": len(self.blocks),
-                     "block_bytes": sum(self.blocks), "max_block_bytes": big}
+        out: dict = {
+            "rank": self.rank,
+            "blocks": len(self.blocks),
+            "block_bytes": sum(self.blocks),
+            "max_block_bytes": big,
+        }
         out["h2d_alone"] = self.alone(lambda: dlo_timing.h2d_bandwidth(big, self.device))
         self.barrier()
         out["h2d_all"] = dlo_timing.h2d_bandwidth(big, self.device)
@@ -117,8 +122,7 @@ class Rank:
 
         model, engine = models.build_offloaded(self.bm, self.device, 0)
         out["plain_h2d_bytes"] = engine.stats().h2d_bytes_per_iteration
-        alone = {s: self.alone(lambda s=s: dlo._timed(self.bm, model, self.device, a, s))
-                 for s in sizes}
+        alone = {s: self.alone(lambda s=s: dlo._timed(self.bm, model, self.device, a, s)) for s in sizes}
         out["plain_alone"] = {s: r[0] for s, r in alone.items() if r is not None}
         out["plain_alone_wave_s"] = self.alone(lambda: self.wave(model))
         plain = {s: self.timed(model, s) for s in sizes}
@@ -131,8 +135,7 @@ class Rank:
 
         model, engine = models.build_offloaded(self.bm, self.device, 0, self.group)
         stats = engine.stats()
-        out["gather_h2d_bytes"], out["gather_host_bytes"] = (stats.h2d_bytes_per_iteration,
-                                                             stats.host_bytes)
+        out["gather_h2d_bytes"], out["gather_host_bytes"] = (stats.h2d_bytes_per_iteration, stats.host_bytes)
         gathered = {s: self.timed(model, s) for s in sizes}
         out["gather"] = {s: t for s, (t, _) in gathered.items()}
         self.barrier()
@@ -143,10 +146,8 @@ class Rank:
         del model, engine
         dlo._free(self.device)
 
-        out["equal_to_no_allgather"] = {s: bool(torch.equal(gathered[s][1], plain[s][1]))
-                                        for s in sizes}
-        out["max_diff_resident"] = {s: float((gathered[s][1] - resident[s][1]).abs().max())
-                                    for s in sizes}
+        out["equal_to_no_allgather"] = {s: bool(torch.equal(gathered[s][1], plain[s][1])) for s in sizes}
+        out["max_diff_resident"] = {s: float((gathered[s][1] - resident[s][1]).abs().max()) for s in sizes}
         return out
 
 
@@ -156,8 +157,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_d
     if backend == "nccl":
         torch.cuda.set_device(rank)
     torch.manual_seed(0)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, **kwargs)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **kwargs)
     try:
         result = Rank(rank, world, args).run()
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
@@ -183,30 +183,47 @@ def summarize(ranks: list[dict], world: int, args) -> tuple[list[dict], dict]:
         floor_gather = max(resident, streamed / world / h2d_all + streamed / ag)
         floor_plain = max(resident, streamed / h2d_all)
         floor_alone = max(resident, streamed / r0["h2d_alone"])
-        for case, key, floor in (("resident", "resident", None),
-                                 ("DLO no-AllGather, 1 GPU", "plain_alone", floor_alone),
-                                 (f"DLO no-AllGather, {world} GPUs", "plain_all", floor_plain),
-                                 (f"DLO AllGather, {world} GPUs", "gather", floor_gather)):
-            seconds = (r0[key][str(size)] if key == "plain_alone" else _worst(ranks, key, size))
-            rows.append({"case": case, "size": size, "step_s": seconds, "floor_s": floor,
-                         "ratio": None if floor is None else seconds / floor,
-                         "equal_to_no_allgather": all(r["equal_to_no_allgather"][str(size)]
-                                                      for r in ranks) if key == "gather" else None,
-                         "max_diff_resident": max(r["max_diff_resident"][str(size)]
-                                                  for r in ranks) if key == "gather" else None})
+        for case, key, floor in (
+            ("resident", "resident", None),
+            ("DLO no-AllGather, 1 GPU", "plain_alone", floor_alone),
+            (f"DLO no-AllGather, {world} GPUs", "plain_all", floor_plain),
+            (f"DLO AllGather, {world} GPUs", "gather", floor_gather),
+        ):
+            seconds = r0[key][str(size)] if key == "plain_alone" else _worst(ranks, key, size)
+            rows.append(
+                {
+                    "case": case,
+                    "size": size,
+                    "step_s": seconds,
+                    "floor_s": floor,
+                    "ratio": None if floor is None else seconds / floor,
+                    "equal_to_no_allgather": all(r["equal_to_no_allgather"][str(size)] for r in ranks)
+                    if key == "gather"
+                    else None,
+                    "max_diff_resident": max(r["max_diff_resident"][str(size)] for r in ranks)
+                    if key == "gather"
+                    else None,
+                }
+            )
     one_gpu_qps = 1.0 / r0["plain_alone_wave_s"]
-    waves = {"wave_size": args.wave_size, "wave_steps": args.wave_steps,
-             "one_gpu_dlo_qps": one_gpu_qps,
-             "resident_qps": world / _worst(ranks, "resident_wave_s"),
-             "no_allgather_qps": world / _worst(ranks, "plain_wave_s"),
-             "allgather_qps": world / _worst(ranks, "gather_wave_s")}
+    waves = {
+        "wave_size": args.wave_size,
+        "wave_steps": args.wave_steps,
+        "one_gpu_dlo_qps": one_gpu_qps,
+        "resident_qps": world / _worst(ranks, "resident_wave_s"),
+        "no_allgather_qps": world / _worst(ranks, "plain_wave_s"),
+        "allgather_qps": world / _worst(ranks, "gather_wave_s"),
+    }
     waves["allgather_scaling"] = waves["allgather_qps"] / one_gpu_qps
     waves["no_allgather_scaling"] = waves["no_allgather_qps"] / one_gpu_qps
-    bandwidths = {"h2d_alone_bytes_per_s": r0["h2d_alone"], "h2d_all_bytes_per_s": h2d_all,
-                  "allgather_bytes_per_s": ag, "streamed_bytes": streamed,
-                  "h2d_bytes_per_rank": {"no_allgather": r0["plain_h2d_bytes"],
-                                         "allgather": r0["gather_h2d_bytes"]},
-                  "host_bytes_per_rank_allgather": r0["gather_host_bytes"]}
+    bandwidths = {
+        "h2d_alone_bytes_per_s": r0["h2d_alone"],
+        "h2d_all_bytes_per_s": h2d_all,
+        "allgather_bytes_per_s": ag,
+        "streamed_bytes": streamed,
+        "h2d_bytes_per_rank": {"no_allgather": r0["plain_h2d_bytes"], "allgather": r0["gather_h2d_bytes"]},
+        "host_bytes_per_rank_allgather": r0["gather_host_bytes"],
+    }
     return rows, {"waves": waves, "bandwidths": bandwidths}
 
 
@@ -216,45 +233,58 @@ def _fmt(value, scale: float = 1.0, digits: int = 3) -> str:
 
 def report(rows: list[dict], extra: dict, world: int) -> None:
     b, w = extra["bandwidths"], extra["waves"]
-    print(f"H2D {b['h2d_alone_bytes_per_s'] / 1e9:.1f} GB/s alone, "
-          f"{b['h2d_all_bytes_per_s'] / 1e9:.1f} GB/s per rank with {world} copying; all-gather "
-          f"{b['allgather_bytes_per_s'] / 1e9:.1f} GB/s; per-rank H2D per step "
-          f"{b['h2d_bytes_per_rank']['no_allgather'] / 1e9:.2f} GB (no-AllGather) vs "
-          f"{b['h2d_bytes_per_rank']['allgather'] / 1e9:.2f} GB (AllGather)")
-    print_table(["case", "size", "step ms", "floor ms", "ratio", "== no-AG", "max |diff| vs res"],
-                [[r["case"], r["size"], _fmt(r["step_s"], 1e3, 1), _fmt(r["floor_s"], 1e3, 1),
-                  _fmt(r["ratio"]), "-" if r["equal_to_no_allgather"] is None
-                  else r["equal_to_no_allgather"], _fmt(r["max_diff_resident"], 1.0, 4)]
-                 for r in rows])
-    print_table(["waves", "QPS", "x one GPU's DLO"],
-                [["one GPU, DLO", _fmt(w["one_gpu_dlo_qps"]), "1.000"],
-                 [f"{world} GPUs, resident", _fmt(w["resident_qps"]), "-"],
-                 [f"{world} GPUs, DLO no-AllGather", _fmt(w["no_allgather_qps"]),
-                  _fmt(w["no_allgather_scaling"])],
-                 [f"{world} GPUs, DLO AllGather", _fmt(w["allgather_qps"]),
-                  _fmt(w["allgather_scaling"])]])
+    print(
+        f"H2D {b['h2d_alone_bytes_per_s'] / 1e9:.1f} GB/s alone, "
+        f"{b['h2d_all_bytes_per_s'] / 1e9:.1f} GB/s per rank with {world} copying; all-gather "
+        f"{b['allgather_bytes_per_s'] / 1e9:.1f} GB/s; per-rank H2D per step "
+        f"{b['h2d_bytes_per_rank']['no_allgather'] / 1e9:.2f} GB (no-AllGather) vs "
+        f"{b['h2d_bytes_per_rank']['allgather'] / 1e9:.2f} GB (AllGather)"
+    )
+    print_table(
+        ["case", "size", "step ms", "floor ms", "ratio", "== no-AG", "max |diff| vs res"],
+        [
+            [
+                r["case"],
+                r["size"],
+                _fmt(r["step_s"], 1e3, 1),
+                _fmt(r["floor_s"], 1e3, 1),
+                _fmt(r["ratio"]),
+                "-" if r["equal_to_no_allgather"] is None else r["equal_to_no_allgather"],
+                _fmt(r["max_diff_resident"], 1.0, 4),
+            ]
+            for r in rows
+        ],
+    )
+    print_table(
+        ["waves", "QPS", "x one GPU's DLO"],
+        [
+            ["one GPU, DLO", _fmt(w["one_gpu_dlo_qps"]), "1.000"],
+            [f"{world} GPUs, resident", _fmt(w["resident_qps"]), "-"],
+            [f"{world} GPUs, DLO no-AllGather", _fmt(w["no_allgather_qps"]), _fmt(w["no_allgather_scaling"])],
+            [f"{world} GPUs, DLO AllGather", _fmt(w["allgather_qps"]), _fmt(w["allgather_scaling"])],
+        ],
+    )
 
 
 def _parse() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=("dit", "flux"), default="flux")
-    parser.add_argument("--preset", choices=("flux-sized", "tiny"), default="flux-sized",
-                        help="--model dit: its dimensions")
+    parser.add_argument(
+        "--preset", choices=("flux-sized", "tiny"), default="flux-sized", help="--model dit: its dimensions"
+    )
     parser.add_argument("--tiny-flux", action="store_true", help="--model flux: a CPU-sized config")
-    parser.add_argument("--device", choices=("cuda", "cpu"),
-                        default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dp", type=int, default=None,
-                        help="ranks (default: every visible GPU; 2 on the CPU)")
-    parser.add_argument("--sizes", type=int, nargs="+", default=None,
-                        help="image sizes (default: 512 1024; CPU-sized models: 128)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dp", type=int, default=None, help="ranks (default: every visible GPU; 2 on the CPU)")
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", default=None, help="image sizes (default: 512 1024; CPU-sized models: 128)"
+    )
     parser.add_argument("--text-tokens", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per case")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--wave-size", type=int, default=None,
-                        help="image size of the DP-wave requests (default: the largest size)")
-    parser.add_argument("--wave-steps", type=int, default=8,
-                        help="denoising steps per wave request")
+    parser.add_argument(
+        "--wave-size", type=int, default=None, help="image size of the DP-wave requests (default: the largest size)"
+    )
+    parser.add_argument("--wave-steps", type=int, default=8, help="denoising steps per wave request")
     parser.add_argument("--json", default=str(RESULTS_DIR / "dlo_multi_gpu.json"))
     args = parser.parse_args()
     small = args.tiny_flux if args.model == "flux" else args.preset == "tiny"
@@ -269,22 +299,32 @@ def _parse() -> argparse.Namespace:
     return args
 
 
-
 def main() -> None:
     args = _parse()
     # NVLink multicast (NVLS) stays off: it is not needed for all-gather of this size.
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_rank_main, args=(args.dp, free_port(), args, out_dir), nprocs=args.dp,
-                 join=True)
+        mp.spawn(_rank_main, args=(args.dp, free_port(), args, out_dir), nprocs=args.dp, join=True)
         ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(args.dp)]
     rows, extra = summarize(ranks, args.dp, args)
     report(rows, extra, args.dp)
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else None
-    path = write_json(args.json, "dlo_multi_gpu", {
-        "model": args.model if not args.tiny_flux else "tiny-flux", "dp": args.dp, "gpu": gpu,
-        "device": args.device, "text_tokens": args.text_tokens, "steps": args.steps,
-        "warmup": args.warmup, "rows": rows, **extra, "ranks": ranks})
+    path = write_json(
+        args.json,
+        "dlo_multi_gpu",
+        {
+            "model": args.model if not args.tiny_flux else "tiny-flux",
+            "dp": args.dp,
+            "gpu": gpu,
+            "device": args.device,
+            "text_tokens": args.text_tokens,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "rows": rows,
+            **extra,
+            "ranks": ranks,
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -41,8 +41,9 @@ def h2d_bandwidth(nbytes: int, device: torch.device, repeats: int = 10, trials: 
     return best
 
 
-def step_time(bm: models.BenchModel, model: nn.Module, inputs: dict, device: torch.device,
-              steps: int, warmup: int) -> tuple[float, torch.Tensor]:
+def step_time(
+    bm: models.BenchModel, model: nn.Module, inputs: dict, device: torch.device, steps: int, warmup: int
+) -> tuple[float, torch.Tensor]:
     """Steady-state seconds per forward, as inside a long request: the timed forwards follow the
     warm-up ones with no synchronize in between and are timed by marks on the compute stream, so
     each starts with the pipeline in flight (DLO's next block already on its way, the host ahead
@@ -59,8 +60,9 @@ def step_time(bm: models.BenchModel, model: nn.Module, inputs: dict, device: tor
     return _between(start, end) / steps, out.float().cpu()
 
 
-def start_up_time(bm: models.BenchModel, model: nn.Module, inputs: dict,
-                  device: torch.device, steps: int, steady_s: float) -> float:
+def start_up_time(
+    bm: models.BenchModel, model: nn.Module, inputs: dict, device: torch.device, steps: int, steady_s: float
+) -> float:
     """What `steps` forwards started from an idle device (synchronized before and after, as
     the first steps of a request) take beyond `steps` steady-state ones: paid once per run of
     steps, not per step."""
@@ -95,9 +97,15 @@ def _mean_span(starts: list, ends: list, lag: int, skip: int) -> float:
     return sum(spans) / len(spans)
 
 
-def slot_window_times(bm: models.BenchModel, model: nn.Module, inputs: dict,
-                      device: torch.device, counts: list[int], steps: int,
-                      warmup: int) -> dict[int, dict[str, float]]:
+def slot_window_times(
+    bm: models.BenchModel,
+    model: nn.Module,
+    inputs: dict,
+    device: torch.device,
+    counts: list[int],
+    steps: int,
+    warmup: int,
+) -> dict[int, dict[str, float]]:
     """N -> {"resident_s": block 0's start to the N-th resident block's end (the blocks DLO
     would keep), "window_s": the last block's start in one forward to the end of the first
     streamed block in the next}: the compute during which DLO's link can fill only its two slots
@@ -109,18 +117,16 @@ def slot_window_times(bm: models.BenchModel, model: nn.Module, inputs: dict,
     if not counts or not candidates:
         return {}
     marks: dict[str, list] = {"first": [], "last": []}
-    hooks = [found.blocks[0].module.register_forward_pre_hook(
-                 lambda *_: marks["first"].append(_mark(device))),
-             found.blocks[-1].module.register_forward_pre_hook(
-                 lambda *_: marks["last"].append(_mark(device)))]
+    hooks = [
+        found.blocks[0].module.register_forward_pre_hook(lambda *_: marks["first"].append(_mark(device))),
+        found.blocks[-1].module.register_forward_pre_hook(lambda *_: marks["last"].append(_mark(device))),
+    ]
     for n in counts:  # DLO caps N at the eligible blocks; so do these spans
         kept = candidates[:n]
         streamed = next(b for b in found.blocks if b.path not in {k.path for k in kept})
         marks[f"kept{n}"], marks[f"streamed{n}"] = [], []
-        hooks.append(kept[-1].module.register_forward_hook(
-            lambda *_, k=f"kept{n}": marks[k].append(_mark(device))))
-        hooks.append(streamed.module.register_forward_hook(
-            lambda *_, k=f"streamed{n}": marks[k].append(_mark(device))))
+        hooks.append(kept[-1].module.register_forward_hook(lambda *_, k=f"kept{n}": marks[k].append(_mark(device))))
+        hooks.append(streamed.module.register_forward_hook(lambda *_, k=f"streamed{n}": marks[k].append(_mark(device))))
     try:
         with torch.inference_mode():
             for _ in range(warmup + max(steps, 2)):
@@ -130,9 +136,13 @@ def slot_window_times(bm: models.BenchModel, model: nn.Module, inputs: dict,
         for hook in hooks:
             hook.remove()
     skip = max(warmup, 1)
-    return {n: {"resident_s": _mean_span(marks["first"], marks[f"kept{n}"], 0, skip),
-                "window_s": _mean_span(marks["last"], marks[f"streamed{n}"], 1, skip)}
-            for n in counts}
+    return {
+        n: {
+            "resident_s": _mean_span(marks["first"], marks[f"kept{n}"], 0, skip),
+            "window_s": _mean_span(marks["last"], marks[f"streamed{n}"], 1, skip),
+        }
+        for n in counts
+    }
 
 
 def store_bandwidth(engine, device: torch.device) -> float:
@@ -152,8 +162,9 @@ def store_bandwidth(engine, device: torch.device) -> float:
     return moved / (time.perf_counter() - start)
 
 
-def link_timeline(engine, bm: models.BenchModel, model: nn.Module, inputs: dict,
-                  device: torch.device, steps: int, warmup: int) -> dict[str, float]:
+def link_timeline(
+    engine, bm: models.BenchModel, model: nn.Module, inputs: dict, device: torch.device, steps: int, warmup: int
+) -> dict[str, float]:
     """Where the host link idles during DLO steps: every fill of a slot is bracketed by timing
     marks on the copy stream (the start mark passes once the slot's free-event wait has), over
     `steps` forwards after `warmup`. Returns per step: link busy and idle seconds, the
@@ -192,7 +203,11 @@ def link_timeline(engine, bm: models.BenchModel, model: nn.Module, inputs: dict,
     widest = max(gaps, default=(0.0, -1))
     rates = sorted(n / (end - start) for _, n, start, end in spans if end > start)
     total = spans[-1][3] - spans[0][2]
-    return {"link_busy_s": busy / steps, "link_idle_s": (total - busy) / steps,
-            "widest_gap_s": widest[0], "widest_gap_before_block": widest[1],
-            "fill_rate_median": rates[len(rates) // 2] if rates else 0.0,
-            "fill_rate_min": rates[0] if rates else 0.0}
+    return {
+        "link_busy_s": busy / steps,
+        "link_idle_s": (total - busy) / steps,
+        "widest_gap_s": widest[0],
+        "widest_gap_before_block": widest[1],
+        "fill_rate_median": rates[len(rates) // 2] if rates else 0.0,
+        "fill_rate_min": rates[0] if rates else 0.0,
+    }

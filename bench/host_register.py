@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS_DIR, print_table, write_json  # noqa: E402
-from stage_service.platform import REGISTER_READ_ONLY, clear_cuda_error  # noqa: E402
+from bench.common import RESULTS_DIR, print_table, write_json
+from stage_service.platform import REGISTER_READ_ONLY, clear_cuda_error
 
 GIB = 1 << 30
 
@@ -62,7 +62,7 @@ def _h2d(src: torch.Tensor, device: torch.device, piece: int, repeats: int = 4) 
     start = time.perf_counter()
     for k in range(repeats):
         off = (k % (src.numel() // piece)) * piece
-        dev.copy_(src[off:off + n], non_blocking=True)
+        dev.copy_(src[off : off + n], non_blocking=True)
     torch.cuda.synchronize(device)
     return n * repeats / (time.perf_counter() - start)
 
@@ -89,16 +89,21 @@ def variant(path: Path, shared: bool, flags: int, chunk: int, device: torch.devi
     for off in done:
         cudart.cudaHostUnregister(data.data_ptr() + off)
     unregister_s = time.perf_counter() - start
-    return {"mapping": "shared" if shared else "private", "flags": flags,
-            "chunk_mb": chunk >> 20, "register_s": register_s, "unregister_s": unregister_s,
-            "error": error, "h2d_bytes_per_s": bandwidth,
-            "new_anonymous_bytes": after.get("Anonymous", 0) - before.get("Anonymous", 0),
-            "new_private_dirty_bytes": after.get("Private_Dirty", 0) - before.get("Private_Dirty", 0)}
+    return {
+        "mapping": "shared" if shared else "private",
+        "flags": flags,
+        "chunk_mb": chunk >> 20,
+        "register_s": register_s,
+        "unregister_s": unregister_s,
+        "error": error,
+        "h2d_bytes_per_s": bandwidth,
+        "new_anonymous_bytes": after.get("Anonymous", 0) - before.get("Anonymous", 0),
+        "new_private_dirty_bytes": after.get("Private_Dirty", 0) - before.get("Private_Dirty", 0),
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gb", type=float, default=24.0, help="file size in GB (GiB multiples of 256 MiB)")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the file is written")
     parser.add_argument("--chunk-mb", type=int, default=256, help="piece size of the chunked variants")
@@ -121,16 +126,38 @@ def main() -> None:
                     print(rows[-1], flush=True)
     finally:
         path.unlink()
-    print_table(["mapping", "flags", "chunk MB", "register s", "unregister s", "H2D GB/s",
-                 "x pinned", "new anon GB", "new dirty GB", "error"],
-                [[r["mapping"], r["flags"], r["chunk_mb"] or "whole", f"{r['register_s']:.2f}",
-                  f"{r['unregister_s']:.2f}",
-                  "-" if r["h2d_bytes_per_s"] is None else f"{r['h2d_bytes_per_s'] / 1e9:.1f}",
-                  "-" if r["h2d_bytes_per_s"] is None else f"{r['h2d_bytes_per_s'] / peer:.2f}",
-                  f"{r['new_anonymous_bytes'] / 1e9:.2f}", f"{r['new_private_dirty_bytes'] / 1e9:.2f}",
-                  r["error"] or ""] for r in rows])
-    path_out = write_json(args.json, "host_register", {"file_bytes": int(args.gb * GIB),
-                                                        "pinned_h2d_bytes_per_s": peer, "rows": rows})
+    print_table(
+        [
+            "mapping",
+            "flags",
+            "chunk MB",
+            "register s",
+            "unregister s",
+            "H2D GB/s",
+            "x pinned",
+            "new anon GB",
+            "new dirty GB",
+            "error",
+        ],
+        [
+            [
+                r["mapping"],
+                r["flags"],
+                r["chunk_mb"] or "whole",
+                f"{r['register_s']:.2f}",
+                f"{r['unregister_s']:.2f}",
+                "-" if r["h2d_bytes_per_s"] is None else f"{r['h2d_bytes_per_s'] / 1e9:.1f}",
+                "-" if r["h2d_bytes_per_s"] is None else f"{r['h2d_bytes_per_s'] / peer:.2f}",
+                f"{r['new_anonymous_bytes'] / 1e9:.2f}",
+                f"{r['new_private_dirty_bytes'] / 1e9:.2f}",
+                r["error"] or "",
+            ]
+            for r in rows
+        ],
+    )
+    path_out = write_json(
+        args.json, "host_register", {"file_bytes": int(args.gb * GIB), "pinned_h2d_bytes_per_s": peer, "rows": rows}
+    )
     print(f"pinned H2D {peer / 1e9:.1f} GB/s; wrote {path_out}")
 
 

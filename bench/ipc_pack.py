@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import print_table, write_json  # noqa: E402
+from bench.common import print_table, write_json
 from stage_service.transport import ipc
 
 SIZES = {"1 MB": 1_000_000, "16 MB": 16_000_000, "256 MB": 256_000_000}
@@ -70,10 +70,30 @@ def main() -> None:
     for label, nbytes in SIZES.items():
         r = measure(nbytes, args.repeats)
         results[label] = r
-        rows.append([label, r["memcpy_gbps"], r["clone_gbps"], r["pooled_gbps"], r["pooled_vs_memcpy"],
-                     r["one_shot_gbps"], r["one_shot_vs_memcpy"]])
-    print_table(["size", "memcpy GB/s", "clone GB/s", "pooled pack+unpack GB/s", "pooled / memcpy (target >= 0.5)",
-                 "one-shot GB/s", "one-shot / memcpy"], rows, floatfmt=".2f")
+        rows.append(
+            [
+                label,
+                r["memcpy_gbps"],
+                r["clone_gbps"],
+                r["pooled_gbps"],
+                r["pooled_vs_memcpy"],
+                r["one_shot_gbps"],
+                r["one_shot_vs_memcpy"],
+            ]
+        )
+    print_table(
+        [
+            "size",
+            "memcpy GB/s",
+            "clone GB/s",
+            "pooled pack+unpack GB/s",
+            "pooled / memcpy (target >= 0.5)",
+            "one-shot GB/s",
+            "one-shot / memcpy",
+        ],
+        rows,
+        floatfmt=".2f",
+    )
     print(f"wrote {write_json(args.output, 'ipc_pack', {'results': results})}")
 
 

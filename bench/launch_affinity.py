@@ -24,10 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.async_output import Forward  # noqa: E402
-from bench.common import print_table, write_json  # noqa: E402
-from stage_service.models.config import PipelineConfig  # noqa: E402
-from stage_service.models.weights import ensure_model_dir  # noqa: E402
+from bench.async_output import Forward
+from bench.common import print_table, write_json
+from stage_service.models.config import PipelineConfig
+from stage_service.models.weights import ensure_model_dir
 
 
 def parse_cpulist(text: str) -> set[int]:
@@ -87,14 +87,25 @@ def main() -> None:
             time.sleep(0.01)
             rates[cpu].append(forward.rate(args.iters))
     os.sched_setaffinity(0, cpus)
-    rows = [[cpu, numa_node(cpu), "yes" if local and cpu in local else "no",
-             statistics.median(r), min(r), max(r)] for cpu, r in rates.items()]
+    rows = [
+        [cpu, numa_node(cpu), "yes" if local and cpu in local else "no", statistics.median(r), min(r), max(r)]
+        for cpu, r in rates.items()
+    ]
     rows.append(["any", None, "", statistics.median(unpinned), min(unpinned), max(unpinned)])
     print(f"GPU-local cores: {sorted(local) if local else 'unknown'}")
     print_table(["core", "NUMA node", "GPU-local", "forward req/s (median)", "min", "max"], rows, floatfmt=".1f")
-    path = write_json(args.output, "launch_affinity", {
-        "device": args.device, "size": args.size, "batch": args.batch, "local_cpus": sorted(local or []),
-        "per_cpu": {str(c): r for c, r in rates.items()}, "unpinned": unpinned})
+    path = write_json(
+        args.output,
+        "launch_affinity",
+        {
+            "device": args.device,
+            "size": args.size,
+            "batch": args.batch,
+            "local_cpus": sorted(local or []),
+            "per_cpu": {str(c): r for c, r in rates.items()},
+            "unpinned": unpinned,
+        },
+    )
     print(f"wrote {path}")
 
 

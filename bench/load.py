@@ -29,12 +29,12 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: `python3 bench/load.py`
     sys.path.insert(0, str(REPO))
 
-import grpc  # noqa: E402
+import grpc
 
-from bench import common  # noqa: E402
+from bench import common
 from stagemesh.core import rpc
-from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2  # noqa: E402
-from tests.meshproc import segments_of, shm_entries  # noqa: E402
+from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
+from tests.meshproc import segments_of, shm_entries
 
 DEFAULT_OUTPUT = REPO / "bench" / "results" / "load.json"
 CALL_TIMEOUT_S = 120.0
@@ -61,8 +61,9 @@ class Mix:
     def params(self, kind: str, seed: int) -> generation_pb2.GenerationParams:
         side = self.big_size if kind == BIG else self.size
         steps = 1 if kind == BIG else self.steps
-        return generation_pb2.GenerationParams(prompt="load", width=side, height=side,
-                                               num_inference_steps=steps, seed=seed)
+        return generation_pb2.GenerationParams(
+            prompt="load", width=side, height=side, num_inference_steps=steps, seed=seed
+        )
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ async def _client(address: str, client: int, requests: int, mix: Mix) -> list[Ou
 
 def run_load(address: str, clients: int, requests: int, mix: Mix) -> tuple[list[Outcome], float]:
     """Run the clients to completion; returns every outcome and the wall time."""
+
     async def main() -> list[list[Outcome]]:
         return await asyncio.gather(*(_client(address, c, requests, mix) for c in range(clients)))
 
@@ -118,12 +120,19 @@ def summarize(outcomes: list[Outcome], wall_s: float, expected: int) -> dict:
         by_kind[o.kind].append(o)
     ok = [o.latency_s * 1e3 for o in outcomes if o.code == "OK"]
     return {
-        "requests": expected, "outcomes": len(outcomes), "lost": expected - len(outcomes), "wall_s": wall_s,
+        "requests": expected,
+        "outcomes": len(outcomes),
+        "lost": expected - len(outcomes),
+        "wall_s": wall_s,
         "qps_ok": len(ok) / wall_s,
         "status_counts": dict(collections.Counter(o.code for o in outcomes)),
-        "latency_ms": {kind: {"codes": dict(collections.Counter(o.code for o in items)),
-                              **common.summarize([o.latency_s * 1e3 for o in items])}
-                       for kind, items in sorted(by_kind.items())},
+        "latency_ms": {
+            kind: {
+                "codes": dict(collections.Counter(o.code for o in items)),
+                **common.summarize([o.latency_s * 1e3 for o in items]),
+            }
+            for kind, items in sorted(by_kind.items())
+        },
     }
 
 
@@ -166,8 +175,11 @@ def process_resources(pid: int) -> dict[str, int] | None:
     """Open fds, threads and resident bytes of a live process (None once it is gone)."""
     try:
         rss_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
-        return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": len(os.listdir(f"/proc/{pid}/task")),
-                "rss_bytes": rss_pages * os.sysconf("SC_PAGE_SIZE")}
+        return {
+            "fds": len(os.listdir(f"/proc/{pid}/fd")),
+            "threads": len(os.listdir(f"/proc/{pid}/task")),
+            "rss_bytes": rss_pages * os.sysconf("SC_PAGE_SIZE"),
+        }
     except OSError:
         return None
 
@@ -203,28 +215,53 @@ def measure(args: argparse.Namespace, address: str, up_pid: int | None) -> dict:
     before = {name: process_resources(pid) for name, pid in procs.items()}
     outcomes, wall_s = run_load(address, args.clients, args.requests, mix)
     after = {name: process_resources(pid) for name, pid in procs.items()}
-    return {"config": {"clients": args.clients, "requests_per_client": args.requests, "size": args.size,
-                       "steps": args.steps, "cancel_every": args.cancel_every, "big_every": args.big_every,
-                       "big_size": mix.big_size, "address": address},
-            **summarize(outcomes, wall_s, args.clients * args.requests),
-            "processes": {name: {"before": before[name], "after": after[name]} for name in procs},
-            "shm_segments_after": mesh_segments(procs.values())}
+    return {
+        "config": {
+            "clients": args.clients,
+            "requests_per_client": args.requests,
+            "size": args.size,
+            "steps": args.steps,
+            "cancel_every": args.cancel_every,
+            "big_every": args.big_every,
+            "big_size": mix.big_size,
+            "address": address,
+        },
+        **summarize(outcomes, wall_s, args.clients * args.requests),
+        "processes": {name: {"before": before[name], "after": after[name]} for name in procs},
+        "shm_segments_after": mesh_segments(procs.values()),
+    }
 
 
 def report(r: dict) -> None:
     c = r["config"]
-    print(f"\n{c['clients']} clients x {c['requests_per_client']} requests ({c['size']}x{c['size']}, "
-          f"{c['steps']} steps): {r['outcomes']} outcomes, {r['lost']} lost, {r['wall_s']:.1f} s, "
-          f"{r['qps_ok']:.1f} QPS (OK only)")
-    rows = [[kind, s["count"], ", ".join(f"{k} {v}" for k, v in s["codes"].items()), s["p50"], s["p99"], s["max"]]
-            for kind, s in r["latency_ms"].items()]
+    print(
+        f"\n{c['clients']} clients x {c['requests_per_client']} requests ({c['size']}x{c['size']}, "
+        f"{c['steps']} steps): {r['outcomes']} outcomes, {r['lost']} lost, {r['wall_s']:.1f} s, "
+        f"{r['qps_ok']:.1f} QPS (OK only)"
+    )
+    rows = [
+        [kind, s["count"], ", ".join(f"{k} {v}" for k, v in s["codes"].items()), s["p50"], s["p99"], s["max"]]
+        for kind, s in r["latency_ms"].items()
+    ]
     common.print_table(["kind", "requests", "statuses", "p50 ms", "p99 ms", "max ms"], rows, floatfmt=".1f")
     if r["processes"]:
         print()
-        common.print_table(["process", "fds before", "after", "threads before", "after", "RSS MB after"], [
-            [name, p["before"]["fds"], p["after"]["fds"], p["before"]["threads"], p["after"]["threads"],
-             p["after"]["rss_bytes"] / 1e6] for name, p in r["processes"].items()
-            if p["before"] and p["after"]], floatfmt=".1f")
+        common.print_table(
+            ["process", "fds before", "after", "threads before", "after", "RSS MB after"],
+            [
+                [
+                    name,
+                    p["before"]["fds"],
+                    p["after"]["fds"],
+                    p["before"]["threads"],
+                    p["after"]["threads"],
+                    p["after"]["rss_bytes"] / 1e6,
+                ]
+                for name, p in r["processes"].items()
+                if p["before"] and p["after"]
+            ],
+            floatfmt=".1f",
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,16 +34,20 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: `python3 bench/mesh_overhead.py`
     sys.path.insert(0, str(REPO))
 
-import grpc  # noqa: E402
+import grpc
 
-from bench import common  # noqa: E402
-from gateway.images import encode_png  # noqa: E402
+from bench import common
+from gateway.images import encode_png
 from stagemesh.core import codec, converters, logs, rpc
-from stagemesh.core.params import Limits  # noqa: E402
-from stagemesh.v1 import (  # noqa: E402
-    gateway_pb2, gateway_pb2_grpc, generation_pb2, stage_pb2, stage_pb2_grpc,
+from stagemesh.core.params import Limits
+from stagemesh.v1 import (
+    gateway_pb2,
+    gateway_pb2_grpc,
+    generation_pb2,
+    stage_pb2,
+    stage_pb2_grpc,
 )
-from tests.meshproc import START_TIMEOUT_S, Mesh, write_config  # noqa: E402
+from tests.meshproc import START_TIMEOUT_S, Mesh, write_config
 
 TARGET_P50_OVERHEAD_MS = 1.0
 CALL_TIMEOUT_S = 60.0
@@ -73,8 +77,11 @@ def _up_log_events(log_text: str, event: str):
 def stage_addresses(log_text: str) -> dict[int, str]:
     """Stage addresses from the `up` log: JSON lines {"event": "serving", "child": "stage-N", "address": ...}.
     A restarted child logs again on the same port, so the last line wins."""
-    return {int(e["child"].removeprefix("stage-")): e["address"]
-            for e in _up_log_events(log_text, "serving") if e["child"].startswith("stage-") and e.get("address")}
+    return {
+        int(e["child"].removeprefix("stage-")): e["address"]
+        for e in _up_log_events(log_text, "serving")
+        if e["child"].startswith("stage-") and e.get("address")
+    }
 
 
 def child_pids(log_text: str) -> dict[str, int]:
@@ -99,7 +106,12 @@ def start_mesh(config_path: Path, log_path: Path) -> Mesh:
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(
             [sys.executable, "-m", "stagemesh", "up", "--config", str(config_path)],
-            cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE, stderr=log_file, text=True)
+            cwd=REPO,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            text=True,
+        )
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -151,6 +163,7 @@ class GatewayPath:
 
 class DirectPath:
     """The gateway's work (resolve, stage 0, stage 1 with stage 0's outputs, PNG), done by the client."""
+
     name = "direct"
 
     def __init__(self, addresses: list[str], params: generation_pb2.GenerationParams):
@@ -165,8 +178,9 @@ class DirectPath:
         """What the gateway's Pipeline.limits computes: the last stage's limits, the tightest prompt limit."""
         from gateway.stages import limits_from_proto
 
-        limits = [limits_from_proto(s.DescribeStage(stage_pb2.DescribeStageRequest(), timeout=10).limits)
-                  for s in self.stubs]
+        limits = [
+            limits_from_proto(s.DescribeStage(stage_pb2.DescribeStageRequest(), timeout=10).limits) for s in self.stubs
+        ]
         return Limits(**{**limits[-1].__dict__, "max_prompt_bytes": min(x.max_prompt_bytes for x in limits)})
 
     def run(self) -> tuple[int, bytes]:
@@ -195,13 +209,19 @@ class DirectPath:
 
 
 # in-process costs of what the gateway does between the stages -----------------------------
-def relay_costs(stage0: stage_pb2_grpc.StageServiceStub, wire: generation_pb2.GenerationParams,
-                reps: int = 2000) -> dict[str, float]:
+def relay_costs(
+    stage0: stage_pb2_grpc.StageServiceStub, wire: generation_pb2.GenerationParams, reps: int = 2000
+) -> dict[str, float]:
     """Microseconds per call for the protobuf work the gateway does on each request (and the
     direct client does too): parse stage 0's reply, re-serialize its outputs into stage 1's request."""
     request_id = logs.new_request_id()
-    responses = list(stage0.Execute(stage_pb2.ExecuteRequest(request_id=request_id, params=wire),
-                                    timeout=CALL_TIMEOUT_S, metadata=rpc.outgoing_metadata(request_id)))
+    responses = list(
+        stage0.Execute(
+            stage_pb2.ExecuteRequest(request_id=request_id, params=wire),
+            timeout=CALL_TIMEOUT_S,
+            metadata=rpc.outgoing_metadata(request_id),
+        )
+    )
     reply = next(r for r in responses if r.HasField("outputs"))
     wire_reply = reply.SerializeToString()
 
@@ -218,44 +238,64 @@ def relay_costs(stage0: stage_pb2_grpc.StageServiceStub, wire: generation_pb2.Ge
         "stage0_reply_bytes": len(wire_reply),
         "stage0_outputs": {k: {"dtype": t.dtype, "shape": list(t.shape)} for k, t in outputs.items()},
         "parse_stage0_reply_us": per_call_us(lambda: stage_pb2.ExecuteResponse.FromString(wire_reply)),
-        "build_and_serialize_stage1_request_us": per_call_us(lambda: stage_pb2.ExecuteRequest(
-            request_id=request_id, params=wire, inputs=dict(parsed.outputs.outputs)).SerializeToString()),
+        "build_and_serialize_stage1_request_us": per_call_us(
+            lambda: stage_pb2.ExecuteRequest(
+                request_id=request_id, params=wire, inputs=dict(parsed.outputs.outputs)
+            ).SerializeToString()
+        ),
     }
 
 
 # reporting ----------------------------------------------------------------------------------
 def report(results: dict) -> None:
     g, d = results["gateway"], results["direct"]
-    rows = [[name, s["p50"], s["p90"], s["p99"], s["mean"], s["min"], s["max"]]
-            for name, s in (("gateway", g), ("direct", d), ("paired diff (g-d)", results["paired_diff"]))]
+    rows = [
+        [name, s["p50"], s["p90"], s["p99"], s["mean"], s["min"], s["max"]]
+        for name, s in (("gateway", g), ("direct", d), ("paired diff (g-d)", results["paired_diff"]))
+    ]
     print()
-    print(f"latency in ms, {results['config']['requests']} requests per path "
-          f"({results['config']['size']}x{results['config']['size']}, {results['config']['steps']} step, PNG)")
+    print(
+        f"latency in ms, {results['config']['requests']} requests per path "
+        f"({results['config']['size']}x{results['config']['size']}, {results['config']['steps']} step, PNG)"
+    )
     common.print_table(["path", "p50", "p90", "p99", "mean", "min", "max"], rows)
     o = results["overhead"]
     print()
     common.print_table(
         ["gateway - direct", "ms", "ratio g/d"],
-        [["p50", o["p50_ms"], o["p50_ratio"]], ["p99", o["p99_ms"], o["p99_ratio"]],
-         ["mean", o["mean_ms"], o["mean_ratio"]]])
+        [
+            ["p50", o["p50_ms"], o["p50_ratio"]],
+            ["p99", o["p99_ms"], o["p99_ratio"]],
+            ["mean", o["mean_ms"], o["mean_ratio"]],
+        ],
+    )
     b = results["breakdown_p50_ms"]
     print()
     print("where the time goes (p50 of each part, ms):")
-    common.print_table(["part", "gateway", "direct"], [
-        ["stage 0 call (as seen by the caller)", b["gateway"]["stage0"], b["direct"]["stage0"]],
-        ["stage 1 call (as seen by the caller)", b["gateway"]["stage1"], b["direct"]["stage1"]],
-        ["the rest (gateway: client hop, resolve, PNG, reply; direct: PNG)",
-         b["gateway"]["outside_stages"], b["direct"]["png_encode"]],
-    ])
+    common.print_table(
+        ["part", "gateway", "direct"],
+        [
+            ["stage 0 call (as seen by the caller)", b["gateway"]["stage0"], b["direct"]["stage0"]],
+            ["stage 1 call (as seen by the caller)", b["gateway"]["stage1"], b["direct"]["stage1"]],
+            [
+                "the rest (gateway: client hop, resolve, PNG, reply; direct: PNG)",
+                b["gateway"]["outside_stages"],
+                b["direct"]["png_encode"],
+            ],
+        ],
+    )
     c = results["cpu_ms_per_request"]
     gw_cpu = "n/a" if c["gateway_process"] is None else f"{c['gateway_process']:.2f}"
-    print(f"CPU per request (ms): gateway process {gw_cpu} (mean); client side p50: gateway path "
-          f"{c['client_gateway_path']:.2f}, direct path {c['client_direct_path']:.2f}; "
-          f"load average before: {', '.join(f'{x:.2f}' for x in results['loadavg_before'])} "
-          f"on {common.usable_cpus()} CPUs")
+    print(
+        f"CPU per request (ms): gateway process {gw_cpu} (mean); client side p50: gateway path "
+        f"{c['client_gateway_path']:.2f}, direct path {c['client_direct_path']:.2f}; "
+        f"load average before: {', '.join(f'{x:.2f}' for x in results['loadavg_before'])} "
+        f"on {common.usable_cpus()} CPUs"
+    )
     verdict = "met" if results["target"]["met"] else "NOT met"
-    print(f"\ntarget: gateway hop <= {TARGET_P50_OVERHEAD_MS} ms at p50 -> {verdict} "
-          f"({o['p50_ms']:.3f} ms)", flush=True)
+    print(
+        f"\ntarget: gateway hop <= {TARGET_P50_OVERHEAD_MS} ms at p50 -> {verdict} ({o['p50_ms']:.3f} ms)", flush=True
+    )
 
 
 # main ---------------------------------------------------------------------------------------
@@ -266,9 +306,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--size", type=int, default=16, help="width and height in pixels (default: 16, the smallest)")
     parser.add_argument("--steps", type=int, default=1, help="num_inference_steps (default: 1)")
     parser.add_argument("--seed", type=int, default=1234, help="fixed seed (default: 1234)")
-    parser.add_argument("--model-dir", default=None,
-                        help="model folder for both stages (default: the embedded model's cache folder, "
-                             "generated on first use)")
+    parser.add_argument(
+        "--model-dir",
+        default=None,
+        help="model folder for both stages (default: the embedded model's cache folder, generated on first use)",
+    )
     parser.add_argument("--output", default=str(DEFAULT_OUTPUT), help=f"JSON result file (default: {DEFAULT_OUTPUT})")
     args = parser.parse_args(argv)
     if args.requests < 1 or args.warmup < 0:
@@ -281,8 +323,13 @@ def measure(args: argparse.Namespace, mesh: Mesh) -> dict:
     if sorted(stages) != [0, 1]:
         raise RuntimeError(f"expected stage 0 and stage 1 in the mesh log, found {stages}")
     params = generation_pb2.GenerationParams(
-        prompt=PROMPT, width=args.size, height=args.size, num_inference_steps=args.steps, seed=args.seed,
-        output_format=generation_pb2.OUTPUT_FORMAT_PNG)
+        prompt=PROMPT,
+        width=args.size,
+        height=args.size,
+        num_inference_steps=args.steps,
+        seed=args.seed,
+        output_format=generation_pb2.OUTPUT_FORMAT_PNG,
+    )
     gateway = GatewayPath(mesh.address, params)
     direct = DirectPath([stages[0], stages[1]], params)
     try:
@@ -317,17 +364,21 @@ def _sample_paths(args: argparse.Namespace, mesh: Mesh, gateway: GatewayPath, di
     samples: dict[str, list[int]] = {"gateway": [], "direct": []}
     print(f"measuring {args.requests} iterations per path ...", flush=True)
     for i in range(args.requests):
-        for path in ((gateway, direct) if i % 2 == 0 else (direct, gateway)):
+        for path in (gateway, direct) if i % 2 == 0 else (direct, gateway):
             samples[path.name].append(path.run()[0])
     gateway_cpu_after = process_cpu_s(gateway_pid)
     # The gateway process's CPU over the measured loop (it only works on the gateway path).
-    gateway_cpu_ms = (None if gateway_cpu_before is None or gateway_cpu_after is None
-                      else (gateway_cpu_after - gateway_cpu_before) / args.requests * 1e3)
+    gateway_cpu_ms = (
+        None
+        if gateway_cpu_before is None or gateway_cpu_after is None
+        else (gateway_cpu_after - gateway_cpu_before) / args.requests * 1e3
+    )
     return {"samples": samples, "loadavg_before": loadavg_before, "gateway_cpu_ms": gateway_cpu_ms}
 
 
-def _summary(args: argparse.Namespace, mesh: Mesh, stages: dict, gateway: GatewayPath,
-             direct: DirectPath, run: dict) -> dict:
+def _summary(
+    args: argparse.Namespace, mesh: Mesh, stages: dict, gateway: GatewayPath, direct: DirectPath, run: dict
+) -> dict:
     g_ms = [_ms(v) for v in run["samples"]["gateway"]]
     d_ms = [_ms(v) for v in run["samples"]["direct"]]
     g, d = common.summarize(g_ms), common.summarize(d_ms)
@@ -337,25 +388,41 @@ def _summary(args: argparse.Namespace, mesh: Mesh, stages: dict, gateway: Gatewa
     g_outside = [t - s0 - s1 for t, (s0, s1) in zip(g_ms, gateway.stage_ms)]
     d_phase = list(zip(*direct.phase_ns))
     return {
-        "config": {"requests": args.requests, "warmup": args.warmup, "size": args.size, "steps": args.steps,
-                   "seed": args.seed, "prompt": PROMPT, "client": "grpc sync, one channel per target",
-                   "order": "alternating (gateway, direct), (direct, gateway)"},
+        "config": {
+            "requests": args.requests,
+            "warmup": args.warmup,
+            "size": args.size,
+            "steps": args.steps,
+            "seed": args.seed,
+            "prompt": PROMPT,
+            "client": "grpc sync, one channel per target",
+            "order": "alternating (gateway, direct), (direct, gateway)",
+        },
         "mesh": {"gateway": mesh.address, "stages": {str(k): v for k, v in stages.items()}},
         "loadavg_before": run["loadavg_before"],
         "gateway": g,
         "direct": d,
         "paired_diff": paired,
         "overhead": {
-            "p50_ms": g["p50"] - d["p50"], "p99_ms": g["p99"] - d["p99"], "mean_ms": g["mean"] - d["mean"],
-            "p50_ratio": g["p50"] / d["p50"], "p99_ratio": g["p99"] / d["p99"], "mean_ratio": g["mean"] / d["mean"],
+            "p50_ms": g["p50"] - d["p50"],
+            "p99_ms": g["p99"] - d["p99"],
+            "mean_ms": g["mean"] - d["mean"],
+            "p50_ratio": g["p50"] / d["p50"],
+            "p99_ratio": g["p99"] / d["p99"],
+            "mean_ratio": g["mean"] / d["mean"],
         },
         "target": {"p50_overhead_ms_max": TARGET_P50_OVERHEAD_MS, "met": g["p50"] - d["p50"] <= TARGET_P50_OVERHEAD_MS},
         "breakdown_p50_ms": {
-            "gateway": {"stage0": common.percentile(g_stage0, 50), "stage1": common.percentile(g_stage1, 50),
-                        "outside_stages": common.percentile(g_outside, 50)},
-            "direct": {"stage0": common.percentile([_ms(v) for v in d_phase[0]], 50),
-                       "stage1": common.percentile([_ms(v) for v in d_phase[1]], 50),
-                       "png_encode": common.percentile([_ms(v) for v in d_phase[2]], 50)},
+            "gateway": {
+                "stage0": common.percentile(g_stage0, 50),
+                "stage1": common.percentile(g_stage1, 50),
+                "outside_stages": common.percentile(g_outside, 50),
+            },
+            "direct": {
+                "stage0": common.percentile([_ms(v) for v in d_phase[0]], 50),
+                "stage1": common.percentile([_ms(v) for v in d_phase[1]], 50),
+                "png_encode": common.percentile([_ms(v) for v in d_phase[2]], 50),
+            },
         },
         "cpu_ms_per_request": {
             "gateway_process": run["gateway_cpu_ms"],

@@ -32,9 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import print_table, write_json  # noqa: E402
+from bench.common import print_table, write_json
 from stage_service.transport import ipc, protocol
-from stage_service.transport.result_pipe import result_pipe  # noqa: E402
+from stage_service.transport.result_pipe import result_pipe
 
 
 def _read(channel, held: int, ready) -> None:
@@ -46,8 +46,7 @@ def _read(channel, held: int, ready) -> None:
         del alive[:-held]
 
 
-def _send_all(channel, packer: ipc.Packer, images: list[torch.Tensor], batches: int,
-              interval_s: float) -> float:
+def _send_all(channel, packer: ipc.Packer, images: list[torch.Tensor], batches: int, interval_s: float) -> float:
     """Process CPU seconds per batch of packing and sending `images` `batches` times."""
     start = time.process_time()
     for i in range(batches):
@@ -88,33 +87,48 @@ def measure(args, ctx, path: str, slots: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--held", type=int, default=2, help="batches the reader keeps alive")
     parser.add_argument("--batches", type=int, default=200)
-    parser.add_argument("--interval-ms", type=float, default=10.0,
-                        help="time between batches (a forward pass of 4 × 256² takes ~30 ms)")
+    parser.add_argument(
+        "--interval-ms", type=float, default=10.0, help="time between batches (a forward pass of 4 × 256² takes ~30 ms)"
+    )
     parser.add_argument("--output", default="bench/results/output_send.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")
-    cases = [("inline, queue", 0), ("inline, pipe", 0), ("slots", 8), ("slots", 8, "strided"),
-             ("slots", ipc.WORKER_POOL_SLOTS), ("one-shot segments", 0)]
+    cases = [
+        ("inline, queue", 0),
+        ("inline, pipe", 0),
+        ("slots", 8),
+        ("slots", 8, "strided"),
+        ("slots", ipc.WORKER_POOL_SLOTS),
+        ("one-shot segments", 0),
+    ]
     rows, results = [], []
     for path, slots, *how in cases:
         label = ", ".join([path, *([str(slots)] if path == "slots" else []), *how])
         ms = measure(args, ctx, label, slots) * 1e3
         results.append({"path": label, "cpu_ms_per_batch": ms})
         rows.append([label, ms])
-    print(f"{args.batch} images of {args.size}² float32 per batch, one every {args.interval_ms} ms, "
-          f"reader holds {args.held} batches")
+    print(
+        f"{args.batch} images of {args.size}² float32 per batch, one every {args.interval_ms} ms, "
+        f"reader holds {args.held} batches"
+    )
     print_table(["path", "worker CPU ms / batch"], rows, floatfmt=".2f")
-    path = write_json(args.output, "output_send", {"size": args.size, "batch": args.batch,
-                                                     "held": args.held,
-                                                     "interval_ms": args.interval_ms,
-                                                     "results": results})
+    path = write_json(
+        args.output,
+        "output_send",
+        {
+            "size": args.size,
+            "batch": args.batch,
+            "held": args.held,
+            "interval_ms": args.interval_ms,
+            "results": results,
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -11,7 +11,7 @@ import sys
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def main(source: str, target: str) -> None:
@@ -22,10 +22,12 @@ def main(source: str, target: str) -> None:
     for ax, batch in zip(axes[0], batches):
         rows = sorted((p for p in points if p["batch"] == batch), key=lambda p: p["size"])
         sizes = [p["size"] for p in rows]
-        for key, label, style in (("forward_rps", "(a) forward-only, synchronized per pass", "k--"),
-                                  ("pipelined_forward_rps", "(e) forward-only, pipelined (device rate)", "k:"),
-                                  ("sync_qps", "(b) async off (step_execution)", "o-"),
-                                  ("async_qps", "(c) async on", "s-")):
+        for key, label, style in (
+            ("forward_rps", "(a) forward-only, synchronized per pass", "k--"),
+            ("pipelined_forward_rps", "(e) forward-only, pipelined (device rate)", "k:"),
+            ("sync_qps", "(b) async off (step_execution)", "o-"),
+            ("async_qps", "(c) async on", "s-"),
+        ):
             if key in rows[0]:  # (e) since commit e6d269f
                 ax.plot(sizes, [p[key] for p in rows], style, label=label)
         ax.set_xscale("log", base=2)

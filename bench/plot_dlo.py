@@ -13,7 +13,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def _series(rows: list[dict]) -> list[tuple[str, dict[int, dict]]]:
@@ -49,9 +49,13 @@ def main(source: str, target: str) -> None:
         bars = ax.bar(xs, [r["step_s"] * 1e3 for r in rows], width, label=label)
         for bar, r in zip(bars, rows):
             if r.get("ratio") is not None:
-                ax.annotate(f"{r['ratio']:.2f}×", (bar.get_x() + bar.get_width() / 2,
-                                                   bar.get_height()),
-                            ha="center", va="bottom", fontsize=7)
+                ax.annotate(
+                    f"{r['ratio']:.2f}×",
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
     ax.set_xticks(range(len(sizes)), [f"{s}²" for s in sizes])
     ax.set_ylabel("step time (ms); label: × floor")
     ax.grid(axis="y", alpha=0.3)
@@ -59,9 +63,12 @@ def main(source: str, target: str) -> None:
     env = data["environment"]
     params = data["params"]
     size = f"{params / 1e9:.1f} B" if params >= 1e8 else f"{params / 1e6:.1f} M"
-    fig.suptitle(f"layerwise offload: {data['model']} ({size} params, {data['dtype']})\n"
-                 f"H2D {data['h2d_bytes_per_s'] / 1e9:.1f} GB/s, {env.get('gpu') or 'cpu'}, "
-                 f"commit {(env.get('commit') or '?')[:8]}", fontsize=8)
+    fig.suptitle(
+        f"layerwise offload: {data['model']} ({size} params, {data['dtype']})\n"
+        f"H2D {data['h2d_bytes_per_s'] / 1e9:.1f} GB/s, {env.get('gpu') or 'cpu'}, "
+        f"commit {(env.get('commit') or '?')[:8]}",
+        fontsize=8,
+    )
     fig.tight_layout()
     fig.savefig(target, dpi=110)
 

@@ -15,10 +15,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import print_table  # noqa: E402
-from stage_service.models.config import PipelineConfig  # noqa: E402
-from stage_service.models.runners import DiffusionRunner, WorkItem  # noqa: E402
-from stage_service.models.weights import ensure_model_dir  # noqa: E402
+from bench.common import print_table
+from stage_service.models.config import PipelineConfig
+from stage_service.models.runners import DiffusionRunner, WorkItem
+from stage_service.models.weights import ensure_model_dir
 
 
 def main() -> None:

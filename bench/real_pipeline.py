@@ -62,8 +62,11 @@ def write_folder(folder: Path, tiny: bool, device: torch.device) -> Path:
         dlo_models.materialize(transformer, "", device, torch.device("cpu"))
         cfg = transformer.config
         components = synthetic.flux_components(
-            transformer, vae_config=synthetic.FLUX_VAE, text_dim=cfg.joint_attention_dim,
-            pooled_dim=cfg.pooled_projection_dim)
+            transformer,
+            vae_config=synthetic.FLUX_VAE,
+            text_dim=cfg.joint_attention_dim,
+            pooled_dim=cfg.pooled_projection_dim,
+        )
         synthetic.write_pipeline(folder, "FluxPipeline", components, torch.bfloat16)
     print(f"wrote {folder} in {time.perf_counter() - started:.0f} s", flush=True)
     return folder
@@ -91,23 +94,31 @@ def _timed(run, repeats: int, warmup: int) -> list[float]:
 def diffusers_case(folder: Path, device: torch.device, args, group: bool) -> dict:
     import diffusers
 
-    pipe = diffusers.FluxPipeline.from_pretrained(folder, local_files_only=True,
-                                                  **dtype_kwarg(args.dtype))
+    pipe = diffusers.FluxPipeline.from_pretrained(folder, local_files_only=True, **dtype_kwarg(args.dtype))
     pipe.set_progress_bar_config(disable=True)
     if group:
         pipe.transformer.enable_group_offload(
-            onload_device=device, offload_device=torch.device("cpu"),
-            offload_type="block_level", num_blocks_per_group=1,
-            use_stream=device.type == "cuda")  # streams need a CUDA device (the --tiny check)
+            onload_device=device,
+            offload_device=torch.device("cpu"),
+            offload_type="block_level",
+            num_blocks_per_group=1,
+            use_stream=device.type == "cuda",
+        )  # streams need a CUDA device (the --tiny check)
         for name in ("text_encoder", "text_encoder_2", "vae"):
             getattr(pipe, name).to(device)
     else:
         pipe.to(device)
 
     def run() -> bytes:
-        image = pipe(prompt=PROMPT, width=args.size, height=args.size,
-                     num_inference_steps=args.steps, guidance_scale=3.5, output_type="pt",
-                     generator=torch.Generator().manual_seed(args.seed)).images[0]
+        image = pipe(
+            prompt=PROMPT,
+            width=args.size,
+            height=args.size,
+            num_inference_steps=args.steps,
+            guidance_scale=3.5,
+            output_type="pt",
+            generator=torch.Generator().manual_seed(args.seed),
+        ).images[0]
         return encode_png(image.permute(1, 2, 0).float().cpu())
 
     png = run()
@@ -123,7 +134,7 @@ def _mesh_config(path: Path, device: str, dlo: bool) -> Path:
 port = 0
 
 [cache]
-root = "{path.parent / 'cache'}"
+root = "{path.parent / "cache"}"
 
 [supervision]
 ready_timeout_s = 1800.0
@@ -145,9 +156,14 @@ def mesh_case(folder: Path, device: torch.device, args, dlo: bool, work: Path) -
     name = "mesh-dlo" if dlo else "mesh-resident"
     config = _mesh_config(work / f"{name}.toml", str(device), dlo)
     mesh = start_mesh(config, work / f"{name}.log", ("--model", str(folder)), timeout_s=1800)
-    params = generation_pb2.GenerationParams(prompt=PROMPT, width=args.size, height=args.size,
-                                             num_inference_steps=args.steps, guidance_scale=3.5,
-                                             seed=args.seed)
+    params = generation_pb2.GenerationParams(
+        prompt=PROMPT,
+        width=args.size,
+        height=args.size,
+        num_inference_steps=args.steps,
+        guidance_scale=3.5,
+        seed=args.seed,
+    )
     request = gateway_pb2.GenerateUnaryRequest(params=params)
     try:
         with mesh.channel() as channel:
@@ -168,8 +184,9 @@ def mesh_case(folder: Path, device: torch.device, args, dlo: bool, work: Path) -
 # ---- report ------------------------------------------------------------------------------------
 def report(results: dict) -> dict:
     p50 = {case: r["latency_ms"]["p50"] for case, r in results.items()}
-    rows = [(case, p50[case], results[case]["latency_ms"]["mean"],
-             results[case]["latency_ms"]["min"]) for case in results]
+    rows = [
+        (case, p50[case], results[case]["latency_ms"]["mean"], results[case]["latency_ms"]["min"]) for case in results
+    ]
     common.print_table(["case", "p50 ms", "mean ms", "min ms"], rows, ".1f")
     ratios = {}
     if {"mesh-resident", "diffusers-resident"} <= p50.keys():
@@ -181,33 +198,43 @@ def report(results: dict) -> dict:
         verdict = "meets" if value <= targets[key] else "misses"
         print(f"{key}: {value:.3f} ({verdict} the target <= {targets[key]})", flush=True)
     pngs = {case: r.pop("png") for case, r in results.items()}
-    same = {f"{a} == {b}": pngs[a] == pngs[b] for a, b in
-            (("mesh-resident", "diffusers-resident"), ("mesh-dlo", "diffusers-group"),
-             ("mesh-dlo", "mesh-resident")) if a in pngs and b in pngs}
+    same = {
+        f"{a} == {b}": pngs[a] == pngs[b]
+        for a, b in (
+            ("mesh-resident", "diffusers-resident"),
+            ("mesh-dlo", "diffusers-group"),
+            ("mesh-dlo", "mesh-resident"),
+        )
+        if a in pngs and b in pngs
+    }
     for key, value in same.items():
         print(f"PNG bytes {key}: {value}", flush=True)
     return {"ratios": ratios, "targets": targets, "same_png": same}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tiny", action="store_true",
-                   help="a tiny FLUX-style pipeline (float32): a CPU check of the script")
-    p.add_argument("--folder", type=Path, default=None,
-                   help="checkpoint folder; written there when it holds none (default: a "
-                        "temporary folder, removed afterwards)")
+    p.add_argument(
+        "--tiny", action="store_true", help="a tiny FLUX-style pipeline (float32): a CPU check of the script"
+    )
+    p.add_argument(
+        "--folder",
+        type=Path,
+        default=None,
+        help="checkpoint folder; written there when it holds none (default: a temporary folder, removed afterwards)",
+    )
     p.add_argument("--size", type=int, default=1024, help="width and height (default: 1024)")
     p.add_argument("--steps", type=int, default=28, help="denoising steps (default: 28)")
     p.add_argument("--repeats", type=int, default=3, help="timed images per case (default: 3)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed images per case after the "
-                   "first (default: 1)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed images per case after the first (default: 1)")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--cases", default=",".join(CASES),
-                   help=f"comma-separated subset of {', '.join(CASES)}")
-    p.add_argument("--out", type=Path, default=None,
-                   help="JSON result (default: bench/results/real_pipeline[-tiny].json)")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
+    p.add_argument(
+        "--out", type=Path, default=None, help="JSON result (default: bench/results/real_pipeline[-tiny].json)"
+    )
     args = p.parse_args(argv)
     args.dtype = torch.float32 if args.tiny else torch.bfloat16
     unknown = sorted(set(args.cases.split(",")) - set(CASES))
@@ -235,10 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             # Each case as it ends: a run cut short still reports what it measured.
             print(f"{case}: p50 {results[case]['latency_ms']['p50']:.1f} ms", flush=True)
         summary = report(results)
-    out = args.out or common.RESULTS_DIR / ("real_pipeline-tiny.json" if args.tiny
-                                            else "real_pipeline.json")
-    settings = {k: (str(v) if isinstance(v, (Path, torch.dtype)) else v)
-                for k, v in vars(args).items()}
+    out = args.out or common.RESULTS_DIR / ("real_pipeline-tiny.json" if args.tiny else "real_pipeline.json")
+    settings = {k: (str(v) if isinstance(v, (Path, torch.dtype)) else v) for k, v in vars(args).items()}
     common.write_json(out, "real_pipeline", {"settings": settings, "results": results, **summary})
     print(f"wrote {out}", flush=True)
     return 0

@@ -32,10 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS_DIR, print_table, usable_cpus, write_json  # noqa: E402
-from stage_service.executor.executor import Executor  # noqa: E402
-from stage_service.models.config import PipelineConfig  # noqa: E402
-from stage_service.models.weights import ensure_model_dir  # noqa: E402
+from bench.common import RESULTS_DIR, print_table, usable_cpus, write_json
+from stage_service.executor.executor import Executor
+from stage_service.models.config import PipelineConfig
+from stage_service.models.weights import ensure_model_dir
 
 MODES = ("private", "cache")
 ENGINES = 2
@@ -67,16 +67,23 @@ def _kib_fields(path: Path) -> dict[str, int]:
 def memory(pid: int) -> dict[str, int]:
     rollup = _kib_fields(Path(f"/proc/{pid}/smaps_rollup"))
     status = _kib_fields(Path(f"/proc/{pid}/status"))
-    return {"pss": rollup["Pss"], "pss_anon": rollup.get("Pss_Anon", 0),
-            "pss_file": rollup.get("Pss_File", 0), "pss_shmem": rollup.get("Pss_Shmem", 0),
-            "rss": rollup.get("Rss", 0), "vm_hwm": status["VmHWM"]}
+    return {
+        "pss": rollup["Pss"],
+        "pss_anon": rollup.get("Pss_Anon", 0),
+        "pss_file": rollup.get("Pss_File", 0),
+        "pss_shmem": rollup.get("Pss_Shmem", 0),
+        "rss": rollup.get("Rss", 0),
+        "vm_hwm": status["VmHWM"],
+    }
 
 
 def maps_cache_entry(pid: int, cache_dir: Path) -> bool:
     """Whether the process maps a weight file of the cache (the entry is in use, not private)."""
     root = str(cache_dir.resolve())
-    return any(root in line and line.rstrip().endswith(".safetensors")
-               for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
+    return any(
+        root in line and line.rstrip().endswith(".safetensors")
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+    )
 
 
 # ---- engines -----------------------------------------------------------------------------------
@@ -117,16 +124,17 @@ def dlo_options(mode: str, cache_dir: Path) -> dict[str, Any]:
     opts = {"enable_dlo": True, "dlo_use_allgather": False, "dlo_checkpoint_mmap": False}
     if mode == "cache":
         # No cache service: the stages take the same flock on the directory themselves.
-        opts.update(dlo_enable_runtime_cache=True, dlo_runtime_cache_dir=str(cache_dir),
-                    dlo_runtime_cache_service="")
+        opts.update(dlo_enable_runtime_cache=True, dlo_runtime_cache_dir=str(cache_dir), dlo_runtime_cache_service="")
     return opts
 
 
-def start_engine(index: int, mode: str, args, model_dir: Path, cache_dir: Path, log_dir: Path,
-                 engines: list[dict[str, Any]]) -> dict[str, Any]:
+def start_engine(
+    index: int, mode: str, args, model_dir: Path, cache_dir: Path, log_dir: Path, engines: list[dict[str, Any]]
+) -> dict[str, Any]:
     """Start one engine; it joins `engines` before it is started so cleanup always reaches it."""
-    executor = Executor(index, "diffusion", str(model_dir), args.device, 1, threads=args.threads,
-                        dlo=dlo_options(mode, cache_dir))
+    executor = Executor(
+        index, "diffusion", str(model_dir), args.device, 1, threads=args.threads, dlo=dlo_options(mode, cache_dir)
+    )
     log_path = log_dir / f"{mode}-engine{index}.log"
     engine = {"index": index, "executor": executor, "log": log_path}
     engines.append(engine)
@@ -135,19 +143,23 @@ def start_engine(index: int, mode: str, args, model_dir: Path, cache_dir: Path, 
         with worker_stderr(log_path):
             executor.start(timeout_s=args.timeout)
     except Exception:
-        print(f"--- {mode} engine {index} failed to start; its log ends:\n{_tail(log_path)}",
-              file=sys.stderr, flush=True)
+        print(
+            f"--- {mode} engine {index} failed to start; its log ends:\n{_tail(log_path)}", file=sys.stderr, flush=True
+        )
         raise
     engine["startup_s"] = time.perf_counter() - started
-    engine["pid"] = executor._workers[0].process.pid  # noqa: SLF001 - no public accessor
+    engine["pid"] = executor._workers[0].process.pid
     engine["outcome"] = cache_outcome(log_path) or ("private" if mode == "private" else "none")
     engine["maps_cache"] = maps_cache_entry(engine["pid"], cache_dir) if cache_dir.exists() else False
     ping = executor.control(0, "ping").result(timeout=60)
     engine["host_mode"] = (ping.get("dlo") or {}).get("host_mode")
     engine["host_bytes"] = (ping.get("dlo") or {}).get("host_bytes")
-    print(f"{mode}: engine {index} ready in {engine['startup_s']:.2f} s "
-          f"(cache: {engine['outcome']}, maps entry: {engine['maps_cache']}, "
-          f"host mode: {engine['host_mode']})", flush=True)
+    print(
+        f"{mode}: engine {index} ready in {engine['startup_s']:.2f} s "
+        f"(cache: {engine['outcome']}, maps entry: {engine['maps_cache']}, "
+        f"host mode: {engine['host_mode']})",
+        flush=True,
+    )
     return engine
 
 
@@ -162,9 +174,16 @@ def stop_engines(engines: list[dict[str, Any]]) -> None:
 # ---- load --------------------------------------------------------------------------------------
 def _item(request_id: str, args, cond_dim: int, seed: int) -> dict[str, Any]:
     cond = torch.randn(12, cond_dim, generator=torch.Generator().manual_seed(seed))
-    return {"request_id": request_id, "prompt": "p", "width": args.size, "height": args.size,
-            "num_inference_steps": args.steps, "guidance_scale": 4.0, "seed": seed,
-            "inputs": {"hidden_states": cond}}
+    return {
+        "request_id": request_id,
+        "prompt": "p",
+        "width": args.size,
+        "height": args.size,
+        "num_inference_steps": args.steps,
+        "guidance_scale": 4.0,
+        "seed": seed,
+        "inputs": {"hidden_states": cond},
+    }
 
 
 def _finish(executor: Executor, future, request_id: str, size: int, timeout_s: float) -> None:
@@ -220,13 +239,18 @@ def run_mode(mode: str, args, model_dir: Path, work_dir: Path, cond_dim: int) ->
         load = throughput([e["executor"] for e in engines], args, cond_dim)
         _drain(engines)
         idle = {e["index"]: memory(e["pid"]) for e in engines}
-        print(f"{mode}: {load['qps']:.3f} req/s over {load['requests']} requests, "
-              f"total PSS {sum(m['pss'] for m in idle.values()) / GIB:.3f} GiB", flush=True)
-        return {"mode": mode, "load": load,
-                "engines": [_engine_record(e, loaded[e["index"]], idle[e["index"]])
-                            for e in engines],
-                "total_pss_loaded_bytes": sum(m["pss"] for m in loaded.values()),
-                "total_pss_bytes": sum(m["pss"] for m in idle.values())}
+        print(
+            f"{mode}: {load['qps']:.3f} req/s over {load['requests']} requests, "
+            f"total PSS {sum(m['pss'] for m in idle.values()) / GIB:.3f} GiB",
+            flush=True,
+        )
+        return {
+            "mode": mode,
+            "load": load,
+            "engines": [_engine_record(e, loaded[e["index"]], idle[e["index"]]) for e in engines],
+            "total_pss_loaded_bytes": sum(m["pss"] for m in loaded.values()),
+            "total_pss_bytes": sum(m["pss"] for m in idle.values()),
+        }
     finally:
         stop_engines(engines)
         shutil.rmtree(cache_dir, ignore_errors=True)
@@ -234,15 +258,21 @@ def run_mode(mode: str, args, model_dir: Path, work_dir: Path, cond_dim: int) ->
 
 def _engine_record(engine: dict[str, Any], loaded: dict[str, int], idle: dict[str, int]) -> dict:
     keep = ("index", "pid", "startup_s", "outcome", "maps_cache", "host_mode", "host_bytes")
-    return {**{k: engine.get(k) for k in keep}, "memory_loaded": loaded, "memory_idle": idle,
-            "peak_rss_bytes": idle["vm_hwm"]}
+    return {
+        **{k: engine.get(k) for k in keep},
+        "memory_loaded": loaded,
+        "memory_idle": idle,
+        "peak_rss_bytes": idle["vm_hwm"],
+    }
 
 
 # ---- report ------------------------------------------------------------------------------------
 def ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
     private, cache = results["private"], results["cache"]
-    return {"pss_cache_over_private": cache["total_pss_bytes"] / private["total_pss_bytes"],
-            "qps_cache_over_private": cache["load"]["qps"] / private["load"]["qps"]}
+    return {
+        "pss_cache_over_private": cache["total_pss_bytes"] / private["total_pss_bytes"],
+        "qps_cache_over_private": cache["load"]["qps"] / private["load"]["qps"],
+    }
 
 
 def report(results: dict[str, dict[str, Any]], ratio: dict[str, float]) -> None:
@@ -250,34 +280,68 @@ def report(results: dict[str, dict[str, Any]], ratio: dict[str, float]) -> None:
     for mode in MODES:
         r = results[mode]
         e1, e2 = r["engines"]
-        rows.append([mode, e1["startup_s"], e2["startup_s"], f"{e1['outcome']}/{e2['outcome']}",
-                     r["load"]["qps"], r["total_pss_bytes"] / GIB,
-                     e1["peak_rss_bytes"] / GIB, e2["peak_rss_bytes"] / GIB])
-    print_table(["mode", "startup e1 s", "startup e2 s", "cache e1/e2", "QPS combined",
-                 "total PSS GiB", "peak RSS e1 GiB", "peak RSS e2 GiB"], rows)
+        rows.append(
+            [
+                mode,
+                e1["startup_s"],
+                e2["startup_s"],
+                f"{e1['outcome']}/{e2['outcome']}",
+                r["load"]["qps"],
+                r["total_pss_bytes"] / GIB,
+                e1["peak_rss_bytes"] / GIB,
+                e2["peak_rss_bytes"] / GIB,
+            ]
+        )
+    print_table(
+        [
+            "mode",
+            "startup e1 s",
+            "startup e2 s",
+            "cache e1/e2",
+            "QPS combined",
+            "total PSS GiB",
+            "peak RSS e1 GiB",
+            "peak RSS e2 GiB",
+        ],
+        rows,
+    )
     pss, qps = ratio["pss_cache_over_private"], ratio["qps_cache_over_private"]
-    print_table(["cache / private", "ratio", "target", "met"],
-                [["total PSS", pss, f"<= {PSS_TARGET}", "yes" if pss <= PSS_TARGET else "no"],
-                 ["throughput", qps, f">= {QPS_TARGET}", "yes" if qps >= QPS_TARGET else "no"]])
+    print_table(
+        ["cache / private", "ratio", "target", "met"],
+        [
+            ["total PSS", pss, f"<= {PSS_TARGET}", "yes" if pss <= PSS_TARGET else "no"],
+            ["throughput", qps, f">= {QPS_TARGET}", "yes" if qps >= QPS_TARGET else "no"],
+        ],
+    )
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="flux-sized")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--size", type=int, default=512, help="image width and height")
     parser.add_argument("--steps", type=int, default=4, help="denoising steps per request")
     parser.add_argument("--requests", type=int, default=16, help="timed requests per mode")
-    parser.add_argument("--model-dir", type=Path, default=None,
-                        help="weights folder, generated if absent or outdated (default: a temp "
-                             "dir, removed at the end; FLUX-sized takes ~75 s and 24 GB)")
-    parser.add_argument("--tmp-dir", type=Path, default=None,
-                        help="where the temp model, cache and log dirs go (default: the system "
-                             "temp dir); the cache mode needs room for one more copy of the weights")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads per worker (default: half the CPUs on cpu, torch's "
-                             "default on a GPU)")
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="weights folder, generated if absent or outdated (default: a temp "
+        "dir, removed at the end; FLUX-sized takes ~75 s and 24 GB)",
+    )
+    parser.add_argument(
+        "--tmp-dir",
+        type=Path,
+        default=None,
+        help="where the temp model, cache and log dirs go (default: the system "
+        "temp dir); the cache mode needs room for one more copy of the weights",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per worker (default: half the CPUs on cpu, torch's default on a GPU)",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per start or request")
     parser.add_argument("--output", default=str(RESULTS_DIR / "runtime_cache.json"))
     args = parser.parse_args()
@@ -296,19 +360,26 @@ def main() -> None:
     try:
         started = time.perf_counter()
         model_dir = ensure_model_dir(args.model_dir or work_dir / "model", config)
-        print(f"model ({args.preset}, {config.dtype}) at {model_dir} "
-              f"({time.perf_counter() - started:.1f} s)", flush=True)
-        results = {mode: run_mode(mode, args, model_dir, work_dir, config.dit.cond_dim)
-                   for mode in MODES}
+        print(
+            f"model ({args.preset}, {config.dtype}) at {model_dir} ({time.perf_counter() - started:.1f} s)", flush=True
+        )
+        results = {mode: run_mode(mode, args, model_dir, work_dir, config.dit.cond_dim) for mode in MODES}
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     ratio = ratios(results)
     report(results, ratio)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    path = write_json(args.output, "runtime_cache", {
-        "settings": settings, "dtype": config.dtype, "modes": results, "ratios": ratio,
-        "targets": {"pss_cache_over_private_max": PSS_TARGET,
-                    "qps_cache_over_private_min": QPS_TARGET}})
+    path = write_json(
+        args.output,
+        "runtime_cache",
+        {
+            "settings": settings,
+            "dtype": config.dtype,
+            "modes": results,
+            "ratios": ratio,
+            "targets": {"pss_cache_over_private_max": PSS_TARGET, "qps_cache_over_private_min": QPS_TARGET},
+        },
+    )
     print(f"wrote {path}")
 
 

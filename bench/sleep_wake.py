@@ -21,10 +21,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import print_table, write_json  # noqa: E402
-from stage_service.models.contract import WeightFile  # noqa: E402
-from stage_service.worker.sleep import SleepController  # noqa: E402
-from stagemesh.weight_store.safetensors_writer import write_streamed  # noqa: E402
+from bench.common import print_table, write_json
+from stage_service.models.contract import WeightFile
+from stage_service.worker.sleep import SleepController
+from stagemesh.weight_store.safetensors_writer import write_streamed
 
 LAYER_SHAPE = (8192, 8192)  # 128 MiB per bf16 weight: FLUX-like large matrices
 
@@ -32,7 +32,9 @@ LAYER_SHAPE = (8192, 8192)  # 128 MiB per bf16 weight: FLUX-like large matrices
 def build_model(gib: float, device: str) -> nn.Module:
     per_layer = LAYER_SHAPE[0] * LAYER_SHAPE[1] * 2
     layers = max(1, int(gib * 2**30 // per_layer))
-    model = nn.ModuleList(nn.Linear(*LAYER_SHAPE, bias=True, device="meta", dtype=torch.bfloat16) for _ in range(layers))
+    model = nn.ModuleList(
+        nn.Linear(*LAYER_SHAPE, bias=True, device="meta", dtype=torch.bfloat16) for _ in range(layers)
+    )
     model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
@@ -95,7 +97,10 @@ def main() -> None:
         wake_s = timed(controller.wake)
         assert torch.equal(model[0].weight[:4, :8].float().cpu(), reference), "weights changed across sleep"
         sleep_floor, wake_floor = weight_bytes / (d2h * 1e9), weight_bytes / (h2d * 1e9)
-        for what, seconds, floor in (("sleep", sleep_s, sleep_floor if level == 1 else None), ("wake", wake_s, wake_floor)):
+        for what, seconds, floor in (
+            ("sleep", sleep_s, sleep_floor if level == 1 else None),
+            ("wake", wake_s, wake_floor),
+        ):
             gbps = weight_bytes / seconds / 1e9
             frac = (floor / seconds) if floor else None
             rows.append([f"level {level} {what}", seconds, gbps, frac if frac is not None else "-"])
@@ -103,8 +108,12 @@ def main() -> None:
         rows.append([f"  (freed by level {level} sleep, GiB)", freed / 2**30, "", ""])
     naive_cpu = timed(lambda: model.to("cpu"))
     naive_gpu = timed(lambda: model.to(device))
-    rows.append(["naive module.to('cpu')", naive_cpu, weight_bytes / naive_cpu / 1e9, weight_bytes / (d2h * 1e9) / naive_cpu])
-    rows.append(["naive module.to('cuda')", naive_gpu, weight_bytes / naive_gpu / 1e9, weight_bytes / (h2d * 1e9) / naive_gpu])
+    rows.append(
+        ["naive module.to('cpu')", naive_cpu, weight_bytes / naive_cpu / 1e9, weight_bytes / (d2h * 1e9) / naive_cpu]
+    )
+    rows.append(
+        ["naive module.to('cuda')", naive_gpu, weight_bytes / naive_gpu / 1e9, weight_bytes / (h2d * 1e9) / naive_gpu]
+    )
     report["rows"] = [[str(c) for c in r] for r in rows]
     print(f"weights {weight_bytes / 1e9:.2f} GB bf16; pinned H2D {h2d:.1f} GB/s, D2H {d2h:.1f} GB/s")
     print_table(["operation", "seconds", "GB/s", "fraction of pinned bandwidth"], rows, floatfmt=".3f")

@@ -31,14 +31,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.async_output import Forward  # noqa: E402
-from bench.common import print_table, write_json  # noqa: E402
-from stage_service import platform  # noqa: E402
-from stage_service.worker.async_output import copy_to_host  # noqa: E402
-from stage_service.models.config import PipelineConfig  # noqa: E402
-from stage_service.models.weights import ensure_model_dir  # noqa: E402
-from stage_service.transport.shm_pool import HEADER_BYTES, copy_into  # noqa: E402
-from stagemesh.core.codec import host_bytes  # noqa: E402
+from bench.async_output import Forward
+from bench.common import print_table, write_json
+from stage_service import platform
+from stage_service.models.config import PipelineConfig
+from stage_service.models.weights import ensure_model_dir
+from stage_service.transport.shm_pool import HEADER_BYTES, copy_into
+from stage_service.worker.async_output import copy_to_host
+from stagemesh.core.codec import host_bytes
 
 
 def torch_copy(mapping: mmap.mmap, raw: torch.Tensor) -> None:
@@ -84,14 +84,17 @@ def measure(forward: Forward | None, copy, pinned: bool, args) -> dict:
                 copy(mapping, raw)
             walls.append(time.perf_counter() - wall)
             cpus.append(time.thread_time() - cpu)
-            assert bytes(slots[-1][HEADER_BYTES:HEADER_BYTES + 64]) == raws[-1][:64].numpy().tobytes()
+            assert bytes(slots[-1][HEADER_BYTES : HEADER_BYTES + 64]) == raws[-1][:64].numpy().tobytes()
             time.sleep(0.01)
     finally:
         stop.set()
         if launcher is not None:
             launcher.join()
-    return {"wall_ms": statistics.median(walls) * 1e3, "cpu_ms": statistics.median(cpus) * 1e3,
-            "max_wall_ms": max(walls) * 1e3}
+    return {
+        "wall_ms": statistics.median(walls) * 1e3,
+        "cpu_ms": statistics.median(cpus) * 1e3,
+        "max_wall_ms": max(walls) * 1e3,
+    }
 
 
 def main() -> None:
@@ -106,9 +109,12 @@ def main() -> None:
     model_dir = ensure_model_dir(Path(tempfile.mkdtemp()) / "tiny", PipelineConfig.tiny())
     # The eager forward: a launching thread that never blocks, as without step graphs.
     forward = Forward(model_dir, args.device, args.size, args.batch, 8, cuda_graphs=False)
-    cases = [(main_thread, source, copy.__name__.replace("_", " "), copy)
-             for main_thread in ("idle", "launching") for source in ("pinned", "pageable")
-             for copy in (torch_copy, memmove)]
+    cases = [
+        (main_thread, source, copy.__name__.replace("_", " "), copy)
+        for main_thread in ("idle", "launching")
+        for source in ("pinned", "pageable")
+        for copy in (torch_copy, memmove)
+    ]
     rows, results = [], []
     threads = torch.get_num_threads()
     for main_thread, source, name, copy in cases:
@@ -119,11 +125,17 @@ def main() -> None:
         r = measure(forward, torch_copy, source == "pinned", args)
         results.append({"main_thread": "launching", "source": source, "copy": "torch copy", "threads": 1, **r})
     for r in results:
-        rows.append([r["main_thread"], r["source"], r["copy"], r["threads"], r["wall_ms"], r["cpu_ms"], r["max_wall_ms"]])
-    print_table(["main thread", "source", "copy", "intra-op threads", f"{args.batch} copies wall ms",
-                 "CPU ms", "max wall ms"], rows, floatfmt=".2f")
-    path = write_json(args.output, "slot_copy", {"device": args.device, "size": args.size,
-                                                 "batch": args.batch, "results": results})
+        rows.append(
+            [r["main_thread"], r["source"], r["copy"], r["threads"], r["wall_ms"], r["cpu_ms"], r["max_wall_ms"]]
+        )
+    print_table(
+        ["main thread", "source", "copy", "intra-op threads", f"{args.batch} copies wall ms", "CPU ms", "max wall ms"],
+        rows,
+        floatfmt=".2f",
+    )
+    path = write_json(
+        args.output, "slot_copy", {"device": args.device, "size": args.size, "batch": args.batch, "results": results}
+    )
     print(f"wrote {path}")
 
 

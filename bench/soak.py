@@ -34,14 +34,14 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: `python3 bench/soak.py`
     sys.path.insert(0, str(REPO))
 
-import grpc  # noqa: E402
+import grpc
 
-from bench import common  # noqa: E402
-from bench.load import _cmdline, mesh_processes, mesh_segments, process_resources  # noqa: E402
-from bench.mesh_overhead import start_mesh, stop_mesh  # noqa: E402
+from bench import common
+from bench.load import _cmdline, mesh_processes, mesh_segments, process_resources
+from bench.mesh_overhead import start_mesh, stop_mesh
 from stagemesh.core import rpc
-from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2  # noqa: E402
-from tests.meshproc import Mesh, alive, descendants, segments_of, shm_entries, write_config  # noqa: E402
+from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2
+from tests.meshproc import Mesh, alive, descendants, segments_of, shm_entries, write_config
 
 DEFAULT_OUTPUT = REPO / "bench" / "results" / "soak.json"
 DEFAULT_LOG = Path(tempfile.gettempdir()) / "stagemesh-soak-mesh.log"
@@ -64,16 +64,23 @@ def memory_snapshot(mesh: Mesh) -> dict:
             shm_bytes += os.stat(f"/dev/shm/{name}").st_blocks * 512  # pages really in use
         except OSError:
             pass
-    return {"t": time.time(), "rss_bytes": rss, "rss_total_bytes": sum(rss.values()),
-            "shm_segments": len(segments), "shm_bytes": shm_bytes}
+    return {
+        "t": time.time(),
+        "rss_bytes": rss,
+        "rss_total_bytes": sum(rss.values()),
+        "shm_segments": len(segments),
+        "shm_bytes": shm_bytes,
+    }
 
 
 def log_counts(mesh: Mesh) -> dict:
     text = mesh.logs()
-    return {"worker_restarts": text.count('"event": "worker restarted"'),
-            "worker_deaths": text.count('"event": "worker died"'),
-            "service_restarts": text.count('"event": "child exited; restarting"'),
-            "tracebacks": text.count("Traceback")}
+    return {
+        "worker_restarts": text.count('"event": "worker restarted"'),
+        "worker_deaths": text.count('"event": "worker died"'),
+        "service_restarts": text.count('"event": "child exited; restarting"'),
+        "tracebacks": text.count("Traceback"),
+    }
 
 
 # the traffic --------------------------------------------------------------------------------
@@ -107,8 +114,13 @@ class Soak:
             n = 0
             while self.running():
                 n += 1
-                params = generation_pb2.GenerationParams(prompt=f"soak {index}", width=a.size, height=a.size,
-                                                         num_inference_steps=a.steps, seed=index * 10**6 + n)
+                params = generation_pb2.GenerationParams(
+                    prompt=f"soak {index}",
+                    width=a.size,
+                    height=a.size,
+                    num_inference_steps=a.steps,
+                    seed=index * 10**6 + n,
+                )
                 started = time.perf_counter()
                 try:
                     await stub.GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=params), timeout=CALL_TIMEOUT_S)
@@ -147,12 +159,17 @@ class Soak:
         while await self._pause(a.sleep_every_s):
             ids = self.rng.choice([[0], [1], [0, 1]])
             level = self.rng.choice([1, 2])
-            await self._control_call(f"sleep L{level}", stub.Sleep(
-                gateway_pb2.SleepRequest(stage_ids=ids, level=level), timeout=CALL_TIMEOUT_S))
+            await self._control_call(
+                f"sleep L{level}",
+                stub.Sleep(gateway_pb2.SleepRequest(stage_ids=ids, level=level), timeout=CALL_TIMEOUT_S),
+            )
             await asyncio.sleep(a.sleep_hold_s)  # clients meet FAILED_PRECONDITION meanwhile
-            await self._control_call("wake", stub.WakeUp(gateway_pb2.WakeUpRequest(stage_ids=ids), timeout=CALL_TIMEOUT_S))
-            await self._control_call("resume", stub.ResumeGeneration(
-                gateway_pb2.ResumeGenerationRequest(), timeout=CALL_TIMEOUT_S))
+            await self._control_call(
+                "wake", stub.WakeUp(gateway_pb2.WakeUpRequest(stage_ids=ids), timeout=CALL_TIMEOUT_S)
+            )
+            await self._control_call(
+                "resume", stub.ResumeGeneration(gateway_pb2.ResumeGenerationRequest(), timeout=CALL_TIMEOUT_S)
+            )
 
     async def killer(self) -> None:
         stage = 0
@@ -171,9 +188,11 @@ class Soak:
         while await self._pause(SAMPLE_EVERY_S):
             self.samples.append(await asyncio.to_thread(memory_snapshot, self.mesh))
             done = sum(self.statuses.values())
-            print(f"[{len(self.samples):3d} min] requests {done}, statuses {dict(self.statuses)}, "
-                  f"kills {sum(self.kills.values())}, RSS {self.samples[-1]['rss_total_bytes'] / 1e6:.0f} MB",
-                  flush=True)
+            print(
+                f"[{len(self.samples):3d} min] requests {done}, statuses {dict(self.statuses)}, "
+                f"kills {sum(self.kills.values())}, RSS {self.samples[-1]['rss_total_bytes'] / 1e6:.0f} MB",
+                flush=True,
+            )
 
     async def _pause(self, seconds: float) -> bool:
         """Wait `seconds` (less at the end); True while the soak should go on."""
@@ -219,8 +238,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def warm_up(mesh: Mesh, args: argparse.Namespace, requests: int = 20) -> None:
     """A few requests first, so the start figures are of a mesh that has served, not of one that just loaded."""
-    params = generation_pb2.GenerationParams(prompt="warm-up", width=args.size, height=args.size,
-                                             num_inference_steps=args.steps)
+    params = generation_pb2.GenerationParams(
+        prompt="warm-up", width=args.size, height=args.size, num_inference_steps=args.steps
+    )
     with mesh.channel() as channel:
         for _ in range(requests):
             mesh.gateway(channel).GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=params), timeout=CALL_TIMEOUT_S)
@@ -241,8 +261,12 @@ def soak(args: argparse.Namespace, mesh: Mesh) -> dict:
         "config": {k: v for k, v in vars(args).items() if k not in ("output", "log")},
         "mesh_log": args.log,
         "duration_s": duration_s,
-        "requests": {"total": sum(run.statuses.values()), "served": served, "by_status": dict(run.statuses),
-                     "qps_served": served / duration_s},
+        "requests": {
+            "total": sum(run.statuses.values()),
+            "served": served,
+            "by_status": dict(run.statuses),
+            "qps_served": served / duration_s,
+        },
         "latency_ms_served": common.summarize(run.latencies_ms) if run.latencies_ms else None,
         "control": dict(run.control),
         "control_latency_ms": {k: common.summarize(v) for k, v in run.control_ms.items()},
@@ -256,8 +280,10 @@ def soak(args: argparse.Namespace, mesh: Mesh) -> dict:
 
 def report(r: dict) -> None:
     req, mem = r["requests"], r["memory"]
-    print(f"\nsoak: {r['duration_s'] / 60:.1f} min, {req['total']} requests, {req['served']} served "
-          f"({req['qps_served']:.1f}/s)")
+    print(
+        f"\nsoak: {r['duration_s'] / 60:.1f} min, {req['total']} requests, {req['served']} served "
+        f"({req['qps_served']:.1f}/s)"
+    )
     common.print_table(["status", "count"], sorted(req["by_status"].items(), key=lambda kv: -kv[1]))
     print()
     common.print_table(["control call -> outcome", "count"], sorted(r["control"].items()))
@@ -266,15 +292,19 @@ def report(r: dict) -> None:
     print()
     names = sorted(set(mem["start"]["rss_bytes"]) | set(mem["end"]["rss_bytes"]))
     rows = [[n, mem["start"]["rss_bytes"].get(n, 0) / 1e6, mem["end"]["rss_bytes"].get(n, 0) / 1e6] for n in names]
-    rows += [["total RSS", mem["start"]["rss_total_bytes"] / 1e6, mem["end"]["rss_total_bytes"] / 1e6],
-             ["/dev/shm (segments)", float(mem["start"]["shm_segments"]), float(mem["end"]["shm_segments"])],
-             ["/dev/shm MB", mem["start"]["shm_bytes"] / 1e6, mem["end"]["shm_bytes"] / 1e6]]
+    rows += [
+        ["total RSS", mem["start"]["rss_total_bytes"] / 1e6, mem["end"]["rss_total_bytes"] / 1e6],
+        ["/dev/shm (segments)", float(mem["start"]["shm_segments"]), float(mem["end"]["shm_segments"])],
+        ["/dev/shm MB", mem["start"]["shm_bytes"] / 1e6, mem["end"]["shm_bytes"] / 1e6],
+    ]
     common.print_table(["memory (MB)", "start", "end"], rows, floatfmt=".1f")
     slow = ", ".join(f"{x['ms']:.0f} ms at {x['started_s']:.0f} s" for x in r["slowest_served"][:3])
     print(f"\nslowest served: {slow}; incidents recorded: {len(r['incidents'])} (see the JSON)")
     s = r["stop"]
-    print(f"\nstop: exit code {s['exit_code']}, segments left {len(s['segments_left'])}, "
-          f"processes left {len(s['processes_left'])}")
+    print(
+        f"\nstop: exit code {s['exit_code']}, segments left {len(s['segments_left'])}, "
+        f"processes left {len(s['processes_left'])}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,18 +21,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import print_table, write_json  # noqa: E402
-from stage_service.models.config import PipelineConfig  # noqa: E402
-from stage_service.models.runners import DiffusionRunner, WorkItem  # noqa: E402
-from stage_service.models.weights import ensure_model_dir  # noqa: E402
+from bench.common import print_table, write_json
+from stage_service.models.config import PipelineConfig
+from stage_service.models.runners import DiffusionRunner, WorkItem
+from stage_service.models.weights import ensure_model_dir
 
 MiB = 1 << 20
 
 
 def _items(size: int, batch: int, steps: int, seed: int) -> list[WorkItem]:
     g = torch.Generator().manual_seed(seed)
-    return [WorkItem(f"r{i}", "p", size, size, steps, 4.0, seed + i,
-                     {"hidden_states": torch.randn(12, 64, generator=g)}) for i in range(batch)]
+    return [
+        WorkItem(f"r{i}", "p", size, size, steps, 4.0, seed + i, {"hidden_states": torch.randn(12, 64, generator=g)})
+        for i in range(batch)
+    ]
 
 
 def _timed_batch(runner: DiffusionRunner, items: list[WorkItem]) -> tuple[float, int]:
@@ -54,10 +56,18 @@ def serve_shapes(model_dir: Path, shapes: list[tuple[int, int]], steps: int, gra
     for n, (size, batch) in enumerate(shapes):
         first, first_peak = _timed_batch(runner, _items(size, batch, steps, 100 * n))
         second, second_peak = _timed_batch(runner, _items(size, batch, steps, 100 * n + 50))
-        rows.append({"size": size, "batch": batch, "graphs": graphs, "first_s": first,
-                     "second_s": second, "peak_mib": max(first_peak, second_peak) / MiB,
-                     "allocated_mib": (torch.cuda.memory_allocated() - base) / MiB,
-                     "reserved_mib": torch.cuda.memory_reserved() / MiB})
+        rows.append(
+            {
+                "size": size,
+                "batch": batch,
+                "graphs": graphs,
+                "first_s": first,
+                "second_s": second,
+                "peak_mib": max(first_peak, second_peak) / MiB,
+                "allocated_mib": (torch.cuda.memory_allocated() - base) / MiB,
+                "reserved_mib": torch.cuda.memory_reserved() / MiB,
+            }
+        )
     del runner
     torch.cuda.empty_cache()
     return rows
@@ -65,9 +75,13 @@ def serve_shapes(model_dir: Path, shapes: list[tuple[int, int]], steps: int, gra
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=["256x1", "256x4", "512x4", "1024x4", "256x1"],
-                        help="SIZExBATCH in serving order (default: the four shapes a stage keeps "
-                             "graphs for, then the first again, which finds its graph kept)")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=["256x1", "256x4", "512x4", "1024x4", "256x1"],
+        help="SIZExBATCH in serving order (default: the four shapes a stage keeps "
+        "graphs for, then the first again, which finds its graph kept)",
+    )
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--output", default="bench/results/step_graphs_memory.json")
     args = parser.parse_args()
@@ -79,14 +93,41 @@ def main() -> None:
     captured = serve_shapes(model_dir, shapes, args.steps, graphs=True)
     rows = []
     for e, c in zip(eager, captured):
-        rows.append([f"{c['size']}²", c["batch"], e["first_s"] * 1e3, c["first_s"] * 1e3,
-                     e["second_s"] * 1e3, c["second_s"] * 1e3, e["allocated_mib"], c["allocated_mib"],
-                     e["peak_mib"], c["peak_mib"], e["reserved_mib"], c["reserved_mib"]])
-    print_table(["shape", "batch", "eager 1st ms", "graphs 1st ms", "eager 2nd ms", "graphs 2nd ms",
-                 "eager held MiB", "graphs held MiB", "eager peak MiB", "graphs peak MiB",
-                 "eager reserved MiB", "graphs reserved MiB"], rows, floatfmt=".1f")
-    path = write_json(args.output, "step_graphs_memory", {"steps": args.steps, "eager": eager,
-                                                          "graphs": captured})
+        rows.append(
+            [
+                f"{c['size']}²",
+                c["batch"],
+                e["first_s"] * 1e3,
+                c["first_s"] * 1e3,
+                e["second_s"] * 1e3,
+                c["second_s"] * 1e3,
+                e["allocated_mib"],
+                c["allocated_mib"],
+                e["peak_mib"],
+                c["peak_mib"],
+                e["reserved_mib"],
+                c["reserved_mib"],
+            ]
+        )
+    print_table(
+        [
+            "shape",
+            "batch",
+            "eager 1st ms",
+            "graphs 1st ms",
+            "eager 2nd ms",
+            "graphs 2nd ms",
+            "eager held MiB",
+            "graphs held MiB",
+            "eager peak MiB",
+            "graphs peak MiB",
+            "eager reserved MiB",
+            "graphs reserved MiB",
+        ],
+        rows,
+        floatfmt=".1f",
+    )
+    path = write_json(args.output, "step_graphs_memory", {"steps": args.steps, "eager": eager, "graphs": captured})
     print(f"wrote {path}")
 
 

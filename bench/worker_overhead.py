@@ -42,17 +42,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import print_table, write_json  # noqa: E402
-from stage_service.transport import ipc, protocol
-from stage_service.models.config import PipelineConfig  # noqa: E402
-from stage_service.models.runners import DiffusionRunner, WorkItem  # noqa: E402
-from stage_service.models.weights import ensure_model_dir  # noqa: E402
-from stage_service.worker import async_output
+from bench.common import print_table, write_json
 from stage_service import platform
-from stage_service.worker.async_output import AsyncOutputThread, copy_to_host  # noqa: E402
-from stage_service.worker.worker import Worker  # noqa: E402
-from stage_service.transport.result_pipe import result_pipe  # noqa: E402
-
+from stage_service.models.config import PipelineConfig
+from stage_service.models.runners import DiffusionRunner, WorkItem
+from stage_service.models.weights import ensure_model_dir
+from stage_service.transport import ipc, protocol
+from stage_service.transport.result_pipe import result_pipe
+from stage_service.worker import async_output
+from stage_service.worker.async_output import AsyncOutputThread, copy_to_host
+from stage_service.worker.worker import Worker
 
 BUSY_PROCESSES = 3  # the serving stack's busy threads outside the worker, roughly
 
@@ -123,17 +122,19 @@ def _busy(fn):
 
 def _items(batch: int, size: int, steps: int, device: str) -> list[WorkItem]:
     g = torch.Generator().manual_seed(0)
-    return [WorkItem(f"r{i}", "p", size, size, steps, 4.0, i,
-                     {"hidden_states": torch.randn(12, 64, generator=g).to(device)})
-            for i in range(batch)]
+    return [
+        WorkItem(
+            f"r{i}", "p", size, size, steps, 4.0, i, {"hidden_states": torch.randn(12, 64, generator=g).to(device)}
+        )
+        for i in range(batch)
+    ]
 
 
 class Pieces:
     """The worker's pieces around one runner, fed and drained through real queues."""
 
     # mode -> the output thread a worker of that mode gets (device, packer, writer)
-    OUTPUT_THREADS = {"spin": SpinningOutputThread, "copy": copy_only_output_thread,
-                      "wait": WaitOnlyOutputThread}
+    OUTPUT_THREADS = {"spin": SpinningOutputThread, "copy": copy_only_output_thread, "wait": WaitOnlyOutputThread}
 
     def __init__(self, model_dir: Path, device: str):
         ctx = mp.get_context("spawn")
@@ -144,10 +145,18 @@ class Pieces:
         receiver.close()
         self.device = device
         self.runner = DiffusionRunner(model_dir, device)
-        self.workers = {mode: Worker(protocol.WorkerSpec(0, 1, "diffusion", str(model_dir), device,
-                                                         os.getpid(), step_execution=mode == "step"),
-                                     self.runner, device, self.requests, self.results)
-                        for mode in ("step", "async", *self.OUTPUT_THREADS)}
+        self.workers = {
+            mode: Worker(
+                protocol.WorkerSpec(
+                    0, 1, "diffusion", str(model_dir), device, os.getpid(), step_execution=mode == "step"
+                ),
+                self.runner,
+                device,
+                self.requests,
+                self.results,
+            )
+            for mode in ("step", "async", *self.OUTPUT_THREADS)
+        }
         for mode, thread in self.OUTPUT_THREADS.items():
             worker = self.workers[mode]
             worker.async_output.close()
@@ -156,14 +165,20 @@ class Pieces:
         self.old_results = ctx.Queue()
         self.old_consumer = ctx.Process(target=_drain, args=(self.old_results,), daemon=True)
         self.old_consumer.start()
-        old = Worker(protocol.WorkerSpec(0, 1, "diffusion", str(model_dir), device, os.getpid()),
-                     self.runner, device, self.requests, self.old_results)
+        old = Worker(
+            protocol.WorkerSpec(0, 1, "diffusion", str(model_dir), device, os.getpid()),
+            self.runner,
+            device,
+            self.requests,
+            self.old_results,
+        )
         old.async_output.close()
         old.async_output = PerItemCopyOutputThread(device, old.packer, old.writer)
         self.workers["before"] = old
         self.spin_go, self.spin_stop = ctx.Event(), ctx.Event()
-        self.spinners = [ctx.Process(target=_spin, args=(self.spin_go, self.spin_stop), daemon=True)
-                         for _ in range(BUSY_PROCESSES)]
+        self.spinners = [
+            ctx.Process(target=_spin, args=(self.spin_go, self.spin_stop), daemon=True) for _ in range(BUSY_PROCESSES)
+        ]
         for p in self.spinners:
             p.start()
 
@@ -191,20 +206,21 @@ class Pieces:
             worker.writer.put(protocol.Progress("rpc", step, total))
 
         def execute(mode: str):
-            msg = protocol.Execute("rpc", [{**vars(i), "inputs": ipc.pack(i.inputs)}
-                                           for i in on_host])
+            msg = protocol.Execute("rpc", [{**vars(i), "inputs": ipc.pack(i.inputs)} for i in on_host])
             return lambda: self.workers[mode].execute(msg)
 
-        return {"forward": lambda: self.runner.run(on_device),
-                "+ host inputs": lambda: self.runner.run(on_host),
-                "+ progress": lambda: self.runner.run(on_host, progress),
-                "worker, step mode": execute("step"),
-                "worker, async": execute("async"),
-                "worker, async, spinning wait": execute("spin"),
-                "worker, async, copy but no pack": execute("copy"),
-                "worker, async, no copy, no pack": execute("wait"),
-                "worker, async, queue, per item (before)": execute("before"),
-                f"forward, {BUSY_PROCESSES} busy": _busy(lambda: self.runner.run(on_device))}
+        return {
+            "forward": lambda: self.runner.run(on_device),
+            "+ host inputs": lambda: self.runner.run(on_host),
+            "+ progress": lambda: self.runner.run(on_host, progress),
+            "worker, step mode": execute("step"),
+            "worker, async": execute("async"),
+            "worker, async, spinning wait": execute("spin"),
+            "worker, async, copy but no pack": execute("copy"),
+            "worker, async, no copy, no pack": execute("wait"),
+            "worker, async, queue, per item (before)": execute("before"),
+            f"forward, {BUSY_PROCESSES} busy": _busy(lambda: self.runner.run(on_device)),
+        }
 
     def rate(self, fn, batch: int, iters: int) -> float:
         if getattr(fn, "busy", False):
@@ -230,16 +246,19 @@ class Pieces:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--iters", type=int, default=12, help="batches per variant and round")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved passes over the variants")
-    parser.add_argument("--switch-interval-ms", type=float, default=None,
-                        help="sys.setswitchinterval for this process (default: Python's 5 ms)")
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval for this process (default: Python's 5 ms)",
+    )
     parser.add_argument("--output", default="bench/results/worker_overhead.json")
     args = parser.parse_args()
     if args.switch_interval_ms is not None:
@@ -260,22 +279,35 @@ def main() -> None:
                         rates[name].append(pieces.rate(fn, batch, args.iters))
                 for name, values in rates.items():
                     ratios = [v / f for v, f in zip(values, rates["forward"])]
-                    point = {"size": size, "batch": batch, "variant": name,
-                             "rps_median": statistics.median(values),
-                             "over_forward_median": statistics.median(ratios),
-                             "over_forward_min": min(ratios), "over_forward_max": max(ratios),
-                             "rps": values}
+                    point = {
+                        "size": size,
+                        "batch": batch,
+                        "variant": name,
+                        "rps_median": statistics.median(values),
+                        "over_forward_median": statistics.median(ratios),
+                        "over_forward_min": min(ratios),
+                        "over_forward_max": max(ratios),
+                        "rps": values,
+                    }
                     points.append(point)
-                    rows.append([size, batch, name, point["rps_median"],
-                                 point["over_forward_median"], min(ratios), max(ratios)])
+                    rows.append(
+                        [size, batch, name, point["rps_median"], point["over_forward_median"], min(ratios), max(ratios)]
+                    )
                 print(f"size {size} batch {batch} done", flush=True)
     finally:
         pieces.close()
-    print_table(["size", "batch", "variant", "median req/s", "x forward (median)", "min", "max"],
-                rows, floatfmt=".3f")
-    path = write_json(args.output, "worker_overhead",
-                      {"device": args.device, "steps": args.steps, "iters": args.iters,
-                       "switch_interval_s": sys.getswitchinterval(), "points": points})
+    print_table(["size", "batch", "variant", "median req/s", "x forward (median)", "min", "max"], rows, floatfmt=".3f")
+    path = write_json(
+        args.output,
+        "worker_overhead",
+        {
+            "device": args.device,
+            "steps": args.steps,
+            "iters": args.iters,
+            "switch_interval_s": sys.getswitchinterval(),
+            "points": points,
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -10,12 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cache_service import evict
-from stagemesh.weight_store import locks
-from stagemesh.weight_store.store import CacheStore, EntryInfo, StoreStats, default_root
 from stagemesh.core import auth, errors, logs, metrics, tls
 from stagemesh.core import serve as lifecycle
 from stagemesh.core.rpc import ServiceHost, servicer_method
 from stagemesh.v1 import cache_pb2, cache_pb2_grpc
+from stagemesh.weight_store import locks
+from stagemesh.weight_store.store import CacheStore, EntryInfo, StoreStats, default_root
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
 # The cache mutations need the bearer token when one is configured; ListEntries and GetStats stay open.
@@ -120,15 +120,21 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             log.info("publication lock released", key=key, published=published)
         if published and self.max_bytes is not None:
             result = self._count(await asyncio.to_thread(evict.evict_to_budget, self.store, self.max_bytes))
-            log.info("budget enforced", max_bytes=self.max_bytes, evicted=result.evicted,
-                     remaining_bytes=result.remaining_bytes)
+            log.info(
+                "budget enforced",
+                max_bytes=self.max_bytes,
+                evicted=result.evicted,
+                remaining_bytes=result.remaining_bytes,
+            )
 
 
 async def _acquire_publication_lock(root: Path, key: str, timeout_s: float) -> locks.FileLock | None:
     """Wait for the lock in a thread; if the session is cancelled meanwhile, a lock the thread
     still obtains is released at once instead of leaking."""
     cancelled = threading.Event()
-    future = asyncio.get_running_loop().run_in_executor(_LOCK_WAITERS, locks.publication_lock, root, key, timeout_s, cancelled)
+    future = asyncio.get_running_loop().run_in_executor(
+        _LOCK_WAITERS, locks.publication_lock, root, key, timeout_s, cancelled
+    )
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
@@ -197,8 +203,13 @@ async def serve(args: argparse.Namespace) -> None:
     service_metrics = metrics.ServiceMetrics("cache", args.host, getattr(args, "metrics_port", None))
     # Metrics first: they also count the calls the auth interceptor refuses.
     interceptors = [*service_metrics.interceptors(), *auth.interceptors(token, CONTROL_METHODS)]
-    host = ServiceHost(args.host, args.port, [SERVICE_NAME], interceptors=interceptors,
-                       credentials=tls.server_credentials(getattr(args, "tls_cert", None), getattr(args, "tls_key", None)))
+    host = ServiceHost(
+        args.host,
+        args.port,
+        [SERVICE_NAME],
+        interceptors=interceptors,
+        credentials=tls.server_credentials(getattr(args, "tls_cert", None), getattr(args, "tls_key", None)),
+    )
     servicer = CacheServicer(store, max_bytes=getattr(args, "max_bytes", None))
     cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, host.server)
     service_metrics.add_readings(metrics.cache_readings(store, servicer))

@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from gateway.stages import ReplicaAcks, StageClient
 from stagemesh.core import errors, logs
 from stagemesh.v1 import control_pb2
-from gateway.stages import ReplicaAcks, StageClient
 
 log = logs.get_logger("stagemesh.control")
 
@@ -33,11 +33,12 @@ class Admission:
         if self.sleeping:
             stage_id = min(self.sleeping)
             raise errors.FailedPrecondition(
-                f"stage {stage_id} is asleep (level {self.sleeping[stage_id]}); WakeUp it first")
+                f"stage {stage_id} is asleep (level {self.sleeping[stage_id]}); WakeUp it first"
+            )
         if self.paused:
             raise errors.FailedPrecondition("generation is paused; ResumeGeneration reopens it")
 
-    def enter(self) -> "AdmissionTicket":
+    def enter(self) -> AdmissionTicket:
         self.check()
         self._admitting += 1
         return AdmissionTicket(self)
@@ -62,7 +63,7 @@ class AdmissionTicket:
     async def release(self) -> None:
         if not self.released:
             self.released = True
-            await self.admission._leave()  # noqa: SLF001 - the ticket is the admission's own
+            await self.admission._leave()
 
 
 @dataclass(frozen=True)
@@ -159,8 +160,9 @@ def _flat(replies: list[list[ReplicaAcks]]) -> list[control_pb2.WorkerAck]:
 def _log_failed(op: str, stage: StageClient, replicas: list[ReplicaAcks]) -> None:
     failed = [r.address for r in replicas if not r.ok]
     if failed:
-        log.warning("replicas failed", op=op, stage_id=stage.stage_id, failed=failed,
-                    done=[r.address for r in replicas if r.ok])
+        log.warning(
+            "replicas failed", op=op, stage_id=stage.stage_id, failed=failed, done=[r.address for r in replicas if r.ok]
+        )
 
 
 def _overall(acks: list[control_pb2.WorkerAck]) -> int:

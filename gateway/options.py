@@ -13,13 +13,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default: 0)")
     parser.add_argument(
-        "--stage", action="append", default=[], metavar="ADDRESSES",
+        "--stage",
+        action="append",
+        default=[],
+        metavar="ADDRESSES",
         help="a stage's address, in pipeline order; repeat per stage. Replicas: comma-separated "
-             "addresses or one dns:///name:port target (balanced by gRPC round_robin)")
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                        help="largest request accepted; larger ones get RESOURCE_EXHAUSTED (default: 4 MiB)")
+        "addresses or one dns:///name:port target (balanced by gRPC round_robin)",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request accepted; larger ones get RESOURCE_EXHAUSTED (default: 4 MiB)",
+    )
     tls.add_arguments(parser)  # --tls-ca verifies the stages
     auth.add_arguments(parser)  # the token also authorizes the gateway's control calls to the stages
     metrics.add_argument(parser)
-    parser.add_argument("--ready-file", default=None, help="write {'address', 'pid'} (and 'metrics' with a metrics port) as JSON here once bound")
+    parser.add_argument(
+        "--ready-file",
+        default=None,
+        help="write {'address', 'pid'} (and 'metrics' with a metrics port) as JSON here once bound",
+    )
     parser.add_argument("--log-level", default="info", help="log level (default: 'info')")

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
+from gateway.control import Admission
+from gateway.images import encode_png
+from gateway.stages import StageClient
 from stagemesh.core import codec, converters, errors, logs
 from stagemesh.core.params import OUTPUT_PNG, Limits, Params
 from stagemesh.v1 import gateway_pb2, generation_pb2
-from gateway.images import encode_png
-from gateway.control import Admission
-from gateway.stages import StageClient
 
 log = logs.get_logger("stagemesh.gateway")
 
@@ -105,8 +105,12 @@ class Pipeline:
     @staticmethod
     def _result(request_id: str, params: Params, image_proto, latency) -> generation_pb2.GenerationResult:
         result = generation_pb2.GenerationResult(
-            request_id=request_id, output_format=converters.output_format_enum(params.output_format),
-            width=params.width, height=params.height, seed=params.seed, stage_latency_ms=latency,
+            request_id=request_id,
+            output_format=converters.output_format_enum(params.output_format),
+            width=params.width,
+            height=params.height,
+            seed=params.seed,
+            stage_latency_ms=latency,
         )
         if params.output_format == OUTPUT_PNG:
             result.png = encode_png(codec.from_proto(image_proto, "image"))

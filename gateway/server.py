@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from gateway.control import Admission, ControlPlane
+from gateway.pipeline import DenoisingStep, Pipeline, StageStarted
+from gateway.stages import StageClient
 from stagemesh.core import auth, errors, logs, serve, tls
 from stagemesh.core.metrics import ServiceMetrics, gateway_readings
 from stagemesh.core.params import check_request_id
 from stagemesh.core.rpc import ServiceHost, servicer_method
 from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
-from gateway.control import Admission, ControlPlane
-from gateway.pipeline import DenoisingStep, Pipeline, StageStarted
-from gateway.stages import StageClient
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 # Need the bearer token when one is configured; Generate and ListStages stay open.
@@ -22,10 +22,12 @@ CONTROL_METHODS = auth.control_methods(SERVICE_NAME, ("Sleep", "WakeUp", "PauseG
 def _event_proto(event: object) -> gateway_pb2.GenerateResponse:
     if isinstance(event, StageStarted):
         return gateway_pb2.GenerateResponse(
-            stage_started=gateway_pb2.StageStarted(stage_id=event.stage_id, kind=event.kind))
+            stage_started=gateway_pb2.StageStarted(stage_id=event.stage_id, kind=event.kind)
+        )
     if isinstance(event, DenoisingStep):
-        return gateway_pb2.GenerateResponse(denoising_step=gateway_pb2.DenoisingStep(
-            stage_id=event.stage_id, step=event.step, total=event.total))
+        return gateway_pb2.GenerateResponse(
+            denoising_step=gateway_pb2.DenoisingStep(stage_id=event.stage_id, step=event.step, total=event.total)
+        )
     assert isinstance(event, generation_pb2.GenerationResult)
     return gateway_pb2.GenerateResponse(result=event)
 
@@ -55,8 +57,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     @servicer_method
     async def ListStages(self, request, context) -> gateway_pb2.ListStagesResponse:
-        return gateway_pb2.ListStagesResponse(stages=await self._pipeline.list_stages(),
-                                              generation_paused=self._pipeline.admission.paused)
+        return gateway_pb2.ListStagesResponse(
+            stages=await self._pipeline.list_stages(), generation_paused=self._pipeline.admission.paused
+        )
 
     @servicer_method
     async def Sleep(self, request: gateway_pb2.SleepRequest, context) -> gateway_pb2.SleepResponse:
@@ -85,17 +88,24 @@ async def serve_gateway(args: argparse.Namespace) -> None:
         raise errors.InvalidArgument.field("--stage", "give at least one stage ADDRESS")
     token = auth.load_token(args.token_file)
     credentials = tls.server_credentials(args.tls_cert, args.tls_key)
-    stages = [StageClient(i, [a.strip() for a in spec.split(",") if a.strip()], tls_ca=args.tls_ca, token=token)
-              for i, spec in enumerate(args.stage)]
+    stages = [
+        StageClient(i, [a.strip() for a in spec.split(",") if a.strip()], tls_ca=args.tls_ca, token=token)
+        for i, spec in enumerate(args.stage)
+    ]
     admission = Admission()
     pipeline = Pipeline(stages, admission)
     control = ControlPlane(stages, admission)
     metrics = ServiceMetrics("gateway", args.host, args.metrics_port)
     metrics.add_readings(gateway_readings(admission, len(stages)))
     # Metrics first: they also count the calls the auth interceptor refuses.
-    host = ServiceHost(args.host, args.port, [SERVICE_NAME], max_receive_bytes=args.max_request_bytes,
-                       interceptors=[*metrics.interceptors(), *auth.interceptors(token, CONTROL_METHODS)],
-                       credentials=credentials)
+    host = ServiceHost(
+        args.host,
+        args.port,
+        [SERVICE_NAME],
+        max_receive_bytes=args.max_request_bytes,
+        interceptors=[*metrics.interceptors(), *auth.interceptors(token, CONTROL_METHODS)],
+        credentials=credentials,
+    )
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(pipeline, control), host.server)
 
     async def load() -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 import grpc
 
@@ -45,7 +45,7 @@ def dns_host_port(target: str) -> tuple[str, int] | None:
     """
     if not target.startswith(_DNS_SCHEME):
         return None
-    rest = target[len(_DNS_SCHEME):]
+    rest = target[len(_DNS_SCHEME) :]
     if rest.startswith("//"):
         rest = rest[2:].split("/", 1)[-1]
     if rest.startswith("["):  # [v6]:port
@@ -71,16 +71,21 @@ async def resolve(host: str, port: int) -> list[str]:
 
 def limits_from_proto(msg: stage_pb2.StageLimits) -> Limits:
     return Limits(
-        pixel_multiple=msg.pixel_multiple, max_pixels_side=msg.max_pixels_side,
-        max_inference_steps=msg.max_inference_steps, max_prompt_bytes=msg.max_prompt_bytes,
-        default_size=msg.default_size, default_inference_steps=msg.default_inference_steps,
-        default_guidance_scale=msg.default_guidance_scale, max_guidance_scale=msg.max_guidance_scale,
+        pixel_multiple=msg.pixel_multiple,
+        max_pixels_side=msg.max_pixels_side,
+        max_inference_steps=msg.max_inference_steps,
+        max_prompt_bytes=msg.max_prompt_bytes,
+        default_size=msg.default_size,
+        default_inference_steps=msg.default_inference_steps,
+        default_guidance_scale=msg.default_guidance_scale,
+        max_guidance_scale=msg.max_guidance_scale,
     )
 
 
 @dataclass(frozen=True)
 class ReplicaAcks:
     """One replica's part of a sleep or wake: its workers' ACKs, or one ERROR ACK naming it."""
+
     address: str
     acks: list[control_pb2.WorkerAck]
 
@@ -190,16 +195,22 @@ class StageClient:
     async def describe(self, timeout: float, wait_for_ready: bool = False) -> stage_pb2.DescribeStageResponse:
         """Describe every replica and aggregate (see `aggregate`); replicas that do not answer are
         left out, and the stage is unavailable only when none answers."""
-        results = await self._each_replica("DescribeStage", stage_pb2.DescribeStageRequest(),
-                                           timeout=timeout, wait_for_ready=wait_for_ready)
+        results = await self._each_replica(
+            "DescribeStage", stage_pb2.DescribeStageRequest(), timeout=timeout, wait_for_ready=wait_for_ready
+        )
         self._first_error_if_none_answered(results)
         replies = [r for _, r in results if not isinstance(r, errors.StagemeshError)]
         for address, result in results:
             if isinstance(result, errors.StagemeshError):
                 log.info("replica did not answer", stage_id=self.stage_id, replica=address, reason=str(result))
             elif result.kind != replies[0].kind:
-                log.warning("replicas of one stage run different kinds", stage_id=self.stage_id,
-                            replica=address, kind=result.kind, expected=replies[0].kind)
+                log.warning(
+                    "replicas of one stage run different kinds",
+                    stage_id=self.stage_id,
+                    replica=address,
+                    kind=result.kind,
+                    expected=replies[0].kind,
+                )
         reply = aggregate(replies)
         self.kind = reply.kind
         self.limits = limits_from_proto(reply.limits)
@@ -225,8 +236,15 @@ class StageClient:
         out = []
         for address, result in results:
             if isinstance(result, errors.StagemeshError):
-                acks = [control_pb2.WorkerAck(stage_id=self.stage_id, rank=NO_WORKER_RANK, level=level,
-                                              status=control_pb2.ACK_STATUS_ERROR, error=str(result))]
+                acks = [
+                    control_pb2.WorkerAck(
+                        stage_id=self.stage_id,
+                        rank=NO_WORKER_RANK,
+                        level=level,
+                        status=control_pb2.ACK_STATUS_ERROR,
+                        error=str(result),
+                    )
+                ]
             else:
                 acks = list(result.acks)
                 for ack in acks:
@@ -235,8 +253,9 @@ class StageClient:
             out.append(ReplicaAcks(address, acks))
         return out
 
-    async def execute(self, request_id: str, params: generation_pb2.GenerationParams, inputs,
-                      timeout: float, on_started=None) -> AsyncIterator[stage_pb2.ExecuteResponse]:
+    async def execute(
+        self, request_id: str, params: generation_pb2.GenerationParams, inputs, timeout: float, on_started=None
+    ) -> AsyncIterator[stage_pb2.ExecuteResponse]:
         """Stream one request through the stage; `on_started` is awaited once the stage answered."""
         request = stage_pb2.ExecuteRequest(request_id=request_id, params=params, inputs=inputs)
         call = self._stub.Execute(request, timeout=timeout, metadata=rpc.outgoing_metadata(request_id))

@@ -7,9 +7,9 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from stagemesh.core import errors, logs
 from stage_service.engine.engine import Engine
 from stage_service.executor.executor import Executor
+from stagemesh.core import errors, logs
 
 log = logs.get_logger("stagemesh.control")
 
@@ -50,8 +50,12 @@ class StageControl:
                 self.level = max(self.level, level)
             elif not self.level:
                 await self._undo_partial_sleep(acks)
-            log.info("stage asleep", level=level, ms=round((time.perf_counter() - started) * 1e3, 1),
-                     freed_bytes=sum(a.freed_bytes for a in acks))
+            log.info(
+                "stage asleep",
+                level=level,
+                ms=round((time.perf_counter() - started) * 1e3, 1),
+                freed_bytes=sum(a.freed_bytes for a in acks),
+            )
             return acks
 
     async def wake(self) -> list[Ack]:
@@ -79,8 +83,8 @@ class StageControl:
     async def _fan_out(self, op: str, level: int, args: dict) -> list[Ack]:
         ranks = self._engine.live_ranks()
         results = await asyncio.gather(
-            *(asyncio.wrap_future(self._executor.control(rank, op, **args)) for rank in ranks),
-            return_exceptions=True)
+            *(asyncio.wrap_future(self._executor.control(rank, op, **args)) for rank in ranks), return_exceptions=True
+        )
         acks = []
         for rank, result in zip(ranks, results):
             if isinstance(result, BaseException):
@@ -89,9 +93,15 @@ class StageControl:
                 acks.append(Ack(rank, True, level, result["freed_bytes"], result["latency_ms"]))
         # A worker being restarted can neither free nor take back memory now: it fails the call,
         # as one that died during it does, so the caller learns the stage is not where it asked.
-        acks += [Ack(rank, False, level, error=f"worker {rank} died and is being restarted; "
-                                                 "retry once the stage serves again")
-                 for rank in self._engine.restarting_ranks()]
+        acks += [
+            Ack(
+                rank,
+                False,
+                level,
+                error=f"worker {rank} died and is being restarted; retry once the stage serves again",
+            )
+            for rank in self._engine.restarting_ranks()
+        ]
         return sorted(acks, key=lambda a: a.rank)
 
     async def _resleep(self, rank: int) -> None:

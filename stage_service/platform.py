@@ -11,7 +11,7 @@ import ctypes
 import mmap
 import time
 import weakref
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -26,18 +26,17 @@ class DeviceEvent:
     thread waiting on a `blocking` event sleeps until it completes instead of spinning."""
 
     def __init__(self, device: str | torch.device, timing: bool = False, blocking: bool = False):
-        self._event = (torch.cuda.Event(enable_timing=timing, blocking=blocking)
-                       if is_cuda(device) else None)
+        self._event = torch.cuda.Event(enable_timing=timing, blocking=blocking) if is_cuda(device) else None
         self._host_time = 0.0
 
-    def record(self, stream: "Stream | None" = None) -> "DeviceEvent":
+    def record(self, stream: Stream | None = None) -> DeviceEvent:
         if self._event is not None:
             self._event.record(stream.raw if stream is not None else None)
         else:
             self._host_time = time.perf_counter()
         return self
 
-    def seconds_since(self, start: "DeviceEvent") -> float:
+    def seconds_since(self, start: DeviceEvent) -> float:
         """Seconds from `start` to this event (both timing events); waits for this one."""
         if self._event is None:
             return self._host_time - start._host_time

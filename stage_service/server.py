@@ -7,18 +7,18 @@ import asyncio
 import os
 from typing import Any
 
-from stagemesh.core import auth, codec, converters, logs, serve, tls
-from stagemesh.core.metrics import ServiceMetrics, stage_readings
-from stagemesh.core.params import Limits
-from stagemesh.core.rpc import ServiceHost, servicer_method
-from stagemesh.v1 import control_pb2, stage_pb2, stage_pb2_grpc
-from stagemesh.weight_store.checkpoint import CheckpointError
 from stage_service.control import Ack, StageControl
 from stage_service.engine.engine import Engine, OutputsEvent, ProgressEvent
 from stage_service.executor.executor import Executor
 from stage_service.models.diffusers_adapter import FolderError
 from stage_service.offload.config import DloOptions
 from stage_service.settings import StageSettings
+from stagemesh.core import auth, codec, converters, logs, serve, tls
+from stagemesh.core.metrics import ServiceMetrics, stage_readings
+from stagemesh.core.params import Limits
+from stagemesh.core.rpc import ServiceHost, servicer_method
+from stagemesh.v1 import control_pb2, stage_pb2, stage_pb2_grpc
+from stagemesh.weight_store.checkpoint import CheckpointError
 
 log = logs.get_logger("stagemesh.stage")
 
@@ -28,9 +28,14 @@ CONTROL_METHODS = auth.control_methods(SERVICE_NAME, ("SleepStage", "WakeUpStage
 
 def _ack_proto(stage_id: int, ack: Ack) -> control_pb2.WorkerAck:
     return control_pb2.WorkerAck(
-        stage_id=stage_id, rank=ack.rank,
+        stage_id=stage_id,
+        rank=ack.rank,
         status=control_pb2.ACK_STATUS_SUCCESS if ack.ok else control_pb2.ACK_STATUS_ERROR,
-        freed_bytes=ack.freed_bytes, latency_ms=ack.latency_ms, level=ack.level, error=ack.error)
+        freed_bytes=ack.freed_bytes,
+        latency_ms=ack.latency_ms,
+        level=ack.level,
+        error=ack.error,
+    )
 
 
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
@@ -53,7 +58,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 yield stage_pb2.ExecuteResponse(progress=stage_pb2.StageProgress(step=event.step, total=event.total))
             elif isinstance(event, OutputsEvent):
                 outputs = await asyncio.to_thread(
-                    lambda: {name: codec.to_proto(t) for name, t in event.outputs.items()})
+                    lambda: {name: codec.to_proto(t) for name, t in event.outputs.items()}
+                )
                 yield stage_pb2.ExecuteResponse(outputs=stage_pb2.StageOutputs(outputs=outputs))
 
     @servicer_method
@@ -65,10 +71,14 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             kind=s.kind,
             ready=self.ready and self._engine.serving,
             limits=stage_pb2.StageLimits(
-                pixel_multiple=lim.pixel_multiple, max_pixels_side=lim.max_pixels_side,
-                max_inference_steps=lim.max_inference_steps, max_prompt_bytes=lim.max_prompt_bytes,
-                default_size=lim.default_size, default_inference_steps=lim.default_inference_steps,
-                default_guidance_scale=lim.default_guidance_scale, max_guidance_scale=lim.max_guidance_scale,
+                pixel_multiple=lim.pixel_multiple,
+                max_pixels_side=lim.max_pixels_side,
+                max_inference_steps=lim.max_inference_steps,
+                max_prompt_bytes=lim.max_prompt_bytes,
+                default_size=lim.default_size,
+                default_inference_steps=lim.default_inference_steps,
+                default_guidance_scale=lim.default_guidance_scale,
+                max_guidance_scale=lim.max_guidance_scale,
             ),
             device=ready[0].device if ready else s.device,
             device_memory_bytes=self._executor.device_memory_bytes(),
@@ -103,9 +113,13 @@ async def serve_stage(settings: StageSettings) -> None:
     token = auth.load_token(settings.token_file or None)
     metrics = ServiceMetrics(f"stage-{settings.stage_id}", settings.host, settings.metrics_port)
     # Metrics first: they also count the calls the auth interceptor refuses.
-    host = ServiceHost(settings.host, settings.port, [SERVICE_NAME],
-                       interceptors=[*metrics.interceptors(), *auth.interceptors(token, CONTROL_METHODS)],
-                       credentials=tls.server_credentials(settings.tls_cert, settings.tls_key))
+    host = ServiceHost(
+        settings.host,
+        settings.port,
+        [SERVICE_NAME],
+        interceptors=[*metrics.interceptors(), *auth.interceptors(token, CONTROL_METHODS)],
+        credentials=tls.server_credentials(settings.tls_cert, settings.tls_key),
+    )
     _export_cache_security(token, settings.tls_ca)
     loop = asyncio.get_running_loop()
 
@@ -113,11 +127,21 @@ async def serve_stage(settings: StageSettings) -> None:
         loop.create_task(host.set_serving(serving))
 
     workers = settings.worker_processes()  # dp_size when the ranks form a DLO AllGather group
-    executor = Executor(settings.stage_id, settings.kind, str(settings.resolved_model_dir()), settings.device,
-                        workers, settings.threads, on_death=lambda r, why: engine.worker_died(r, why),
-                        step_execution=settings.step_execution, dlo=DloOptions.from_settings(settings).to_dict(),
-                        cuda_graphs=settings.cuda_graphs)
-    engine = Engine(executor, settings.kind, executor.engine_workers, settings.max_batch_size, settings.max_queue, on_health)
+    executor = Executor(
+        settings.stage_id,
+        settings.kind,
+        str(settings.resolved_model_dir()),
+        settings.device,
+        workers,
+        settings.threads,
+        on_death=lambda r, why: engine.worker_died(r, why),
+        step_execution=settings.step_execution,
+        dlo=DloOptions.from_settings(settings).to_dict(),
+        cuda_graphs=settings.cuda_graphs,
+    )
+    engine = Engine(
+        executor, settings.kind, executor.engine_workers, settings.max_batch_size, settings.max_queue, on_health
+    )
     control = StageControl(executor.stage_name, engine, executor, settings.enable_sleep)
     servicer = StageServicer(settings, engine, executor, control)
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, host.server)
@@ -142,5 +166,4 @@ def main(args: argparse.Namespace) -> None:
     logs.configure(f"stage-{settings.stage_id}", args.log_level)
     # An incomplete --model-dir is a refused option (as `stagemesh up --model` treats it); an
     # unreadable checkpoint fails the start.
-    serve.main("stage service", serve_stage(settings), option_errors=(FolderError,),
-               start_errors=(CheckpointError,))
+    serve.main("stage service", serve_stage(settings), option_errors=(FolderError,), start_errors=(CheckpointError,))

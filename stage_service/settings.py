@@ -8,8 +8,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from stage_service.offload.config import DloOptions
 from stage_service.offload.config import HELP as DLO_HELP
+from stage_service.offload.config import DloOptions
 from stagemesh.core import metrics
 from stagemesh.core.params import Limits
 
@@ -54,24 +54,24 @@ class StageSettings(DloOptions):
     _HELP = {
         "stage_id": "position of this stage in the pipeline (0 = first)",
         "kind": "what the stage runs: 'ar' (the language model) or 'diffusion' (DiT + decoder); "
-                "for a diffusers-format model_dir also 'encoder' (text encoders), 'denoise' "
-                "(diffusion without the VAE) and 'decode' (the VAE); see MODELS.md",
+        "for a diffusers-format model_dir also 'encoder' (text encoders), 'denoise' "
+        "(diffusion without the VAE) and 'decode' (the VAE); see MODELS.md",
         "host": "address to bind (loopback by default)",
         "port": "port to bind; 0 picks a free one (see --ready-file)",
         "workers": "worker processes (one per rank / GPU)",
         "device": "torch device for the workers: 'cpu', 'cuda' (rank i uses cuda:i) or 'cuda:N'",
         "threads": "torch CPU threads per worker; 0 keeps torch's default",
         "model_dir": "model folder: the embedded model's (config.json + safetensors) or a diffusers-format "
-                     "checkpoint (model_index.json); default: the embedded model's cache folder",
+        "checkpoint (model_index.json); default: the embedded model's cache folder",
         "model_preset": "dimensions used when the folder holds no weights yet: 'tiny' or 'flux-sized'",
         "max_batch_size": "most compatible requests run together as one batch",
         "enable_sleep": "accept SleepStage/WakeUpStage (freeing device memory on demand); "
-                        "--no-enable-sleep makes them UNIMPLEMENTED",
+        "--no-enable-sleep makes them UNIMPLEMENTED",
         "step_execution": "copy and pack outputs on the worker's main thread (synchronous path) instead of "
-                          "handing them to the async output thread",
+        "handing them to the async output thread",
         "cuda_graphs": "replay each denoising step of the embedded DiT from a captured CUDA graph (one launch "
-                       "per step instead of hundreds; on a CUDA device, without DLO or TP); "
-                       "--no-cuda-graphs launches every kernel from Python",
+        "per step instead of hundreds; on a CUDA device, without DLO or TP); "
+        "--no-cuda-graphs launches every kernel from Python",
         "max_queue": "requests waiting beyond this are refused with RESOURCE_EXHAUSTED",
         "max_size": "largest width/height in pixels accepted",
         "max_steps": "largest num_inference_steps accepted",
@@ -86,7 +86,7 @@ class StageSettings(DloOptions):
         "tls_key": "private key (PEM) of --tls-cert",
         "tls_ca": "CA bundle (PEM) verifying the cache service when it serves TLS; empty: plaintext channel",
         "token_file": "file holding the bearer token that SleepStage/WakeUpStage must carry, also sent to the "
-                      "cache service when publishing; empty: $STAGEMESH_TOKEN, or none",
+        "cache service when publishing; empty: $STAGEMESH_TOKEN, or none",
         **DLO_HELP,
     }
 
@@ -96,12 +96,14 @@ class StageSettings(DloOptions):
             raise ValueError(
                 f"workers = {self.workers} with enable_dlo, AllGather and dp_size = "
                 f"{self.dp_size}: the DP ranks are the workers; set workers = {self.dp_size} "
-                "(or leave it at 1)")
+                "(or leave it at 1)"
+            )
         if self.dp_group_size() > 1 and self.device.startswith("cuda:"):
             raise ValueError(
                 f"device = {self.device!r} with enable_dlo, AllGather and dp_size = "
                 f"{self.dp_size}: every DP rank needs its own GPU; use device = 'cuda' "
-                "(rank i uses cuda:i)")
+                "(rank i uses cuda:i)"
+            )
         self._check_tp()
         metrics.check_port(self.metrics_port, "metrics_port")
 
@@ -110,17 +112,25 @@ class StageSettings(DloOptions):
         if tp == 1:
             return
         if self.kind != "diffusion":
-            raise ValueError(f"tensor_parallel_size = {tp} on a {self.kind!r} stage: tensor "
-                             "parallelism covers the diffusion stage only; set it to 1")
+            raise ValueError(
+                f"tensor_parallel_size = {tp} on a {self.kind!r} stage: tensor "
+                "parallelism covers the diffusion stage only; set it to 1"
+            )
         if self.dp_size > 1:
-            raise ValueError(f"tensor_parallel_size = {tp} with dp_size = {self.dp_size}: "
-                             "run more stage replicas instead, or set dp_size = 1")
+            raise ValueError(
+                f"tensor_parallel_size = {tp} with dp_size = {self.dp_size}: "
+                "run more stage replicas instead, or set dp_size = 1"
+            )
         if self.workers not in (1, tp):
-            raise ValueError(f"workers = {self.workers} with tensor_parallel_size = {tp}: the "
-                             f"TP ranks are the workers; set workers = {tp} (or leave it at 1)")
+            raise ValueError(
+                f"workers = {self.workers} with tensor_parallel_size = {tp}: the "
+                f"TP ranks are the workers; set workers = {tp} (or leave it at 1)"
+            )
         if self.device.startswith("cuda:"):
-            raise ValueError(f"device = {self.device!r} with tensor_parallel_size = {tp}: every "
-                             "TP rank needs its own GPU; use device = 'cuda' (rank i uses cuda:i)")
+            raise ValueError(
+                f"device = {self.device!r} with tensor_parallel_size = {tp}: every "
+                "TP rank needs its own GPU; use device = 'cuda' (rank i uses cuda:i)"
+            )
 
     def dp_group_size(self) -> int:
         """Ranks of the stage's DP group (DLO AllGather on a diffusion stage); 1: no group."""
@@ -150,12 +160,17 @@ class StageSettings(DloOptions):
             elif f.type in ("float", float):
                 kwargs["type"] = float
             parser.add_argument(flag, **kwargs)
-        parser.add_argument("--dlo-no-use-allgather", dest="dlo_use_allgather", action="store_false",
-                            default=argparse.SUPPRESS, help="same as --no-dlo-use-allgather")
+        parser.add_argument(
+            "--dlo-no-use-allgather",
+            dest="dlo_use_allgather",
+            action="store_false",
+            default=argparse.SUPPRESS,
+            help="same as --no-dlo-use-allgather",
+        )
         parser.add_argument("--log-level", default="info", help="log level (default: 'info')")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "StageSettings":
+    def from_args(cls, args: argparse.Namespace) -> StageSettings:
         try:
             return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
         except ValueError as exc:  # a refused combination: say what to change, no traceback
@@ -163,7 +178,7 @@ class StageSettings(DloOptions):
             raise SystemExit(2) from None  # a usage error, as argparse's own
 
     @classmethod
-    def from_mapping(cls, values: dict[str, Any]) -> "StageSettings":
+    def from_mapping(cls, values: dict[str, Any]) -> StageSettings:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -191,8 +206,10 @@ class StageSettings(DloOptions):
         diffusers-format folder is only checked for the components this stage loads."""
         from stage_service.models import diffusers_adapter
 
-        if diffusers_adapter.is_diffusers_folder(self.resolved_model_dir()) \
-                or self.kind in diffusers_adapter.FOLDER_ONLY_KINDS:
+        if (
+            diffusers_adapter.is_diffusers_folder(self.resolved_model_dir())
+            or self.kind in diffusers_adapter.FOLDER_ONLY_KINDS
+        ):
             return diffusers_adapter.check_stage_folder(self.resolved_model_dir(), self.kind).path
         from stage_service.models.config import PipelineConfig
         from stage_service.models.weights import ensure_model_dir
@@ -206,7 +223,9 @@ class StageSettings(DloOptions):
             pixel_multiple=int(runner_limits.get("pixel_multiple", 16)),
             max_pixels_side=self.max_size,
             max_inference_steps=self.max_steps,
-            max_prompt_bytes=min(self.max_prompt_bytes, int(runner_limits.get("max_prompt_bytes", self.max_prompt_bytes))),
+            max_prompt_bytes=min(
+                self.max_prompt_bytes, int(runner_limits.get("max_prompt_bytes", self.max_prompt_bytes))
+            ),
             default_size=self.default_size,
             default_inference_steps=self.default_steps,
             default_guidance_scale=self.default_guidance,

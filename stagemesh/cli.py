@@ -20,9 +20,13 @@ def _parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start cache, stages and gateway on this machine and supervise them")
     up.add_argument("--config", default=None, help="mesh.toml (default: the embedded two-stage pipeline)")
     up.add_argument("--log-level", default=None, help="overrides [mesh] log_level")
-    up.add_argument("--model", default=None, metavar="PATH",
-                    help="serve a diffusers-format folder (model_index.json): an encoder stage and a "
-                         "diffusion stage over it; with --config, stage tables without model_dir use it")
+    up.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="serve a diffusers-format folder (model_index.json): an encoder stage and a "
+        "diffusion stage over it; with --config, stage tables without model_dir use it",
+    )
 
     for name, add_arguments, main_module, text in (
         ("gateway", gateway_options.add_arguments, "gateway.server", "run the public gateway service alone"),
@@ -33,29 +37,51 @@ def _parser() -> argparse.ArgumentParser:
         add_arguments(p)
         p.set_defaults(service_main=main_module)
 
-    for name, text in (("generate", "generate one image through a gateway"),
-                       ("status", "list the stages behind a gateway and their state"),
-                       ("sleep", "put stages to sleep (free their device memory)"),
-                       ("wakeup", "wake sleeping stages"),
-                       ("pause", "stop admitting Generate calls"),
-                       ("resume", "admit Generate calls again")):
+    for name, text in (
+        ("generate", "generate one image through a gateway"),
+        ("status", "list the stages behind a gateway and their state"),
+        ("sleep", "put stages to sleep (free their device memory)"),
+        ("wakeup", "wake sleeping stages"),
+        ("pause", "stop admitting Generate calls"),
+        ("resume", "admit Generate calls again"),
+    ):
         p = sub.add_parser(name, help=text)
-        p.add_argument("--address", default=client.default_address(),
-                       help=f"gateway address (default: ${client.ADDRESS_ENV} or {client.DEFAULT_ADDRESS})")
+        p.add_argument(
+            "--address",
+            default=client.default_address(),
+            help=f"gateway address (default: ${client.ADDRESS_ENV} or {client.DEFAULT_ADDRESS})",
+        )
         p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds (default: 600)")
-        p.add_argument("--tls-ca", default=None, metavar="PEM",
-                       help="CA bundle that verifies a gateway serving TLS (default: $STAGEMESH_TLS_CA; "
-                            "neither: plaintext)")
+        p.add_argument(
+            "--tls-ca",
+            default=None,
+            metavar="PEM",
+            help="CA bundle that verifies a gateway serving TLS (default: $STAGEMESH_TLS_CA; neither: plaintext)",
+        )
         if name in ("sleep", "wakeup", "pause", "resume"):
-            p.add_argument("--token-file", default=None, metavar="PATH",
-                           help="file holding the bearer token for control calls (default: $STAGEMESH_TOKEN)")
+            p.add_argument(
+                "--token-file",
+                default=None,
+                metavar="PATH",
+                help="file holding the bearer token for control calls (default: $STAGEMESH_TOKEN)",
+            )
         p.set_defaults(client_main=getattr(client, name))
         if name in ("sleep", "wakeup"):
-            p.add_argument("--stage", type=int, action="append", default=[], required=True,
-                           help="stage id; repeat for several stages")
+            p.add_argument(
+                "--stage",
+                type=int,
+                action="append",
+                default=[],
+                required=True,
+                help="stage id; repeat for several stages",
+            )
         if name == "sleep":
-            p.add_argument("--level", type=int, default=None,
-                           help="1: keep weights in host memory; 2 (default): discard them, reload on wake")
+            p.add_argument(
+                "--level",
+                type=int,
+                default=None,
+                help="1: keep weights in host memory; 2 (default): discard them, reload on wake",
+            )
         if name == "generate":
             p.add_argument("prompt", help="the text prompt")
             p.add_argument("--size", type=int, default=None, help="width and height in pixels (default: the stage's)")

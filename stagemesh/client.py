@@ -7,16 +7,15 @@ import sys
 from pathlib import Path
 
 import grpc
-from grpc_status import rpc_status
 from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from stagemesh.core import auth, rpc, tls
 from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2
 
 ADDRESS_ENV = "STAGEMESH_ADDRESS"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-_STATE_NAMES = {v.number: v.name.removeprefix("STAGE_STATE_").lower()
-                for v in gateway_pb2.StageState.DESCRIPTOR.values}
+_STATE_NAMES = {v.number: v.name.removeprefix("STAGE_STATE_").lower() for v in gateway_pb2.StageState.DESCRIPTOR.values}
 
 
 def default_address() -> str:
@@ -47,9 +46,11 @@ def _progress_bar(step: int, total: int, width: int = 30) -> str:
 
 def generate(args) -> int:
     params = generation_pb2.GenerationParams(prompt=args.prompt, output_format=generation_pb2.OUTPUT_FORMAT_PNG)
-    for field, value in (("width", args.width if args.width is not None else args.size),
-                         ("height", args.height if args.height is not None else args.size),
-                         ("num_inference_steps", args.steps)):
+    for field, value in (
+        ("width", args.width if args.width is not None else args.size),
+        ("height", args.height if args.height is not None else args.size),
+        ("num_inference_steps", args.steps),
+    ):
         if value is not None:
             setattr(params, field, value)
     if args.guidance is not None:
@@ -62,12 +63,19 @@ def generate(args) -> int:
             for event in stub.Generate(gateway_pb2.GenerateRequest(params=params), timeout=args.timeout):
                 which = event.WhichOneof("event")
                 if which == "stage_started":
-                    print(f"stage {event.stage_started.stage_id} ({event.stage_started.kind}) started",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"stage {event.stage_started.stage_id} ({event.stage_started.kind}) started",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 elif which == "denoising_step":
                     s = event.denoising_step
-                    print(_progress_bar(s.step, s.total), end="\n" if s.step == s.total else "",
-                          file=sys.stderr, flush=True)
+                    print(
+                        _progress_bar(s.step, s.total),
+                        end="\n" if s.step == s.total else "",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 else:
                     result = event.result
         except grpc.RpcError as exc:
@@ -88,15 +96,19 @@ def status(args) -> int:
             return 1
     print(f"{'stage':>5}  {'kind':<10} {'state':<12} {'replicas':>8}  {'device':<8} {'device memory':>14}")
     for s in reply.stages:
-        print(f"{s.stage_id:>5}  {s.kind:<10} {_STATE_NAMES.get(s.state, '?'):<12} {s.replicas:>8}  "
-              f"{s.device or '-':<8} {s.device_memory_bytes / 2**20:>11.1f} MiB"
-              + (f"  (sleep level {s.sleep_level})" if s.sleep_level else ""))
+        print(
+            f"{s.stage_id:>5}  {s.kind:<10} {_STATE_NAMES.get(s.state, '?'):<12} {s.replicas:>8}  "
+            f"{s.device or '-':<8} {s.device_memory_bytes / 2**20:>11.1f} MiB"
+            + (f"  (sleep level {s.sleep_level})" if s.sleep_level else "")
+        )
     print(f"generation: {'paused' if reply.generation_paused else 'open'}")
     return 0
 
 
 _ACK_STATUS = {v.number: v.name.removeprefix("ACK_STATUS_") for v in control_pb2.AckStatus.DESCRIPTOR.values}
-_CONTROL_STATUS = {v.number: v.name.removeprefix("CONTROL_STATUS_") for v in control_pb2.ControlStatus.DESCRIPTOR.values}
+_CONTROL_STATUS = {
+    v.number: v.name.removeprefix("CONTROL_STATUS_") for v in control_pb2.ControlStatus.DESCRIPTOR.values
+}
 
 
 def _control_call(args, method: str, request) -> int:
@@ -112,8 +124,10 @@ def _control_call(args, method: str, request) -> int:
         reason = f" ({reply.reason})" if getattr(reply, "reason", "") else ""
         print(f"{_CONTROL_STATUS.get(reply.status, '?')}{reason}")
         for ack in reply.acks:
-            line = (f"  stage {ack.stage_id} rank {ack.rank}: {_ACK_STATUS.get(ack.status, '?')} level {ack.level} "
-                    f"{ack.freed_bytes / 2**20:.1f} MiB in {ack.latency_ms:.1f} ms")
+            line = (
+                f"  stage {ack.stage_id} rank {ack.rank}: {_ACK_STATUS.get(ack.status, '?')} level {ack.level} "
+                f"{ack.freed_bytes / 2**20:.1f} MiB in {ack.latency_ms:.1f} ms"
+            )
             print(line + (f" ({ack.error})" if ack.error else ""))
         return 0 if reply.status != control_pb2.CONTROL_STATUS_ERROR else 1
     print("ok")

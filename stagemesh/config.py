@@ -61,8 +61,10 @@ class SecurityConfig:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("[security]: tls_cert and tls_key go together; give both or neither")
         if self.tls_cert and not self.tls_ca:
-            raise ValueError("[security] tls_ca: needed with tls_cert, so the mesh's own channels can verify "
-                             "its services (for a self-signed certificate: the certificate itself)")
+            raise ValueError(
+                "[security] tls_ca: needed with tls_cert, so the mesh's own channels can verify "
+                "its services (for a self-signed certificate: the certificate itself)"
+            )
 
     @property
     def tls(self) -> bool:
@@ -80,7 +82,7 @@ class MeshConfig:
     stages: tuple[StageSettings, ...] = ()
 
     @classmethod
-    def default(cls) -> "MeshConfig":
+    def default(cls) -> MeshConfig:
         """The embedded pipeline: the byte-level LM feeding the tiny DiT, one CPU worker each."""
         return cls(stages=(StageSettings(stage_id=0, kind="ar"), StageSettings(stage_id=1, kind="diffusion")))
 
@@ -107,14 +109,16 @@ def load(path: str | Path | None, model: str | Path | None = None) -> MeshConfig
     security = _section(SecurityConfig, data.pop("security", {}), "[security]")
     stage_tables = data.pop("stages", None)
     if data:
-        raise ValueError(f"{path}: unknown table(s) {sorted(data)}; "
-                         "known: mesh, gateway, cache, supervision, security, stages")
+        raise ValueError(
+            f"{path}: unknown table(s) {sorted(data)}; known: mesh, gateway, cache, supervision, security, stages"
+        )
     config = _section(MeshConfig, mesh, "[mesh]")
     if stage_tables is None:
         stages = model_stages(model) if model is not None else MeshConfig.default().stages
     else:
-        stages = tuple(StageSettings.from_mapping({**_with_model(t, model), "stage_id": i})
-                       for i, t in enumerate(stage_tables))
+        stages = tuple(
+            StageSettings.from_mapping({**_with_model(t, model), "stage_id": i}) for i, t in enumerate(stage_tables)
+        )
     _check_stages(stages, path if path is not None else model)
     host = config.host
     # Every stage serves and calls with the mesh's [security] settings.
@@ -125,8 +129,10 @@ def load(path: str | Path | None, model: str | Path | None = None) -> MeshConfig
 
 def model_stages(model: str) -> tuple[StageSettings, ...]:
     """A diffusers folder's default mesh: its text encoders, then transformer + VAE."""
-    return (StageSettings(stage_id=0, kind="encoder", model_dir=model),
-            StageSettings(stage_id=1, kind="diffusion", model_dir=model))
+    return (
+        StageSettings(stage_id=0, kind="encoder", model_dir=model),
+        StageSettings(stage_id=1, kind="diffusion", model_dir=model),
+    )
 
 
 def _with_model(table: dict[str, Any], model: str | None) -> dict[str, Any]:
@@ -139,19 +145,22 @@ def _check_stages(stages: tuple[StageSettings, ...], where: str | Path) -> None:
     if not stages:
         raise ValueError(f"{where}: [[stages]] is empty; a mesh needs at least one stage")
     if stages[-1].kind not in ("diffusion", "decode"):
-        raise ValueError(f"{where}: the last stage must be of kind 'diffusion' or 'decode' "
-                         "(it draws the image)")
+        raise ValueError(f"{where}: the last stage must be of kind 'diffusion' or 'decode' (it draws the image)")
     for s in stages:
         before = stages[s.stage_id - 1].kind if s.stage_id else None
         if (s.kind == "decode") != (before == "denoise"):
-            raise ValueError(f"{where}: stage {s.stage_id} ({s.kind}): a 'decode' stage comes "
-                             "right after a 'denoise' stage, and only there")
+            raise ValueError(
+                f"{where}: stage {s.stage_id} ({s.kind}): a 'decode' stage comes "
+                "right after a 'denoise' stage, and only there"
+            )
         # Looked at without importing the adapter (it brings torch) unless a folder is involved.
         folder = Path(s.model_dir).expanduser() if s.model_dir else None
         if s.kind not in ("ar", "diffusion") or (folder and (folder / "model_index.json").is_file()):
             from stage_service.models import diffusers_adapter
 
             if folder is None:
-                raise ValueError(f"{where}: stage {s.stage_id} ({s.kind}) needs model_dir (a "
-                                 "diffusers-format folder), or `stagemesh up --model PATH`")
+                raise ValueError(
+                    f"{where}: stage {s.stage_id} ({s.kind}) needs model_dir (a "
+                    "diffusers-format folder), or `stagemesh up --model PATH`"
+                )
             diffusers_adapter.check_stage_folder(folder, s.kind)

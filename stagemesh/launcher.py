@@ -8,11 +8,11 @@ import signal
 import sys
 from dataclasses import replace
 
-from stagemesh.core import auth, errors, logs, tls
-from stagemesh.config import MeshConfig, SecurityConfig
-from stagemesh.supervisor import Child, StartFailed, Supervisor, service_argv
 from stage_service.offload.config import DEFAULT_RUNTIME_CACHE_DIR
 from stage_service.settings import StageSettings
+from stagemesh.config import MeshConfig, SecurityConfig
+from stagemesh.core import auth, errors, logs, tls
+from stagemesh.supervisor import Child, StartFailed, Supervisor, service_argv
 
 log = logs.get_logger("stagemesh.up")
 
@@ -25,40 +25,79 @@ def _with_cache(stage: StageSettings, config: MeshConfig, cache_address: list[st
     return replace(
         stage,
         dlo_runtime_cache_service=stage.dlo_runtime_cache_service or (cache_address[0] if cache_address else ""),
-        dlo_runtime_cache_dir=(config.cache.root if stage.dlo_runtime_cache_dir == DEFAULT_RUNTIME_CACHE_DIR
-                               else stage.dlo_runtime_cache_dir))
+        dlo_runtime_cache_dir=(
+            config.cache.root
+            if stage.dlo_runtime_cache_dir == DEFAULT_RUNTIME_CACHE_DIR
+            else stage.dlo_runtime_cache_dir
+        ),
+    )
 
 
 def _security_flags(security: SecurityConfig, *names: str) -> list[str]:
     """Paths only: the token itself never goes on a command line, where `ps` would show it."""
-    return [flag for name in names if getattr(security, name)
-            for flag in ("--" + name.replace("_", "-"), getattr(security, name))]
+    return [
+        flag
+        for name in names
+        if getattr(security, name)
+        for flag in ("--" + name.replace("_", "-"), getattr(security, name))
+    ]
 
 
 def _metrics_flags(port: int | None) -> list[str]:
     return ["--metrics-port", str(port)] if port is not None else []
 
 
-def _children(config: MeshConfig, stage_addresses: list[str],
-              cache_address: list[str]) -> tuple[Child, list[Child], Child]:
+def _children(
+    config: MeshConfig, stage_addresses: list[str], cache_address: list[str]
+) -> tuple[Child, list[Child], Child]:
     level = ["--log-level", config.log_level]
     served = _security_flags(config.security, "tls_cert", "tls_key", "token_file")
     budget = ["--max-bytes", str(config.cache.max_bytes)] if config.cache.max_bytes is not None else []
-    cache = Child("cache", lambda port: service_argv(
-        "cache", "--host", config.host, "--port", str(port), "--root", config.cache.root, *budget, *served,
-        *_metrics_flags(config.cache.metrics_port), *level), port=config.cache.port)
+    cache = Child(
+        "cache",
+        lambda port: service_argv(
+            "cache",
+            "--host",
+            config.host,
+            "--port",
+            str(port),
+            "--root",
+            config.cache.root,
+            *budget,
+            *served,
+            *_metrics_flags(config.cache.metrics_port),
+            *level,
+        ),
+        port=config.cache.port,
+    )
     stages = [
-        Child(f"stage-{s.stage_id}", lambda port, s=s: service_argv(
-            "stage", *replace(_with_cache(s, config, cache_address), port=port, ready_file=None).to_flags(),
-            *level), port=s.port)
+        Child(
+            f"stage-{s.stage_id}",
+            lambda port, s=s: service_argv(
+                "stage", *replace(_with_cache(s, config, cache_address), port=port, ready_file=None).to_flags(), *level
+            ),
+            port=s.port,
+        )
         for s in config.stages
     ]
-    gateway = Child("gateway", lambda port: service_argv(
-        "gateway", "--host", config.host, "--port", str(port),
-        "--max-request-bytes", str(config.gateway.max_request_bytes),
-        *[flag for a in stage_addresses for flag in ("--stage", a)], *served,
-        *_security_flags(config.security, "tls_ca"), *_metrics_flags(config.gateway.metrics_port), *level),
-        port=config.gateway.port)
+    gateway = Child(
+        "gateway",
+        lambda port: service_argv(
+            "gateway",
+            "--host",
+            config.host,
+            "--port",
+            str(port),
+            "--max-request-bytes",
+            str(config.gateway.max_request_bytes),
+            *[flag for a in stage_addresses for flag in ("--stage", a)],
+            *served,
+            *_security_flags(config.security, "tls_ca"),
+            *_metrics_flags(config.gateway.metrics_port),
+            *level,
+        ),
+        port=config.gateway.port,
+    )
     return cache, stages, gateway
 
 
@@ -70,15 +109,17 @@ def banner(address: str, security: SecurityConfig | None = None, env_token: bool
     lines = [
         f"stagemesh: gateway serving on {address}",  # tests and scripts take the address from this line
         f"  try: stagemesh generate 'a lighthouse at dusk' --address {address}{ca} -o out.png",
-        f"  or:  grpcurl {transport} -d '{{\"params\": {{\"prompt\": \"a lighthouse\", \"width\": 256, "
-        f"\"height\": 256}}}}' {address} stagemesh.v1.GatewayService/GenerateUnary",
+        f'  or:  grpcurl {transport} -d \'{{"params": {{"prompt": "a lighthouse", "width": 256, '
+        f'"height": 256}}}}\' {address} stagemesh.v1.GatewayService/GenerateUnary',
     ]
     if security.token_file or env_token:
         source = f"$(cat {security.token_file})" if security.token_file else f"${auth.TOKEN_ENV}"
         flag = f" --token-file {security.token_file}" if security.token_file else ""
-        lines += [f"  control calls need the bearer token: stagemesh pause --address {address}{ca}{flag}",
-                  f"       grpcurl {transport} -H \"authorization: Bearer {source}\" "
-                  f"{address} stagemesh.v1.GatewayService/PauseGeneration"]
+        lines += [
+            f"  control calls need the bearer token: stagemesh pause --address {address}{ca}{flag}",
+            f'       grpcurl {transport} -H "authorization: Bearer {source}" '
+            f"{address} stagemesh.v1.GatewayService/PauseGeneration",
+        ]
     lines.append("  Ctrl-C stops the mesh.")
     return "\n".join(lines)
 
@@ -110,8 +151,14 @@ async def up(config: MeshConfig) -> int:
         await asyncio.to_thread(supervisor.stop_all)
 
 
-async def _start_all(supervisor: Supervisor, cache: Child, stages: list[Child], gateway: Child,
-                     stage_addresses: list[str], cache_address: list[str]) -> str:
+async def _start_all(
+    supervisor: Supervisor,
+    cache: Child,
+    stages: list[Child],
+    gateway: Child,
+    stage_addresses: list[str],
+    cache_address: list[str],
+) -> str:
     cache_address.append(await supervisor.start(cache))
     # Stages load their models in parallel; the gateway needs all their addresses.
     stage_addresses.extend(await asyncio.gather(*(supervisor.start(s) for s in stages)))

@@ -10,15 +10,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stagemesh.core import logs, procutil, readyfile, tls
 from stagemesh.config import SupervisionConfig
+from stagemesh.core import logs, procutil, readyfile, tls
 
 log = logs.get_logger("stagemesh.supervisor")
 
@@ -101,7 +101,7 @@ class Supervisor:
                         return 1
             try:
                 await asyncio.wait_for(stop.wait(), POLL_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return 0
 
@@ -144,4 +144,3 @@ class Supervisor:
 
 def service_argv(command: str, *flags: str) -> list[str]:
     return [sys.executable, "-m", "stagemesh", command, *flags]
-

@@ -47,7 +47,6 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
 
-
 def populated_root(root: Path) -> dict:
     """A root with one valid entry, one without a manifest and two stale temp dirs."""
     store = CacheStore(root)

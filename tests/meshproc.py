@@ -10,9 +10,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import grpc
 
@@ -124,8 +124,15 @@ class Mesh:
         return self.process.wait(timeout)
 
 
-def write_config(path: Path, model_dir: Path, extra_stage: str = "", cache_root: Path | None = None,
-                 extra_diffusion: str = "", extra_gateway: str = "", extra_cache: str = "") -> Path:
+def write_config(
+    path: Path,
+    model_dir: Path,
+    extra_stage: str = "",
+    cache_root: Path | None = None,
+    extra_diffusion: str = "",
+    extra_gateway: str = "",
+    extra_cache: str = "",
+) -> Path:
     """`extra_stage` lines go into every [[stages]] table, `extra_diffusion` only into stage 1's,
     `extra_gateway` and `extra_cache` into [gateway] and [cache]."""
     cache_root = cache_root or path.parent / "cache-root"
@@ -160,15 +167,20 @@ max_prompt_bytes = 256
     return path
 
 
-def start_mesh(config_path: Path, log_path: Path, up_args: tuple[str, ...] = (),
-               timeout_s: float = START_TIMEOUT_S) -> Mesh:
+def start_mesh(
+    config_path: Path, log_path: Path, up_args: tuple[str, ...] = (), timeout_s: float = START_TIMEOUT_S
+) -> Mesh:
     """`up_args`: further flags of `stagemesh up` (e.g. "--model", PATH); `timeout_s`: how long
     the gateway may take to be announced (a benchmark's large model loads longer)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     log_file = open(log_path, "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "stagemesh", "up", "--config", str(config_path), *up_args],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log_file, text=True,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=log_file,
+        text=True,
     )
     log_file.close()
     deadline = time.monotonic() + timeout_s
@@ -192,6 +204,7 @@ def start_mesh(config_path: Path, log_path: Path, up_args: tuple[str, ...] = (),
 @dataclass
 class Service:
     """One `stagemesh <service>` started alone, as on a machine of its own."""
+
     process: subprocess.Popen
     ready_path: Path
     log_path: Path
@@ -221,13 +234,18 @@ def spawn_service(name: str, args: list[str], folder: Path, env: dict | None = N
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "stagemesh", *args, "--port", "0", "--ready-file", str(ready)],
-            cwd=REPO, env={**(env or os.environ), "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT)
+            cwd=REPO,
+            env={**(env or os.environ), "PYTHONUNBUFFERED": "1"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     return Service(process, ready, log_path)
 
 
 @contextlib.contextmanager
-def parallel_meshes(starters: dict[str, Callable[[], Mesh]],
-                    while_starting: Callable[[], None] | None = None) -> Iterator[dict[str, Mesh]]:
+def parallel_meshes(
+    starters: dict[str, Callable[[], Mesh]], while_starting: Callable[[], None] | None = None
+) -> Iterator[dict[str, Mesh]]:
     """Start several meshes at once (each loads its models in its own processes; `while_starting`
     runs meanwhile on this thread), yield them by name, then stop them at once and check that each
     stopped cleanly and left no shared-memory segment."""
@@ -256,8 +274,7 @@ def parallel_meshes(starters: dict[str, Callable[[], Mesh]],
         raise errors[0]
     yield started
     codes: dict[str, int] = {}
-    stoppers = [threading.Thread(target=lambda n=n, m=m: codes.__setitem__(n, m.stop()))
-                for n, m in started.items()]
+    stoppers = [threading.Thread(target=lambda n=n, m=m: codes.__setitem__(n, m.stop())) for n, m in started.items()]
     for t in stoppers:
         t.start()
     for t in stoppers:
@@ -266,4 +283,3 @@ def parallel_meshes(starters: dict[str, Callable[[], Mesh]],
         assert codes.get(name) == 0, m.logs()[-3000:]
         leaked = segments_of(shm_entries() - shm_before, m.child_pids())
         assert not leaked, f"{name}: shared-memory segments left behind: {leaked}"
-

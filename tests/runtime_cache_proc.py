@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from stagemesh.weight_store import locks
 from stage_service.runtime_cache.lookup import RuntimeCache
+from stagemesh.weight_store import locks
 
 REPO = Path(__file__).resolve().parent.parent
 _MARK = "@@ "  # marks our lines among log lines on stdout
@@ -24,8 +24,14 @@ class Child:
 
     def __init__(self, *args: str):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.runtime_cache_proc", *args], cwd=REPO, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.runtime_cache_proc", *args],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.pid = self.proc.pid
 
     def expect(self, event: str) -> dict:
@@ -33,7 +39,7 @@ class Child:
             line = self.proc.stdout.readline()
             assert line, f"child {self.pid} exited ({self.proc.wait()}) before {event!r}"
             if line.startswith(_MARK):
-                message = json.loads(line[len(_MARK):])
+                message = json.loads(line[len(_MARK) :])
                 if message["event"] == event:
                     return message
                 # The child now waits for us; fail instead of blocking on a line that never comes.
@@ -58,9 +64,11 @@ class Child:
 
 def weights() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return {"blocks.0.weight": torch.randn(64, 64, generator=gen),
-            "blocks.1.weight": torch.randn(64, 64, generator=gen).to(torch.bfloat16),
-            "norm.bias": torch.randn(64, generator=gen)}
+    return {
+        "blocks.0.weight": torch.randn(64, 64, generator=gen),
+        "blocks.1.weight": torch.randn(64, 64, generator=gen).to(torch.bfloat16),
+        "norm.bias": torch.randn(64, generator=gen),
+    }
 
 
 def say(event: str, **fields) -> None:

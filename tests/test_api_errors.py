@@ -61,9 +61,16 @@ BAD_INPUTS = [
     ("format-unknown", dict(output_format=99), {"params.output_format": ["99", "PNG", "TENSOR"]}),
     ("prompt-300-bytes", dict(prompt="x" * 300), {"params.prompt": ["300", "256"]}),
     ("prompt-multibyte", dict(prompt="é" * 129), {"params.prompt": ["258", "256"]}),
-    ("several", dict(width=0, height=17, num_inference_steps=0, guidance_scale=0.5),
-     {"params.width": ["16"], "params.height": ["17"], "params.num_inference_steps": ["1 to 50"],
-      "params.guidance_scale": ["1.0 to 30.0"]}),
+    (
+        "several",
+        dict(width=0, height=17, num_inference_steps=0, guidance_scale=0.5),
+        {
+            "params.width": ["16"],
+            "params.height": ["17"],
+            "params.num_inference_steps": ["1 to 50"],
+            "params.guidance_scale": ["1.0 to 30.0"],
+        },
+    ),
 ]
 
 
@@ -115,19 +122,33 @@ _side = st.one_of(
     st.integers(min_value=MAX_SIDE + 1, max_value=2**31 - 1),
     st.integers(min_value=1, max_value=MAX_SIDE).filter(lambda v: v % MULTIPLE),
 )
-_steps = st.one_of(st.integers(1, 2), st.integers(min_value=-(2**31), max_value=0),
-                   st.integers(min_value=MAX_STEPS + 1, max_value=2**31 - 1))
+_steps = st.one_of(
+    st.integers(1, 2),
+    st.integers(min_value=-(2**31), max_value=0),
+    st.integers(min_value=MAX_STEPS + 1, max_value=2**31 - 1),
+)
 _prompt = st.one_of(st.text(max_size=40), st.text(min_size=120, max_size=300))
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(prompt=_prompt, width=_side, height=_side, steps=_steps,
-       guidance=st.floats(width=32), output_format=st.integers(**_INT32))
-def test_any_input_gets_ok_or_exactly_the_right_violations(mesh, prompt, width, height, steps, guidance,
-                                                           output_format):
+@given(
+    prompt=_prompt,
+    width=_side,
+    height=_side,
+    steps=_steps,
+    guidance=st.floats(width=32),
+    output_format=st.integers(**_INT32),
+)
+def test_any_input_gets_ok_or_exactly_the_right_violations(mesh, prompt, width, height, steps, guidance, output_format):
     params = generation_pb2.GenerationParams(
-        prompt=prompt, width=width, height=height, num_inference_steps=steps, guidance_scale=guidance,
-        output_format=output_format, seed=3)
+        prompt=prompt,
+        width=width,
+        height=height,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        output_format=output_format,
+        seed=3,
+    )
     expected = _expected_violations(params)
     with mesh.channel() as channel:
         try:
@@ -165,9 +186,13 @@ def test_one_millisecond_deadline_is_deadline_exceeded(mesh):
 def big_step_s(mesh) -> float:
     """Seconds one 512x512 denoising step takes on this machine (median over a short run)."""
     with mesh.channel() as channel:
-        stamps = [time.monotonic() for e in mesh.gateway(channel).Generate(
-            gateway_pb2.GenerateRequest(params=_params(width=512, height=512, num_inference_steps=5)), timeout=60)
-            if e.HasField("denoising_step")]
+        stamps = [
+            time.monotonic()
+            for e in mesh.gateway(channel).Generate(
+                gateway_pb2.GenerateRequest(params=_params(width=512, height=512, num_inference_steps=5)), timeout=60
+            )
+            if e.HasField("denoising_step")
+        ]
     gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
     assert len(gaps) == 4
     return gaps[len(gaps) // 2]
@@ -219,4 +244,4 @@ def test_no_traceback_in_the_mesh_logs(mesh):
     # Runs after the tests above: bad input, deadlines and cancellations are answered, never crash.
     logs = mesh.logs()
     assert '"event": "rpc refused"' in logs  # the log is the mesh's, and it saw the refusals
-    assert "Traceback" not in logs, logs[logs.index("Traceback") - 2000:][:6000]
+    assert "Traceback" not in logs, logs[logs.index("Traceback") - 2000 :][:6000]

@@ -84,17 +84,23 @@ def _unbatchable_requests() -> list[generation_pb2.GenerationParams]:
     rng = random.Random(20240611)
     keys = list(itertools.product(SHAPES, (1, 2), [1.0 + 0.5 * k for k in range(13)]))
     rng.shuffle(keys)
-    return [generation_pb2.GenerationParams(prompt=rng.choice(PROMPTS), width=w, height=h,
-                                            num_inference_steps=steps, guidance_scale=g, seed=1000 + i)
-            for i, ((w, h), steps, g) in enumerate(keys[:N_REQUESTS])]
+    return [
+        generation_pb2.GenerationParams(
+            prompt=rng.choice(PROMPTS), width=w, height=h, num_inference_steps=steps, guidance_scale=g, seed=1000 + i
+        )
+        for i, ((w, h), steps, g) in enumerate(keys[:N_REQUESTS])
+    ]
 
 
 def _batchable_requests() -> list[generation_pb2.GenerationParams]:
     """200 mixed requests over few batch keys, so batches of up to 4 form and get split."""
     rng = random.Random(7)
-    return [generation_pb2.GenerationParams(prompt=rng.choice(PROMPTS), width=w, height=h,
-                                            num_inference_steps=rng.choice((1, 2)), seed=5000 + i)
-            for i, (w, h) in enumerate(rng.choice(SHAPES[:3]) for _ in range(N_REQUESTS))]
+    return [
+        generation_pb2.GenerationParams(
+            prompt=rng.choice(PROMPTS), width=w, height=h, num_inference_steps=rng.choice((1, 2)), seed=5000 + i
+        )
+        for i, (w, h) in enumerate(rng.choice(SHAPES[:3]) for _ in range(N_REQUESTS))
+    ]
 
 
 def _run_all(mesh, params: list[generation_pb2.GenerationParams]) -> list[generation_pb2.GenerationResult]:

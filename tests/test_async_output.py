@@ -18,11 +18,11 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from stage_service.worker import async_output
-from stage_service.transport import ipc, protocol
 from stage_service import platform
-from stage_service.worker.async_output import AsyncOutputThread, ResultWriter, new_output_id
+from stage_service.transport import ipc, protocol
 from stage_service.transport.result_pipe import result_pipe
+from stage_service.worker import async_output
+from stage_service.worker.async_output import AsyncOutputThread, ResultWriter, new_output_id
 from tests.shm_guard import no_segment_left_behind, our_segments  # noqa: F401 - autouse fixture
 from tests.worker_harness import (
     CTX,
@@ -35,8 +35,8 @@ from tests.worker_harness import (
     item,
 )
 
-
 # ---- point 2: output ids -------------------------------------------------------------------------
+
 
 def test_new_output_ids_are_unique_32_hex():
     ids = [new_output_id() for _ in range(20_000)]
@@ -65,6 +65,7 @@ def test_worker_compute_done_ids_are_unique_32_hex_and_match_output_ready(harnes
 
 
 # ---- point 3: one writer at a time ----------------------------------------------------------------
+
 
 class OverlapDetectingQueue:
     """A queue whose put() notices a second thread entering while one is inside: on entry it
@@ -170,6 +171,7 @@ def test_two_threads_hammering_a_real_result_pipe_lose_and_mangle_nothing():
 
 # ---- point 4: a batch's storage comes over in one copy (the grouping, on CPU tensors) ---------------
 
+
 def test_slices_that_cover_their_storage_are_grouped_and_rebuilt_from_one_copy():
     batch = torch.rand(4, 3, 8, 8).permute(0, 2, 3, 1)  # a batch seen channels-last, 4 slices
     lone = torch.rand(100, 10)[:2]  # a small view of a bigger storage
@@ -190,6 +192,7 @@ def test_slices_that_cover_their_storage_are_grouped_and_rebuilt_from_one_copy()
 
 
 # ---- points 3 and 7: the background thread and drain -----------------------------------------------
+
 
 def _output_thread(packer) -> tuple[ObservedOutputThread, queue.Queue]:
     sink: queue.Queue = queue.Queue()
@@ -214,8 +217,10 @@ def test_drain_false_on_timeout_then_true_once_the_output_is_sent():
         assert t.in_flight == 1
         with capture_logs() as logs:
             assert t.drain(0.05) is False
-        assert any(e["event"] == "async output drain timed out" and e["log_level"] == "warning"
-                   and e["in_flight"] == 1 for e in logs), logs
+        assert any(
+            e["event"] == "async output drain timed out" and e["log_level"] == "warning" and e["in_flight"] == 1
+            for e in logs
+        ), logs
         assert sink.empty()
         packer.release.set()
         assert t.drain(WAIT_S) is True
@@ -250,8 +255,11 @@ def test_a_half_packed_output_that_fails_leaves_no_segment():
     t, sink = _output_thread(ipc.Packer(os.getpid(), 0))
     try:
         before = our_segments()
-        t.submit("d" * 32, [{"big": torch.zeros(2_000_000, dtype=torch.uint8)},
-                            {"bad": torch.empty(3, device="meta")}], platform.DeviceEvent("cpu"))
+        t.submit(
+            "d" * 32,
+            [{"big": torch.zeros(2_000_000, dtype=torch.uint8)}, {"bad": torch.empty(3, device="meta")}],
+            platform.DeviceEvent("cpu"),
+        )
         msg = sink.get(timeout=WAIT_S)
         assert msg.error is not None and msg.payload is None
         assert our_segments() == before
@@ -314,6 +322,7 @@ class FakeGpuStream:
             finally:
                 self.current = False
                 FakeGpuEvent.log.append(("leave side stream", self, threading.current_thread().name))
+
         return cm()
 
 
@@ -348,13 +357,22 @@ def test_fake_gpu_event_recorded_after_forward_and_waited_on_by_the_side_stream(
         h.stop()
     log = [(what, who, thread) for what, who, thread in FakeGpuEvent.log]
     names = [what for what, _, _ in log]
-    assert names == ["record", "record", "enter side stream", "wait_event", "record",
-                     "leave side stream", "event.synchronize", "pack", "elapsed"], names
-    started, finished, wait, copied, waited, elapsed = (log[0], log[1], log[3], log[4], log[6],
-                                                        log[8])
+    assert names == [
+        "record",
+        "record",
+        "enter side stream",
+        "wait_event",
+        "record",
+        "leave side stream",
+        "event.synchronize",
+        "pack",
+        "elapsed",
+    ], names
+    started, finished, wait, copied, waited, elapsed = (log[0], log[1], log[3], log[4], log[6], log[8])
     assert wait[1] is finished[1], "the side stream must wait on the event recorded after the forward"
-    assert waited[1] is copied[1] and copied[1].blocking, \
+    assert waited[1] is copied[1] and copied[1].blocking, (
         "the thread sleeps on a blocking event recorded after the copies, on the side stream"
+    )
     assert elapsed[1] == (started[1], finished[1]), "timed from before the forward to after it"
     assert started[2] == finished[2] == "worker-main"
     assert runner.log == ["forward@worker-main"]
@@ -381,5 +399,3 @@ def test_each_output_reports_its_forward_passs_device_time(harness_factory, step
         reply = h.next_of(protocol.OutputReady)
         ipc.unpack(reply.payload)
     assert 0.05 <= reply.compute_seconds < 5.0
-
-

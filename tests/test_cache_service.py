@@ -31,7 +31,10 @@ def start_service(tmp_path: Path, root: Path) -> tuple[subprocess.Popen, Path, P
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "cache_service", "--port", "0", "--root", str(root), "--ready-file", str(ready)],
-            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     return proc, ready, log_path
 
@@ -92,7 +95,11 @@ def test_service_lists_entries_and_stats_then_stops_on_sigterm(tmp_path, populat
             assert [e.key for e in listed] == [e.key for e in expected] == sorted([KEY_A, KEY_B])
             for got, want in zip(listed, expected):
                 assert (got.size_bytes, got.file_count, got.tensor_count, got.valid, got.live_consumers) == (
-                    want.size_bytes, want.file_count, want.tensor_count, want.valid, 0
+                    want.size_bytes,
+                    want.file_count,
+                    want.tensor_count,
+                    want.valid,
+                    0,
                 )
                 assert got.last_used_unix == pytest.approx(want.last_used_unix)
             assert listed[0].valid != listed[1].valid

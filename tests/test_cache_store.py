@@ -12,7 +12,6 @@ from stagemesh.weight_store import store as store_mod
 from stagemesh.weight_store.store import CacheStore, Manifest, ManifestError, default_root
 from tests.cache_entries import KEY_A, KEY_B, dir_bytes, two_shards, write_entry
 
-
 # --- manifest ---------------------------------------------------------------------------------
 
 
@@ -24,7 +23,10 @@ def test_manifest_round_trip(populated):
     doc = json.loads(text)
     assert doc["schema"] == 1 and doc["key"] == KEY_A
     assert doc["tensors"]["blocks.0.bias"] == {
-        "shape": [16], "dtype": "BF16", "bytes": 32, "file": "model-00001-of-00002.safetensors"
+        "shape": [16],
+        "dtype": "BF16",
+        "bytes": 32,
+        "file": "model-00001-of-00002.safetensors",
     }
     assert set(doc["files"]) == {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
 
@@ -84,8 +86,10 @@ def test_validate_files_reports_every_bad_shard_in_name_order(populated):
         data[-1] ^= 0xFF
         shard.write_bytes(bytes(data))
     problems = populated["manifest"].validate_files(entry)
-    assert [p.split(":")[0] for p in problems] == ["model-00001-of-00002.safetensors",
-                                                   "model-00002-of-00002.safetensors"]
+    assert [p.split(":")[0] for p in problems] == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
     assert all("sha256" in p for p in problems)
 
 

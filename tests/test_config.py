@@ -15,17 +15,22 @@ def test_no_file_gives_the_embedded_two_stage_pipeline():
 
 def test_stage_tables_get_ids_in_order_and_the_mesh_host(tmp_path):
     path = tmp_path / "mesh.toml"
-    path.write_text('[mesh]\nhost = "127.0.0.2"\n[[stages]]\nkind = "ar"\n[[stages]]\nkind = "diffusion"\nworkers = 2\n')
+    path.write_text(
+        '[mesh]\nhost = "127.0.0.2"\n[[stages]]\nkind = "ar"\n[[stages]]\nkind = "diffusion"\nworkers = 2\n'
+    )
     mesh = config.load(path)
     assert [(s.stage_id, s.host, s.workers) for s in mesh.stages] == [(0, "127.0.0.2", 1), (1, "127.0.0.2", 2)]
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("[gateway]\nportt = 1\n", "portt"),
-    ("[[stages]]\nkind = \"diffusion\"\nmax_sise = 4\n", "max_sise"),
-    ("[nonsense]\n", "nonsense"),
-    ("[[stages]]\nkind = \"ar\"\n", "last stage must be of kind 'diffusion'"),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("[gateway]\nportt = 1\n", "portt"),
+        ('[[stages]]\nkind = "diffusion"\nmax_sise = 4\n', "max_sise"),
+        ("[nonsense]\n", "nonsense"),
+        ('[[stages]]\nkind = "ar"\n', "last stage must be of kind 'diffusion'"),
+    ],
+)
 def test_config_errors_name_the_problem(tmp_path, text, needle):
     path = tmp_path / "mesh.toml"
     path.write_text(text)

@@ -10,12 +10,12 @@ to three meshes.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import subprocess
 import sys
-import functools
 from pathlib import Path
 
 import grpc
@@ -42,9 +42,10 @@ threads = 1
 # name -> (family, [(kind, extra keys)]); model_dir comes from --model.
 MESHES = {
     "flux": ("flux", [("encoder", ""), ("diffusion", "")]),
-    "flux-dlo": ("flux", [("encoder", ""),
-                          ("diffusion", ("enable_dlo = true\ndlo_use_allgather = false\n"
-                                         "dlo_resident_layers = 1"))]),
+    "flux-dlo": (
+        "flux",
+        [("encoder", ""), ("diffusion", ("enable_dlo = true\ndlo_use_allgather = false\ndlo_resident_layers = 1"))],
+    ),
     # The VAE as its own stage, after a denoising stage under DLO.
     "sd3-split-dlo": ("sd3", [("encoder", ""), ("denoise", "enable_dlo = true"), ("decode", "")]),
 }
@@ -69,8 +70,7 @@ def meshes(folders, tmp_path_factory) -> dict[str, Mesh]:
     def start(name: str) -> Mesh:
         family, stages = MESHES[name]
         root = tmp_path_factory.mktemp(name)
-        return start_mesh(_config(root / "mesh.toml", stages), root / "mesh.log",
-                          ("--model", str(folders[family])))
+        return start_mesh(_config(root / "mesh.toml", stages), root / "mesh.log", ("--model", str(folders[family])))
 
     with parallel_meshes({name: functools.partial(start, name) for name in MESHES}) as started:
         yield started
@@ -87,9 +87,15 @@ def reference(folders) -> dict[tuple, torch.Tensor]:
             pipe = diffusers.DiffusionPipeline.from_pretrained(folder, local_files_only=True)
             for case in CASES:
                 width, height, steps, guidance, seed, prompt = case
-                image = pipe(prompt=prompt, width=width, height=height, num_inference_steps=steps,
-                             guidance_scale=guidance, output_type="pt",
-                             generator=torch.Generator().manual_seed(seed)).images[0]
+                image = pipe(
+                    prompt=prompt,
+                    width=width,
+                    height=height,
+                    num_inference_steps=steps,
+                    guidance_scale=guidance,
+                    output_type="pt",
+                    generator=torch.Generator().manual_seed(seed),
+                ).images[0]
                 out[family, case] = image.permute(1, 2, 0).float()
     finally:
         torch.set_num_threads(threads)
@@ -98,12 +104,17 @@ def reference(folders) -> dict[tuple, torch.Tensor]:
 
 def _generate(m: Mesh, case, output_format=generation_pb2.OUTPUT_FORMAT_PNG):
     width, height, steps, guidance, seed, prompt = case
-    params = generation_pb2.GenerationParams(prompt=prompt, width=width, height=height,
-                                             num_inference_steps=steps, guidance_scale=guidance,
-                                             seed=seed, output_format=output_format)
+    params = generation_pb2.GenerationParams(
+        prompt=prompt,
+        width=width,
+        height=height,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        seed=seed,
+        output_format=output_format,
+    )
     with m.channel() as channel:
-        reply = m.gateway(channel).GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=params),
-                                                 timeout=RPC_TIMEOUT_S)
+        reply = m.gateway(channel).GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=params), timeout=RPC_TIMEOUT_S)
     return reply.result
 
 
@@ -113,8 +124,7 @@ def test_image_equals_diffusers_own_pipeline(meshes, reference, name):
     for case in CASES:
         want = reference[family, case]
         assert _generate(meshes[name], case).png == encode_png(want), (name, case)
-        got = codec.from_proto(_generate(meshes[name], case, generation_pb2.OUTPUT_FORMAT_TENSOR)
-                               .tensor)
+        got = codec.from_proto(_generate(meshes[name], case, generation_pb2.OUTPUT_FORMAT_TENSOR).tensor)
         if "dlo" in name:
             # DLO runs the blocks from aligned slot copies; diffusers' CPU weights are views
             # into the safetensors mapping, where MKL's GEMV rounds differently (last bits).
@@ -143,15 +153,19 @@ def test_runners_in_process_equal_diffusers_own_pipeline(folders, reference):
 
 
 def test_progress_events_per_denoising_step(meshes):
-    params = generation_pb2.GenerationParams(prompt="a boat", width=32, height=32,
-                                             num_inference_steps=3, seed=4)
+    params = generation_pb2.GenerationParams(prompt="a boat", width=32, height=32, num_inference_steps=3, seed=4)
     with meshes["sd3-split-dlo"].channel() as channel:
-        events = list(meshes["sd3-split-dlo"].gateway(channel).Generate(
-            gateway_pb2.GenerateRequest(params=params), timeout=RPC_TIMEOUT_S))
-    started = [(e.stage_started.stage_id, e.stage_started.kind) for e in events
-               if e.HasField("stage_started")]
-    steps = [(e.denoising_step.stage_id, e.denoising_step.step, e.denoising_step.total)
-             for e in events if e.HasField("denoising_step")]
+        events = list(
+            meshes["sd3-split-dlo"]
+            .gateway(channel)
+            .Generate(gateway_pb2.GenerateRequest(params=params), timeout=RPC_TIMEOUT_S)
+        )
+    started = [(e.stage_started.stage_id, e.stage_started.kind) for e in events if e.HasField("stage_started")]
+    steps = [
+        (e.denoising_step.stage_id, e.denoising_step.step, e.denoising_step.total)
+        for e in events
+        if e.HasField("denoising_step")
+    ]
     assert started == [(0, "encoder"), (1, "denoise"), (2, "decode")]
     assert steps == [(1, 1, 3), (1, 2, 3), (1, 3, 3)]
     assert events[-1].result.png.startswith(b"\x89PNG")
@@ -162,8 +176,7 @@ def test_size_off_the_pipelines_multiple_is_invalid_argument(meshes):
     with pytest.raises(grpc.RpcError) as refused:
         _generate(meshes["flux"], (30, 32, 2, 3.5, 1, "a red fox"))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "params.width" in refused.value.details() and "multiple of 4" in \
-        refused.value.details()
+    assert "params.width" in refused.value.details() and "multiple of 4" in refused.value.details()
 
 
 @pytest.mark.parametrize("level", [1, 2])
@@ -173,10 +186,11 @@ def test_sleep_and_wake_give_the_same_image(meshes, reference, name, level):
     want = _generate(m, CASES[0]).png
     with m.channel() as channel:
         stub = m.gateway(channel)
-        slept = stub.Sleep(gateway_pb2.SleepRequest(stage_ids=[0, 1], level=level),
-                           timeout=RPC_TIMEOUT_S)
-        assert [(a.stage_id, a.status, a.level) for a in slept.acks] == \
-            [(0, control_pb2.ACK_STATUS_SUCCESS, level), (1, control_pb2.ACK_STATUS_SUCCESS, level)]
+        slept = stub.Sleep(gateway_pb2.SleepRequest(stage_ids=[0, 1], level=level), timeout=RPC_TIMEOUT_S)
+        assert [(a.stage_id, a.status, a.level) for a in slept.acks] == [
+            (0, control_pb2.ACK_STATUS_SUCCESS, level),
+            (1, control_pb2.ACK_STATUS_SUCCESS, level),
+        ]
         assert all(a.freed_bytes > 0 for a in slept.acks)
         with pytest.raises(grpc.RpcError) as refused:
             _generate(m, CASES[0])
@@ -200,12 +214,18 @@ def _without(folder: Path, component: str, into: Path) -> Path:
 def test_a_folder_without_its_vae_is_refused_at_start(folders, tmp_path):
     broken = _without(folders["flux"], "vae", tmp_path / "no-vae")
     config = _config(tmp_path / "mesh.toml", [("encoder", ""), ("diffusion", "")])
-    done = subprocess.run([sys.executable, "-m", "stagemesh", "up", "--config", str(config),
-                           "--model", str(broken)], cwd=REPO, capture_output=True, text=True,
-                          timeout=60, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "stagemesh", "up", "--config", str(config), "--model", str(broken)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 2
-    want = (f"checkpoint {broken} is missing component 'vae' (model_index.json lists it; "
-            f"expected folder {broken / 'vae'})")
+    want = (
+        f"checkpoint {broken} is missing component 'vae' (model_index.json lists it; expected folder {broken / 'vae'})"
+    )
     assert want in done.stderr
 
 
@@ -236,11 +256,9 @@ def test_stage_order_and_kinds_are_checked_before_start(folders, tmp_path):
     from stagemesh import config
 
     def load(*kinds: str):
-        return config.load(_config(tmp_path / "mesh.toml", [(k, "") for k in kinds]),
-                           folders["sd3"])
+        return config.load(_config(tmp_path / "mesh.toml", [(k, "") for k in kinds]), folders["sd3"])
 
-    assert [s.kind for s in load("encoder", "denoise", "decode").stages] == \
-        ["encoder", "denoise", "decode"]
+    assert [s.kind for s in load("encoder", "denoise", "decode").stages] == ["encoder", "denoise", "decode"]
     with pytest.raises(ValueError, match="last stage must be of kind 'diffusion' or 'decode'"):
         load("encoder", "denoise")
     with pytest.raises(ValueError, match="'decode' stage comes right after a 'denoise' stage"):
@@ -249,5 +267,7 @@ def test_stage_order_and_kinds_are_checked_before_start(folders, tmp_path):
         load("ar", "diffusion")
     # --model alone: the folder's encoder stage, then its diffusion stage.
     default = config.load(None, folders["flux"])
-    assert [(s.kind, s.model_dir) for s in default.stages] == \
-        [("encoder", str(folders["flux"])), ("diffusion", str(folders["flux"]))]
+    assert [(s.kind, s.model_dir) for s in default.stages] == [
+        ("encoder", str(folders["flux"])),
+        ("diffusion", str(folders["flux"])),
+    ]

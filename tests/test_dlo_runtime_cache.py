@@ -15,20 +15,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from stagemesh.weight_store import locks
 from stage_service.executor.executor import Executor
 from stage_service.models.runners import DiffusionRunner, WorkItem, build_runner
+from stage_service.models.runtime_weights import DitWeightCache, final_tensors, swap_storage
 from stage_service.models.weights import load_dit
 from stage_service.offload import DloOptions
-from stage_service.models.runtime_weights import (DitWeightCache, final_tensors,
-                                                   swap_storage)
+from stagemesh.weight_store import locks
 
 TOLERANCE = 1e-6  # TP=2 vs TP=1 rounding, see tests/test_tensor_parallel.py
 
 
 def _opts(root: Path, **kw) -> dict:
-    return {"enable_dlo": True, "dlo_use_allgather": False, "dlo_enable_runtime_cache": True,
-            "dlo_checkpoint_mmap": False, "dlo_runtime_cache_dir": str(root), **kw}
+    return {
+        "enable_dlo": True,
+        "dlo_use_allgather": False,
+        "dlo_enable_runtime_cache": True,
+        "dlo_checkpoint_mmap": False,
+        "dlo_runtime_cache_dir": str(root),
+        **kw,
+    }
 
 
 def _items() -> list[WorkItem]:
@@ -66,6 +71,7 @@ def _in_entry(t: torch.Tensor, entry: Path) -> bool:
 
 # ---- in one process ----------------------------------------------------------------------
 
+
 def test_publish_then_skip_load_hit(tiny_model, want, tmp_path):
     torch.set_num_threads(1)
     started = time.perf_counter()
@@ -85,9 +91,11 @@ def test_publish_then_skip_load_hit(tiny_model, want, tmp_path):
     assert second.runtime_cache.key == first.runtime_cache.key
     assert _in_entry(second.dit.blocks[1].mlp[0].weight, entry)
     assert torch.equal(second.run(_items())[0]["image"], want)
-    print(f"runtime cache start: miss (load + hash + publish) {miss_s * 1e3:.1f} ms, "
-          f"skip-load hit {hit_s * 1e3:.1f} ms; logged load_s "
-          f"{first.runtime_cache.load_s * 1e3:.1f} / {second.runtime_cache.load_s * 1e3:.1f} ms")
+    print(
+        f"runtime cache start: miss (load + hash + publish) {miss_s * 1e3:.1f} ms, "
+        f"skip-load hit {hit_s * 1e3:.1f} ms; logged load_s "
+        f"{first.runtime_cache.load_s * 1e3:.1f} / {second.runtime_cache.load_s * 1e3:.1f} ms"
+    )
 
 
 def test_swap_keeps_the_parameter_objects(tiny_model, tmp_path):
@@ -143,6 +151,7 @@ def test_cache_not_usable_keeps_private_tensors(tiny_model, want, tmp_path):
 
 # ---- stage processes ---------------------------------------------------------------------
 
+
 def _maps(pid: int, entry: Path) -> bool:
     return str(entry) in Path(f"/proc/{pid}/maps").read_text()
 
@@ -153,8 +162,10 @@ def _image(ex: Executor) -> torch.Tensor:
 
 
 def test_two_stages_with_one_layout_share_one_entry(tiny_model, want, tmp_path):
-    stages = [Executor(i, "diffusion", str(tiny_model), "cpu", 1, threads=1, step_execution=True,
-                       dlo=_opts(tmp_path)) for i in (1, 2)]
+    stages = [
+        Executor(i, "diffusion", str(tiny_model), "cpu", 1, threads=1, step_execution=True, dlo=_opts(tmp_path))
+        for i in (1, 2)
+    ]
     try:
         # Started from this thread: a worker dies with the thread that spawned it (PDEATHSIG).
         for ex in stages:
@@ -169,8 +180,16 @@ def test_two_stages_with_one_layout_share_one_entry(tiny_model, want, tmp_path):
 
 
 def test_tp_ranks_get_distinct_entries(tiny_model, want, tmp_path):
-    ex = Executor(1, "diffusion", str(tiny_model), "cpu", 2, threads=1, step_execution=True,
-                  dlo=_opts(tmp_path, tensor_parallel_size=2))
+    ex = Executor(
+        1,
+        "diffusion",
+        str(tiny_model),
+        "cpu",
+        2,
+        threads=1,
+        step_execution=True,
+        dlo=_opts(tmp_path, tensor_parallel_size=2),
+    )
     try:
         ex.start(120)
         entries = _layout_entries(tmp_path)

@@ -18,9 +18,9 @@ import torch
 
 from stage_service.control import StageControl
 from stage_service.engine.engine import Engine, OutputsEvent, ProgressEvent
+from stage_service.engine.wave_rules import WAVE_TIMEOUT_ENV, WaveFailed, WaveRequest, run_wave
 from stage_service.executor.executor import Executor
 from stage_service.models.runners import WorkItem, build_runner
-from stage_service.engine.wave_rules import WAVE_TIMEOUT_ENV, WaveFailed, WaveRequest, run_wave
 from stage_service.settings import StageSettings
 from stagemesh.core import errors
 from stagemesh.core.params import Params
@@ -32,8 +32,15 @@ COND_DIM = 64  # the tiny preset's DiT
 
 
 def _params(seed: int, **kw) -> Params:
-    base = dict(prompt=f"prompt {seed}", width=SIZE, height=SIZE, num_inference_steps=STEPS,
-                guidance_scale=4.0, seed=seed, output_format="png")
+    base = dict(
+        prompt=f"prompt {seed}",
+        width=SIZE,
+        height=SIZE,
+        num_inference_steps=STEPS,
+        guidance_scale=4.0,
+        seed=seed,
+        output_format="png",
+    )
     return Params(**{**base, **kw})
 
 
@@ -54,8 +61,16 @@ def reference(tiny_model):
         key = (seed, tuple(sorted(kw.items())))
         if key not in cache:
             p = _params(seed, **kw)
-            item = WorkItem(f"ref-{seed}", p.prompt, p.width, p.height, p.num_inference_steps,
-                            p.guidance_scale, p.seed, _inputs(seed))
+            item = WorkItem(
+                f"ref-{seed}",
+                p.prompt,
+                p.width,
+                p.height,
+                p.num_inference_steps,
+                p.guidance_scale,
+                p.seed,
+                _inputs(seed),
+            )
             cache[key] = runner.run([item])[0]["image"].clone()
         return cache[key]
 
@@ -67,16 +82,23 @@ class Stage:
     """What serve_stage wires, without the gRPC server."""
 
     def __init__(self, model: Path, dp: int) -> None:
-        self.executor = Executor(1, "diffusion", str(model), "cpu", dp, threads=1,
-                                 on_death=lambda r, why: self.engine.worker_died(r, why),
-                                 dlo={"enable_dlo": True, "dp_size": dp})
+        self.executor = Executor(
+            1,
+            "diffusion",
+            str(model),
+            "cpu",
+            dp,
+            threads=1,
+            on_death=lambda r, why: self.engine.worker_died(r, why),
+            dlo={"enable_dlo": True, "dp_size": dp},
+        )
         self.engine = Engine(self.executor, "diffusion", dp, max_batch_size=4, max_queue=64)
         self.control = StageControl(self.executor.stage_name, self.engine, self.executor, True)
 
-    async def generate(self, seed: int, progress: asyncio.Event | None = None,
-                       explicit_steps: bool = True, **kw) -> torch.Tensor:
-        async for event in self.engine.run(f"req-{seed}", _params(seed, **kw), _inputs(seed),
-                                           explicit_steps):
+    async def generate(
+        self, seed: int, progress: asyncio.Event | None = None, explicit_steps: bool = True, **kw
+    ) -> torch.Tensor:
+        async for event in self.engine.run(f"req-{seed}", _params(seed, **kw), _inputs(seed), explicit_steps):
             if isinstance(event, ProgressEvent) and progress is not None:
                 progress.set()
             if isinstance(event, OutputsEvent):
@@ -87,8 +109,7 @@ class Stage:
         return self.executor._workers[rank].process.pid
 
     async def ping(self) -> list[dict]:
-        return [await asyncio.wrap_future(self.executor.control(r, "ping"))
-                for r in range(self.executor.wave_size)]
+        return [await asyncio.wrap_future(self.executor.control(r, "ping")) for r in range(self.executor.wave_size)]
 
 
 @contextlib.asynccontextmanager
@@ -127,9 +148,13 @@ async def _check_waves(stage: Stage, dp: int, reference) -> None:
     # Invalid members are refused before dispatch, naming the field; the others still run.
     # A request with other steps waits for a wave of its own.
     results = await asyncio.gather(
-        stage.generate(10), stage.generate(11, prompt=" "), stage.generate(12),
-        stage.generate(13, explicit_steps=False), stage.generate(14, num_inference_steps=2),
-        return_exceptions=True)
+        stage.generate(10),
+        stage.generate(11, prompt=" "),
+        stage.generate(12),
+        stage.generate(13, explicit_steps=False),
+        stage.generate(14, num_inference_steps=2),
+        return_exceptions=True,
+    )
     for bad, field in ((results[1], "params.prompt"), (results[3], "params.num_inference_steps")):
         assert isinstance(bad, errors.InvalidArgument), bad
         assert [v.field for v in bad.violations] == [field]
@@ -158,8 +183,10 @@ async def _check_fail_closed(stage: Stage, dp: int, fault: str, reference) -> No
     else:  # a rank dies in the middle of a wave
         stepping = asyncio.Event()
         started = time.monotonic()
-        wave = [asyncio.create_task(stage.generate(30 + i, stepping, width=256, height=256,
-                                                   num_inference_steps=50)) for i in range(dp)]
+        wave = [
+            asyncio.create_task(stage.generate(30 + i, stepping, width=256, height=256, num_inference_steps=50))
+            for i in range(dp)
+        ]
         await asyncio.wait_for(stepping.wait(), 30)
         os.kill(stage.pid(victim), signal.SIGKILL)
     for task in wave:
@@ -181,8 +208,7 @@ def test_the_dp_ranks_are_the_workers():
     assert s.worker_processes() == 3 and s.dp_group_size() == 3
     assert StageSettings(kind="diffusion", enable_dlo=True, dp_size=3, workers=3).worker_processes() == 3
     # No group without AllGather (or DLO): dp_size does not change the worker count.
-    assert StageSettings(kind="diffusion", enable_dlo=True, dp_size=3,
-                         dlo_use_allgather=False).worker_processes() == 1
+    assert StageSettings(kind="diffusion", enable_dlo=True, dp_size=3, dlo_use_allgather=False).worker_processes() == 1
     with pytest.raises(ValueError, match="workers = 2 with enable_dlo.*set workers = 3"):
         StageSettings(kind="diffusion", enable_dlo=True, dp_size=3, workers=2)
     with pytest.raises(ValueError, match="every DP rank needs its own GPU"):
@@ -224,15 +250,20 @@ def test_a_mesh_with_dp_waves_draws_the_same_pngs(tmp_path, model_dir, mesh):
     shm_before = shm_entries()
     dp_mesh = start_mesh(config, tmp_path / "mesh.log")
     try:
-        params = [generation_pb2.GenerationParams(prompt="a lighthouse", width=64, height=48,
-                                                  num_inference_steps=3, seed=seed)
-                  for seed in (1, 2, 3)]
+        params = [
+            generation_pb2.GenerationParams(
+                prompt="a lighthouse", width=64, height=48, num_inference_steps=3, seed=seed
+            )
+            for seed in (1, 2, 3)
+        ]
         got = {}
         for name, m in (("default", mesh), ("dp", dp_mesh)):
             with m.channel() as channel:
                 stub = m.gateway(channel)
-                got[name] = [stub.GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=p),
-                                                timeout=120).result.png for p in params]
+                got[name] = [
+                    stub.GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=p), timeout=120).result.png
+                    for p in params
+                ]
         assert got["dp"] == got["default"]
         assert len(set(got["dp"])) == 3
         assert '"dp group' not in dp_mesh.logs()  # no wave failed on the way

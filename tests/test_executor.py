@@ -11,13 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stage_service.transport import ipc, protocol
 from stage_service.executor.executor import Executor, _Worker
+from stage_service.transport import ipc, protocol
 from stagemesh.core import errors
 from tests.executor_parts import oid, packed_outputs, pend
 from tests.shm_guard import no_segment_left_behind, our_segments  # noqa: F401 - autouse fixture
 
 # ---- point 5: the pump's dispatch of every message kind --------------------------------------------
+
 
 @pytest.fixture
 def ex_worker():
@@ -72,7 +73,9 @@ def test_dispatch_output_ready_with_an_error(ex_worker):
     ex._dispatch(w, protocol.ComputeDone("r1", oid(8)))
     [sub] = ex.outputs.split(oid(8), ["a"])
     ex._dispatch(w, protocol.OutputReady(oid(8), error="RuntimeError: packing exploded"))
-    with pytest.raises(errors.StagemeshError, match=r"stage 1 \(diffusion\): output failed: RuntimeError: packing exploded"):
+    with pytest.raises(
+        errors.StagemeshError, match=r"stage 1 \(diffusion\): output failed: RuntimeError: packing exploded"
+    ):
         ex.outputs.future(sub).result(0)
     assert ex.outputs.is_empty()
 
@@ -117,8 +120,7 @@ def test_forward_pass_device_time_from_outputs_and_results_adds_up(ex_worker):
     ex, w = ex_worker
     pend(w, "r1")
     ex._dispatch(w, protocol.ComputeDone("r1", oid(8)))
-    ex._dispatch(w, protocol.OutputReady(oid(8), payload=packed_outputs(1, big=False),
-                                         compute_seconds=0.5))
+    ex._dispatch(w, protocol.OutputReady(oid(8), payload=packed_outputs(1, big=False), compute_seconds=0.5))
     pend(w, "r2")
     ex._dispatch(w, protocol.Result("r2", packed_outputs(2, big=False), compute_seconds=0.25))
     ex._dispatch(w, protocol.OutputReady(oid(9), error="boom", compute_seconds=0.125))
@@ -154,8 +156,12 @@ def test_dispatch_failure_and_cancelled_failure(ex_worker):
 
 def test_dispatch_messages_for_unknown_rpcs_are_ignored(ex_worker):
     ex, w = ex_worker
-    for msg in (protocol.Ack("nope"), protocol.Result("nope", []), protocol.Failure("nope", "x"),
-                protocol.ComputeDone("nope", oid(11))):
+    for msg in (
+        protocol.Ack("nope"),
+        protocol.Result("nope", []),
+        protocol.Failure("nope", "x"),
+        protocol.ComputeDone("nope", oid(11)),
+    ):
         ex._dispatch(w, msg)
     # An output whose RPC nobody waits for is dropped when it arrives.
     ex._dispatch(w, protocol.OutputReady(oid(11), payload=packed_outputs(1)))
@@ -163,6 +169,7 @@ def test_dispatch_messages_for_unknown_rpcs_are_ignored(ex_worker):
 
 
 # ---- point 5: cancelled-future races ------------------------------------------------------------------
+
 
 def test_race_rpc_future_cancelled_before_compute_done(ex_worker):
     ex, w = ex_worker

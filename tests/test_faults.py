@@ -48,8 +48,9 @@ def child_pid(mesh: Mesh, command: str, stage_id: int | None = None) -> int | No
 
 
 def restarts_logged(mesh: Mesh, child: str) -> int:
-    return sum(1 for line in mesh.logs().splitlines()
-               if '"child exited; restarting"' in line and f'"child": "{child}"' in line)
+    return sum(
+        1 for line in mesh.logs().splitlines() if '"child exited; restarting"' in line and f'"child": "{child}"' in line
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +81,9 @@ def test_ar_worker_killed_turns_stage_health_not_serving_then_serving(fault_mesh
         with pytest.raises(grpc.RpcError) as info:
             generate(mesh, timeout=10.0)
         # and a control call fails with an ACK naming the worker, instead of an empty SUCCESS.
-        [ack] = stage_pb2_grpc.StageServiceStub(channel).SleepStage(
-            stage_pb2.SleepStageRequest(level=1), timeout=10.0).acks
+        [ack] = (
+            stage_pb2_grpc.StageServiceStub(channel).SleepStage(stage_pb2.SleepStageRequest(level=1), timeout=10.0).acks
+        )
         statuses.append(next(watch).status)
         watch.cancel()
     assert statuses == [SERVING, NOT_SERVING, SERVING]
@@ -160,11 +162,15 @@ def test_cache_service_killed_while_clients_generate_loses_no_request(fault_mesh
     try:
         assert caller.first_ok.wait(RECOVERY_S)
         os.kill(cache, signal.SIGKILL)
-        new_cache = wait_until(lambda: child_pid(mesh, "cache") not in (None, cache) and child_pid(mesh, "cache"),
-                               RECOVERY_S, "the supervisor restarts the cache service")
+        new_cache = wait_until(
+            lambda: child_pid(mesh, "cache") not in (None, cache) and child_pid(mesh, "cache"),
+            RECOVERY_S,
+            "the supervisor restarts the cache service",
+        )
         with grpc.insecure_channel(mesh.child_addresses()["cache"]) as channel:
             health = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=RECOVERY_S, wait_for_ready=True)
+                health_pb2.HealthCheckRequest(), timeout=RECOVERY_S, wait_for_ready=True
+            )
             stats = cache_pb2_grpc.CacheServiceStub(channel).GetStats(cache_pb2.GetStatsRequest(), timeout=10)
         served_before = len(caller.outcomes)
         wait_until(lambda: len(caller.outcomes) > served_before, RECOVERY_S, "a Generate after the restart")
@@ -200,8 +206,8 @@ def test_gateway_killed_while_clients_keep_calling_they_see_unavailable_then_suc
         last_failure = len(codes) - 1 - codes[::-1].index(grpc.StatusCode.UNAVAILABLE)
         # OK before the kill, only UNAVAILABLE while the gateway is down, OK once it is back.
         assert set(codes[:first_failure]) == {grpc.StatusCode.OK}, codes
-        assert set(codes[first_failure:last_failure + 1]) == {grpc.StatusCode.UNAVAILABLE}, codes
-        assert set(codes[last_failure + 1:]) == {grpc.StatusCode.OK}, codes
+        assert set(codes[first_failure : last_failure + 1]) == {grpc.StatusCode.UNAVAILABLE}, codes
+        assert set(codes[last_failure + 1 :]) == {grpc.StatusCode.OK}, codes
     assert child_pid(mesh, "gateway") not in (None, gateway)
     assert restarts_logged(mesh, "gateway") == 1
     assert not alive(gateway)

@@ -62,15 +62,18 @@ def restore(stub) -> None:
 
 
 # Half the lists hold only real ids (duplicates included), half mix in any int32.
-_stage_ids = st.one_of(st.lists(st.sampled_from(STAGES), max_size=4),
-                       st.lists(st.one_of(st.sampled_from(STAGES), INT32), min_size=1, max_size=6))
+_stage_ids = st.one_of(
+    st.lists(st.sampled_from(STAGES), max_size=4),
+    st.lists(st.one_of(st.sampled_from(STAGES), INT32), min_size=1, max_size=6),
+)
 
 
 @FUZZ
 @given(stage_ids=_stage_ids, level=st.one_of(st.none(), st.sampled_from([1, 2]), INT32))
 def test_sleep_with_any_ids_and_level_sleeps_or_names_the_bad_field(stub, stage_ids, level):
     expected = ({"stage_ids"} if set(stage_ids) - set(STAGES) else set()) | (
-        {"level"} if level is not None and level not in (1, 2) else set())
+        {"level"} if level is not None and level not in (1, 2) else set()
+    )
     request = gateway_pb2.SleepRequest(stage_ids=stage_ids, level=level)
     try:
         reply = stub.Sleep(request, timeout=TIMEOUT_S)
@@ -108,7 +111,10 @@ def test_wakeup_with_any_ids_wakes_what_sleeps_or_names_the_bad_field(stub, asle
             assert sorted(a.stage_id for a in reply.acks) == sorted(woken)
         else:
             assert (reply.status, reply.reason, len(reply.acks)) == (
-                control_pb2.CONTROL_STATUS_SKIPPED, "target stages are not sleeping", 0)
+                control_pb2.CONTROL_STATUS_SKIPPED,
+                "target stages are not sleeping",
+                0,
+            )
         states = {s.stage_id: s.state for s in stub.ListStages(gateway_pb2.ListStagesRequest(), timeout=10).stages}
         for stage_id in STAGES:
             sleeping = stage_id in set(asleep) - woken
@@ -124,13 +130,24 @@ _FORMATS = st.one_of(st.sampled_from([0, 1, 2]), INT32)
 
 
 @FUZZ
-@given(request_id=_REQUEST_IDS, seed=_SEEDS, output_format=_FORMATS,
-       side=st.one_of(st.none(), st.sampled_from([16, 32])), steps=st.one_of(st.none(), st.just(1)),
-       guidance=st.one_of(st.none(), st.floats(1.0, 30.0, width=32)))
-def test_generate_fields_round_trip_or_name_the_bad_field(stub, request_id, seed, output_format, side, steps,
-                                                          guidance):
-    params = generation_pb2.GenerationParams(prompt="fuzz", width=side, height=side, num_inference_steps=steps,
-                                             guidance_scale=guidance, seed=seed, output_format=output_format)
+@given(
+    request_id=_REQUEST_IDS,
+    seed=_SEEDS,
+    output_format=_FORMATS,
+    side=st.one_of(st.none(), st.sampled_from([16, 32])),
+    steps=st.one_of(st.none(), st.just(1)),
+    guidance=st.one_of(st.none(), st.floats(1.0, 30.0, width=32)),
+)
+def test_generate_fields_round_trip_or_name_the_bad_field(stub, request_id, seed, output_format, side, steps, guidance):
+    params = generation_pb2.GenerationParams(
+        prompt="fuzz",
+        width=side,
+        height=side,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        seed=seed,
+        output_format=output_format,
+    )
     request = gateway_pb2.GenerateUnaryRequest(params=params, request_id=request_id)
     try:
         result = stub.GenerateUnary(request, timeout=TIMEOUT_S).result
@@ -150,8 +167,9 @@ def test_generate_fields_round_trip_or_name_the_bad_field(stub, request_id, seed
         assert result.png.startswith(b"\x89PNG")
 
 
-@pytest.mark.parametrize("request_id", ["line\nbreak", "caf\u00e9", "nul\x00", "x" * 10_000],
-                         ids=["newline", "non-ascii", "nul", "10k"])
+@pytest.mark.parametrize(
+    "request_id", ["line\nbreak", "caf\u00e9", "nul\x00", "x" * 10_000], ids=["newline", "non-ascii", "nul", "10k"]
+)
 def test_unsendable_request_id_is_invalid_argument_naming_it(stub, request_id):
     params = generation_pb2.GenerationParams(prompt="id", width=16, height=16, num_inference_steps=1)
     with pytest.raises(grpc.RpcError) as info:
@@ -188,10 +206,14 @@ def _raw_call(channel: grpc.Channel, method: str, streaming: bool, payload: byte
     return channel.unary_unary(method)(payload, timeout=10)
 
 
-@pytest.mark.parametrize("service,method,request_type,streaming,payload", CASES,
-                         ids=[f"{c[1].rsplit('/', 1)[1]}-{c[4].hex()[:12]}" for c in CASES])
-def test_malformed_bytes_are_refused_by_grpc_and_the_service_serves_on(fuzz_mesh, channel, stub, service, method,
-                                                                       request_type, streaming, payload):
+@pytest.mark.parametrize(
+    "service,method,request_type,streaming,payload",
+    CASES,
+    ids=[f"{c[1].rsplit('/', 1)[1]}-{c[4].hex()[:12]}" for c in CASES],
+)
+def test_malformed_bytes_are_refused_by_grpc_and_the_service_serves_on(
+    fuzz_mesh, channel, stub, service, method, request_type, streaming, payload
+):
     with pytest.raises(DecodeError):
         request_type.FromString(payload)  # the payload really is no such message
     address = fuzz_mesh.address if service == "gateway" else fuzz_mesh.child_addresses()[service]

@@ -68,8 +68,9 @@ def test_tensor_output_matches_png(mesh):
 def test_defaults_fill_unset_fields_and_random_seed_is_reported(mesh):
     params = generation_pb2.GenerationParams(prompt="defaults", num_inference_steps=1)
     with mesh.channel() as channel:
-        result = mesh.gateway(channel).GenerateUnary(
-            gateway_pb2.GenerateUnaryRequest(params=params), timeout=120).result
+        result = (
+            mesh.gateway(channel).GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=params), timeout=120).result
+        )
     assert (result.width, result.height) == (256, 256)
     assert Image.open(io.BytesIO(result.png)).size == (256, 256)
     assert result.seed > 0
@@ -78,9 +79,15 @@ def test_defaults_fill_unset_fields_and_random_seed_is_reported(mesh):
 def test_request_id_from_metadata_reaches_every_stage_log(mesh):
     request_id = f"test-{uuid.uuid4().hex}"
     with mesh.channel() as channel:
-        result = mesh.gateway(channel).GenerateUnary(
-            gateway_pb2.GenerateUnaryRequest(params=_params(num_inference_steps=1)),
-            metadata=(("x-request-id", request_id),), timeout=120).result
+        result = (
+            mesh.gateway(channel)
+            .GenerateUnary(
+                gateway_pb2.GenerateUnaryRequest(params=_params(num_inference_steps=1)),
+                metadata=(("x-request-id", request_id),),
+                timeout=120,
+            )
+            .result
+        )
     assert result.request_id == request_id
     logs = [line for line in mesh.logs().splitlines() if request_id in line]
     services = {s for s in ("gateway", "stage-0", "stage-1") if any(f'"service": "{s}"' in l for l in logs)}
@@ -98,8 +105,10 @@ def test_list_stages(mesh):
 def test_concurrent_requests_each_get_their_own_result(mesh):
     with mesh.channel() as channel:
         stub = mesh.gateway(channel)
-        futures = [stub.GenerateUnary.future(gateway_pb2.GenerateUnaryRequest(params=_params(seed=s)), timeout=120)
-                   for s in range(6)]
+        futures = [
+            stub.GenerateUnary.future(gateway_pb2.GenerateUnaryRequest(params=_params(seed=s)), timeout=120)
+            for s in range(6)
+        ]
         results = [f.result().result for f in futures]
         alone = _unary(stub, seed=3).png
     assert [r.seed for r in results] == list(range(6))

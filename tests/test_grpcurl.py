@@ -51,8 +51,12 @@ def test_list_shows_the_gateway_health_and_reflection(mesh):
 def test_describe_lists_the_generate_methods(mesh):
     done = grpcurl(mesh.address, "describe", GATEWAY)
     assert done.returncode == 0, done.stderr
-    for method in ("rpc Generate (", "returns ( stream .stagemesh.v1.GenerateResponse )", "rpc GenerateUnary (",
-                   "rpc ListStages ("):
+    for method in (
+        "rpc Generate (",
+        "returns ( stream .stagemesh.v1.GenerateResponse )",
+        "rpc GenerateUnary (",
+        "rpc ListStages (",
+    ):
         assert method in done.stdout, done.stdout
 
 
@@ -114,4 +118,6 @@ def test_list_stages_by_name(mesh):
     assert done.returncode == 0, done.stderr
     [reply] = json_messages(done.stdout)
     assert [(s.get("stage_id", 0), s["kind"], s["state"]) for s in reply["stages"]] == [
-        (0, "ar", "STAGE_STATE_SERVING"), (1, "diffusion", "STAGE_STATE_SERVING")]
+        (0, "ar", "STAGE_STATE_SERVING"),
+        (1, "diffusion", "STAGE_STATE_SERVING"),
+    ]

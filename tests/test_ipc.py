@@ -27,6 +27,7 @@ def roundtrip(obj, rank: int = 0):
 
 # ---- threshold --------------------------------------------------------------------------------
 
+
 def test_exactly_the_threshold_stays_inline():
     t = torch.arange(250_000, dtype=torch.float32)  # 1,000,000 bytes
     assert t.numel() * t.element_size() == ipc.SHM_THRESHOLD_BYTES == 1_000_000
@@ -83,8 +84,11 @@ def test_large_view_of_small_tensor_is_inline_and_empty_tensors_roundtrip():
 
 # ---- dtypes, views, containers -----------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64,
-                                   torch.int8, torch.int64, torch.uint8, torch.bool])
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int64, torch.uint8, torch.bool],
+)
 @pytest.mark.parametrize("n", [17, 600_001])  # inline and shm
 def test_dtype_and_shape_roundtrip(dtype, n):
     g = torch.Generator().manual_seed(n)
@@ -157,6 +161,7 @@ def test_packed_payload_carries_no_torch_objects():
 
 # ---- cleanup -------------------------------------------------------------------------------------
 
+
 def test_discard_unlinks_segments_of_an_unread_payload():
     packed = ipc.pack([{"x": torch.randn(300_000)}, {"x": torch.randn(300_000), "y": torch.randn(2)}])
     names = {packed[0]["x"].shm_name, packed[1]["x"].shm_name}
@@ -170,8 +175,9 @@ def test_a_half_packed_payload_leaves_no_segment():
     must not stay in /dev/shm, since no reader will ever see it."""
     before = our_segments()
     with pytest.raises((NotImplementedError, RuntimeError)):
-        ipc.Packer(os.getpid(), 3).pack({"ok": torch.zeros(2_000_000, dtype=torch.uint8),
-                                         "bad": torch.empty(4, device="meta")})
+        ipc.Packer(os.getpid(), 3).pack(
+            {"ok": torch.zeros(2_000_000, dtype=torch.uint8), "bad": torch.empty(4, device="meta")}
+        )
     assert our_segments() == before
 
 

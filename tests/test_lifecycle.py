@@ -11,16 +11,25 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import grpc
 import pytest
 
 from stagemesh.v1 import gateway_pb2, generation_pb2
-from tests.meshproc import (REPO, Mesh, alive, descendants, listening_ports, segments_of, shm_entries, start_mesh,
-                            write_config)
+from tests.meshproc import (
+    REPO,
+    Mesh,
+    alive,
+    descendants,
+    listening_ports,
+    segments_of,
+    shm_entries,
+    start_mesh,
+    write_config,
+)
 
 SMALL = generation_pb2.GenerationParams(prompt="small", width=64, height=48, num_inference_steps=1, seed=1)
 LONG = generation_pb2.GenerationParams(prompt="long", width=512, height=512, num_inference_steps=50, seed=2)
@@ -57,13 +66,20 @@ def service_pid(mesh: Mesh, command: str, stage_id: int | None = None) -> int:
 
 
 def worker_pids(service: int) -> list[int]:
-    return [p for p in descendants(service)
-            if parent_of(p) == service and alive(p) and any("multiprocessing.spawn" in a for a in cmdline(p))]
+    return [
+        p
+        for p in descendants(service)
+        if parent_of(p) == service and alive(p) and any("multiprocessing.spawn" in a for a in cmdline(p))
+    ]
 
 
 def ports_in_log(text: str) -> set[int]:
-    return {int(m.group(1)) for line in text.splitlines()
-            if '"listening"' in line or '"serving"' in line for m in _ADDRESS.finditer(line)}
+    return {
+        int(m.group(1))
+        for line in text.splitlines()
+        if '"listening"' in line or '"serving"' in line
+        for m in _ADDRESS.finditer(line)
+    }
 
 
 def wait_until(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.1):
@@ -80,8 +96,9 @@ def wait_until(condition: Callable[[], object], timeout: float, what: str, inter
 
 def generate(mesh: Mesh, params=SMALL, timeout: float = 30.0) -> generation_pb2.GenerationResult:
     with mesh.channel() as channel:
-        return mesh.gateway(channel).GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=params),
-                                                   timeout=timeout).result
+        return (
+            mesh.gateway(channel).GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=params), timeout=timeout).result
+        )
 
 
 def generate_until_ok(mesh: Mesh, timeout: float = RECOVERY_S) -> list[grpc.RpcError]:
@@ -161,8 +178,9 @@ def test_killed_stage_is_unavailable_then_restarted_behind_the_same_gateway(kill
     assert service_pid(mesh, "gateway") == gateway  # same gateway process, same address
     assert not alive(stage1)
     wait_until(lambda: not alive(worker), 10, "the dead stage's worker follows it (PDEATHSIG)")
-    restarted = [line for line in mesh.logs().splitlines()
-                 if '"child exited; restarting"' in line and '"stage-1"' in line]
+    restarted = [
+        line for line in mesh.logs().splitlines() if '"child exited; restarting"' in line and '"stage-1"' in line
+    ]
     assert len(restarted) == 1, restarted
 
 
@@ -220,24 +238,33 @@ def test_sigterm_stops_every_process_port_and_segment(kill_mesh):
     assert not ports & listening_ports(), "ports still listening after stop"
     assert not segments_of(shm_entries() - kill_mesh.shm_before, sorted(seen)), "shared-memory segments left behind"
     assert "Traceback" not in mesh.logs()
-    stopped = [json.loads(line) for line in mesh.logs().splitlines()
-               if '"event": "stopped"' in line and '"child"' in line]
+    stopped = [
+        json.loads(line) for line in mesh.logs().splitlines() if '"event": "stopped"' in line and '"child"' in line
+    ]
     # In reverse start order, each by its own SIGTERM handling (exit 0), none needing a SIGKILL.
     assert [(e["child"], e["exit_code"]) for e in stopped] == [
-        ("gateway", 0), ("stage-1", 0), ("stage-0", 0), ("cache", 0)], stopped
+        ("gateway", 0),
+        ("stage-1", 0),
+        ("stage-0", 0),
+        ("cache", 0),
+    ], stopped
 
 
 # ---- (e) refused config --------------------------------------------------------------------------
-@pytest.mark.parametrize("table,line", [("[gateway]", "bogus_gateway_key = 1"),
-                                        ("[[stages]]", "bogus_stage_key = 1")])
+@pytest.mark.parametrize("table,line", [("[gateway]", "bogus_gateway_key = 1"), ("[[stages]]", "bogus_stage_key = 1")])
 def test_invalid_config_is_refused_naming_the_key(tmp_path, model_dir, table, line):
     config = write_config(tmp_path / "mesh.toml", Path(model_dir))
     text = config.read_text()
     config.write_text(text.replace(table + "\n", f"{table}\n{line}\n", 1))
     assert line in config.read_text()
     key = line.split()[0]
-    process = subprocess.Popen([sys.executable, "-m", "stagemesh", "up", "--config", str(config)], cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "stagemesh", "up", "--config", str(config)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out, err = process.communicate(timeout=60)
     assert process.returncode != 0
     assert key in err, err

@@ -37,9 +37,13 @@ def resources(procs: dict[str, int]) -> dict[str, dict[str, int]]:
 
 
 def over_margin(before: dict, after: dict) -> dict[str, tuple]:
-    return {name: (before[name], after[name]) for name in before
-            if after[name] is None or after[name]["fds"] > before[name]["fds"] + FD_MARGIN
-            or after[name]["threads"] > before[name]["threads"] + THREAD_MARGIN}
+    return {
+        name: (before[name], after[name])
+        for name in before
+        if after[name] is None
+        or after[name]["fds"] > before[name]["fds"] + FD_MARGIN
+        or after[name]["threads"] > before[name]["threads"] + THREAD_MARGIN
+    }
 
 
 def test_32_clients_x_10_requests_lose_nothing_and_leak_nothing(mesh):

@@ -26,8 +26,10 @@ def test_two_unbuffered_processes_sharing_a_log_file_write_whole_lines(tmp_path)
     path = tmp_path / "shared.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
     with open(path, "ab") as log:  # one file, as the services of a mesh share the supervisor's
-        children = [subprocess.Popen([sys.executable, "-c", CHILD, name, str(LINES)],
-                                     stderr=log, env=env) for name in ("a", "b")]
+        children = [
+            subprocess.Popen([sys.executable, "-c", CHILD, name, str(LINES)], stderr=log, env=env)
+            for name in ("a", "b")
+        ]
         assert [c.wait(timeout=120) for c in children] == [0, 0]
     entries = [json.loads(line) for line in path.read_text().splitlines()]  # each line whole JSON
     for name in ("a", "b"):

@@ -21,8 +21,8 @@ from stage_service.models.config import PipelineConfig
 from stage_service.models.weights import ensure_model_dir
 from stage_service.settings import StageSettings
 from stagemesh import config as mesh_config
-from stagemesh.core import auth, metrics, readyfile
 from stagemesh.cli import _parser
+from stagemesh.core import auth, metrics, readyfile
 from stagemesh.v1 import cache_pb2, cache_pb2_grpc, gateway_pb2, generation_pb2
 from tests.meshproc import (
     REPO,
@@ -46,8 +46,11 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 def scrape(address: str) -> Samples:
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
         text = reply.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
@@ -80,9 +83,14 @@ SLOW = {"width": 512, "height": 512, "num_inference_steps": 50}  # seconds on a 
 def metered(tmp_path_factory, model_dir) -> tuple[Mesh, dict[str, str]]:
     ensure_model_dir(Path(model_dir), PipelineConfig.tiny())  # once, before both stages load it
     root = tmp_path_factory.mktemp("metered")
-    config = write_config(root / "mesh.toml", Path(model_dir), extra_stage="metrics_port = 0",
-                          extra_diffusion="enable_dlo = true", extra_gateway="metrics_port = 0",
-                          extra_cache="metrics_port = 0")
+    config = write_config(
+        root / "mesh.toml",
+        Path(model_dir),
+        extra_stage="metrics_port = 0",
+        extra_diffusion="enable_dlo = true",
+        extra_gateway="metrics_port = 0",
+        extra_cache="metrics_port = 0",
+    )
     shm_before = shm_entries()
     mesh = start_mesh(config, root / "mesh.log")
     try:
@@ -104,9 +112,13 @@ def test_every_service_serves_its_metrics(metered):
         assert requests(samples, service, "grpc.health.v1.Health/Check", "OK") >= 1, service
         assert value(samples, "process_resident_memory_bytes") > 0, service
     stage = scrape(addresses["stage-1"])
-    for name, want in (("stagemesh_stage_ready", 1), ("stagemesh_stage_workers_up", 1),
-                       ("stagemesh_stage_sleep_level", 0), ("stagemesh_stage_queue_depth", 0),
-                       ("stagemesh_stage_waiting_requests", 0)):
+    for name, want in (
+        ("stagemesh_stage_ready", 1),
+        ("stagemesh_stage_workers_up", 1),
+        ("stagemesh_stage_sleep_level", 0),
+        ("stagemesh_stage_queue_depth", 0),
+        ("stagemesh_stage_waiting_requests", 0),
+    ):
         assert value(stage, name, service="stage-1") == want, name
     assert ("stagemesh_stage_device_memory_bytes", (("service", "stage-1"),)) in stage
     gateway = scrape(addresses["gateway"])
@@ -123,22 +135,28 @@ def test_generate_counts_ok_latency_and_offload_bytes(metered):
     gateway_before, stage_before = scrape(addresses["gateway"]), scrape(addresses["stage-1"])
     ar_before = scrape(addresses["stage-0"])
     with mesh.channel() as channel:
-        events = list(mesh.gateway(channel).Generate(gateway_pb2.GenerateRequest(params=_params()),
-                                                     timeout=RPC_TIMEOUT_S))
+        events = list(
+            mesh.gateway(channel).Generate(gateway_pb2.GenerateRequest(params=_params()), timeout=RPC_TIMEOUT_S)
+        )
     assert events[-1].HasField("result")
     ok_before = requests(gateway_before, "gateway", generate, "OK")
     gateway = settled(addresses["gateway"], lambda s: requests(s, "gateway", generate, "OK") > ok_before)
     assert requests(gateway, "gateway", generate, "OK") == ok_before + 1
     count = "stagemesh_request_latency_seconds_count"
-    assert value(gateway, count, service="gateway", method=generate) == \
-        value(gateway_before, count, service="gateway", method=generate) + 1
-    assert value(gateway, "stagemesh_request_latency_seconds_sum", service="gateway", method=generate) > \
-        value(gateway_before, "stagemesh_request_latency_seconds_sum", service="gateway", method=generate)
+    assert (
+        value(gateway, count, service="gateway", method=generate)
+        == value(gateway_before, count, service="gateway", method=generate) + 1
+    )
+    assert value(gateway, "stagemesh_request_latency_seconds_sum", service="gateway", method=generate) > value(
+        gateway_before, "stagemesh_request_latency_seconds_sum", service="gateway", method=generate
+    )
     assert value(gateway, "stagemesh_requests_in_flight", service="gateway", method=generate) == 0
 
     execute = f"{STAGE}/Execute"
-    stage = settled(addresses["stage-1"], lambda s: requests(s, "stage-1", execute, "OK")
-                    > requests(stage_before, "stage-1", execute, "OK"))
+    stage = settled(
+        addresses["stage-1"],
+        lambda s: requests(s, "stage-1", execute, "OK") > requests(stage_before, "stage-1", execute, "OK"),
+    )
     assert requests(stage, "stage-1", execute, "OK") == requests(stage_before, "stage-1", execute, "OK") + 1
     streamed = "stagemesh_stage_offload_streamed_bytes_total"
     # Every denoising step streams every DiT block from host memory again.
@@ -159,7 +177,8 @@ def test_refused_calls_are_counted_with_their_code(metered):
     with mesh.channel() as channel:
         with pytest.raises(grpc.RpcError) as bad:
             mesh.gateway(channel).GenerateUnary(
-                gateway_pb2.GenerateUnaryRequest(params=_params(width=0)), timeout=RPC_TIMEOUT_S)
+                gateway_pb2.GenerateUnaryRequest(params=_params(width=0)), timeout=RPC_TIMEOUT_S
+            )
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         missing = channel.unary_unary(f"/{GATEWAY}/NoSuchMethod")
         with pytest.raises(grpc.RpcError) as unknown:
@@ -169,8 +188,10 @@ def test_refused_calls_are_counted_with_their_code(metered):
     after = settled(addresses["gateway"], lambda s: requests(s, "gateway", unary, "INVALID_ARGUMENT") > was)
     assert requests(after, "gateway", unary, "INVALID_ARGUMENT") == was + 1
     assert requests(after, "gateway", unary, "OK") == requests(before, "gateway", unary, "OK")
-    assert requests(after, "gateway", metrics.UNKNOWN_METHOD, "UNIMPLEMENTED") == \
-        requests(before, "gateway", metrics.UNKNOWN_METHOD, "UNIMPLEMENTED") + 1
+    assert (
+        requests(after, "gateway", metrics.UNKNOWN_METHOD, "UNIMPLEMENTED")
+        == requests(before, "gateway", metrics.UNKNOWN_METHOD, "UNIMPLEMENTED") + 1
+    )
 
 
 def test_cancelled_and_deadline_exceeded_calls_are_counted(metered):
@@ -188,15 +209,22 @@ def test_cancelled_and_deadline_exceeded_calls_are_counted(metered):
         assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     cancelled = requests(before, "gateway", generate, "CANCELLED")
     expired = requests(before, "gateway", unary, "DEADLINE_EXCEEDED")
-    after = settled(addresses["gateway"], lambda s: requests(s, "gateway", generate, "CANCELLED") > cancelled
-                    and requests(s, "gateway", unary, "DEADLINE_EXCEEDED") > expired)
+    after = settled(
+        addresses["gateway"],
+        lambda s: (
+            requests(s, "gateway", generate, "CANCELLED") > cancelled
+            and requests(s, "gateway", unary, "DEADLINE_EXCEEDED") > expired
+        ),
+    )
     assert requests(after, "gateway", generate, "CANCELLED") == cancelled + 1
     assert requests(after, "gateway", unary, "DEADLINE_EXCEEDED") == expired + 1
     for method in (generate, unary):
         assert value(after, "stagemesh_requests_in_flight", service="gateway", method=method) == 0
     # The stages gave the cancelled work up: nothing stays queued.
     for stage in ("stage-0", "stage-1"):
-        samples = settled(addresses[stage], lambda s, st=stage: value(s, "stagemesh_stage_queue_depth", service=st) == 0)
+        samples = settled(
+            addresses[stage], lambda s, st=stage: value(s, "stagemesh_stage_queue_depth", service=st) == 0
+        )
         assert value(samples, "stagemesh_stage_queue_depth", service=stage) == 0
 
 
@@ -205,9 +233,11 @@ def test_sleep_and_wake_show_in_stage_and_gateway_state(metered):
 
     def state() -> tuple[float, float, float]:
         stage, gateway = scrape(addresses["stage-1"]), scrape(addresses["gateway"])
-        return (value(stage, "stagemesh_stage_sleep_level", service="stage-1"),
-                value(gateway, "stagemesh_gateway_stage_sleep_level", service="gateway", stage_id="1"),
-                value(gateway, "stagemesh_gateway_generation_paused", service="gateway"))
+        return (
+            value(stage, "stagemesh_stage_sleep_level", service="stage-1"),
+            value(gateway, "stagemesh_gateway_stage_sleep_level", service="gateway", stage_id="1"),
+            value(gateway, "stagemesh_gateway_generation_paused", service="gateway"),
+        )
 
     with mesh.channel() as channel:
         stub = mesh.gateway(channel)
@@ -228,10 +258,25 @@ def _start_cache(tmp_path: Path) -> tuple[subprocess.Popen, dict]:
     ready = tmp_path / "cache.ready"
     with open(tmp_path / "cache.log", "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "stagemesh", "cache", "--port", "0", "--metrics-port", "0",
-             "--root", str(tmp_path / "root"), "--ready-file", str(ready)],
-            cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1", **{auth.TOKEN_ENV: TOKEN}),
-            stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "stagemesh",
+                "cache",
+                "--port",
+                "0",
+                "--metrics-port",
+                "0",
+                "--root",
+                str(tmp_path / "root"),
+                "--ready-file",
+                str(ready),
+            ],
+            cwd=REPO,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", **{auth.TOKEN_ENV: TOKEN}),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     deadline = time.monotonic() + 30
     while (info := readyfile.read(ready)) is None:  # the ready file is the service's only signal
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "cache.log").read_text()
@@ -252,12 +297,18 @@ def test_standalone_cache_service_metrics_flag_and_ready_file(tmp_path):
                 stub.Evict(cache_pb2.EvictRequest(budget_bytes=0), timeout=RPC_TIMEOUT_S)
             assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
             with pytest.raises(grpc.RpcError) as bad:
-                stub.Evict(cache_pb2.EvictRequest(budget_bytes=-1), timeout=RPC_TIMEOUT_S,
-                           metadata=auth.bearer_metadata(TOKEN))
+                stub.Evict(
+                    cache_pb2.EvictRequest(budget_bytes=-1), timeout=RPC_TIMEOUT_S, metadata=auth.bearer_metadata(TOKEN)
+                )
             assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         evict = "stagemesh.v1.CacheService/Evict"
-        samples = settled(address, lambda s: requests(s, "cache", evict, "INVALID_ARGUMENT") == 1
-                          and requests(s, "cache", evict, "UNAUTHENTICATED") == 1)
+        samples = settled(
+            address,
+            lambda s: (
+                requests(s, "cache", evict, "INVALID_ARGUMENT") == 1
+                and requests(s, "cache", evict, "UNAUTHENTICATED") == 1
+            ),
+        )
         assert requests(samples, "cache", evict, "INVALID_ARGUMENT") == 1
         assert requests(samples, "cache", evict, "UNAUTHENTICATED") == 1
         assert requests(samples, "cache", "stagemesh.v1.CacheService/ListEntries", "OK") == 1
@@ -270,14 +321,17 @@ def test_standalone_cache_service_metrics_flag_and_ready_file(tmp_path):
         scrape(address)
 
 
-@pytest.mark.parametrize("set_code, ended, remaining, want", [
-    (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNKNOWN, 5.0, "INVALID_ARGUMENT"),  # abort()
-    (None, grpc.StatusCode.OK, None, "OK"),
-    (None, grpc.StatusCode.UNKNOWN, None, "UNKNOWN"),  # an exception no servicer mapped
-    (None, None, 0.0, "DEADLINE_EXCEEDED"),  # gRPC cancelled the handler at its deadline
-    (None, None, 3.0, "CANCELLED"),  # ... or because the client went away
-    (None, None, None, "CANCELLED"),
-])
+@pytest.mark.parametrize(
+    "set_code, ended, remaining, want",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNKNOWN, 5.0, "INVALID_ARGUMENT"),  # abort()
+        (None, grpc.StatusCode.OK, None, "OK"),
+        (None, grpc.StatusCode.UNKNOWN, None, "UNKNOWN"),  # an exception no servicer mapped
+        (None, None, 0.0, "DEADLINE_EXCEEDED"),  # gRPC cancelled the handler at its deadline
+        (None, None, 3.0, "CANCELLED"),  # ... or because the client went away
+        (None, None, None, "CANCELLED"),
+    ],
+)
 def test_final_code(set_code, ended, remaining, want):
     assert metrics.final_code(set_code, ended, remaining).name == want
 
@@ -290,8 +344,10 @@ def test_metrics_are_off_unless_a_port_is_given():
     assert StageSettings().metrics_port is None
 
 
-@pytest.mark.parametrize("argv", [["gateway", "--metrics-port", "70000"], ["cache", "--metrics-port", "x"],
-                                  ["stage", "--metrics-port", "-1"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["gateway", "--metrics-port", "70000"], ["cache", "--metrics-port", "x"], ["stage", "--metrics-port", "-1"]],
+)
 def test_bad_metrics_port_flag_is_refused(argv, capsys):
     with pytest.raises(SystemExit):
         _parser().parse_args(argv)

@@ -59,6 +59,7 @@ def _sample(dit_pair, conds, seeds, guidance=4.0, width=32, height=48, steps=3, 
 
 # ---- config ---------------------------------------------------------------------------
 
+
 def test_config_round_trip_and_validation() -> None:
     cfg = PipelineConfig.flux_sized()
     assert PipelineConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
@@ -73,8 +74,8 @@ def test_config_round_trip_and_validation() -> None:
 
 # ---- weights ----------------------------------------------------------------------------
 
-def test_generation_is_deterministic_and_reload_is_bit_identical(model_dir: Path, tmp_path: Path,
-                                                                 lm, dit_pair) -> None:
+
+def test_generation_is_deterministic_and_reload_is_bit_identical(model_dir: Path, tmp_path: Path, lm, dit_pair) -> None:
     other = ensure_model_dir(tmp_path / "again", PipelineConfig.tiny())
     for rel in FILES:
         assert (model_dir / rel).read_bytes() == (other / rel).read_bytes(), rel
@@ -142,6 +143,7 @@ def test_default_model_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
 
 # ---- LM ---------------------------------------------------------------------------------
 
+
 def test_tokenizer_truncates() -> None:
     tok = ByteTokenizer(8)
     assert tok.encode("hé") == [BOS_ID, 104, 0xC3, 0xA9]
@@ -171,6 +173,7 @@ def test_kv_cache_matches_full_recompute(lm) -> None:
 
 # ---- DiT and sampler --------------------------------------------------------------------
 
+
 def test_same_seed_same_image_and_other_seed_differs(dit_pair, conds) -> None:
     a = _sample(dit_pair, conds[:1], [7])
     b = _sample(dit_pair, conds[:1], [7])
@@ -184,15 +187,14 @@ def test_request_is_batch_invariant(dit_pair, conds) -> None:
     batch = _sample(dit_pair, conds, [3, 11, 5])
     torch.testing.assert_close(batch[1], alone[0], atol=1e-5, rtol=0)
     unguided = _sample(dit_pair, conds, [3, 11, 5], guidance=1.0)
-    torch.testing.assert_close(unguided[1], _sample(dit_pair, [conds[1]], [11], 1.0)[0],
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(unguided[1], _sample(dit_pair, [conds[1]], [11], 1.0)[0], atol=1e-5, rtol=0)
 
 
 def test_cond_padding_is_masked(dit_pair, conds) -> None:
     dit, _ = dit_pair
     short, long = conds[0], conds[1]
     assert short.shape[0] < long.shape[0]
-    x, t = torch.randn(2, 4, 2, 4, generator=torch.Generator().manual_seed(0)), torch.full((2,), .7)
+    x, t = torch.randn(2, 4, 2, 4, generator=torch.Generator().manual_seed(0)), torch.full((2,), 0.7)
     with torch.inference_mode():
         cond, mask = pad_conds([short, long])
         padded = dit(x, t, cond, mask)[0]
@@ -257,9 +259,9 @@ def test_dit_structure_and_flux_sized_on_meta() -> None:
 
 # ---- runners ----------------------------------------------------------------------------
 
+
 def _item(rid: str, prompt: str, seed: int = 0, **kw) -> WorkItem:
-    fields = {"width": 32, "height": 32, "num_inference_steps": 2, "guidance_scale": 3.0,
-              "seed": seed, **kw}
+    fields = {"width": 32, "height": 32, "num_inference_steps": 2, "guidance_scale": 3.0, "seed": seed, **kw}
     return WorkItem(request_id=rid, prompt=prompt, **fields)
 
 

@@ -36,8 +36,11 @@ def _outputs(model: DiT) -> list[torch.Tensor]:
     with torch.inference_mode():
         for k in range(3):
             g = torch.Generator().manual_seed(k)
-            out.append(model(torch.randn(2, 4, 8, 8, generator=g), torch.rand(2, generator=g),
-                             torch.randn(2, 5, 12, generator=g)))
+            out.append(
+                model(
+                    torch.randn(2, 4, 8, 8, generator=g), torch.rand(2, generator=g), torch.randn(2, 5, 12, generator=g)
+                )
+            )
     return out
 
 
@@ -54,23 +57,26 @@ def _check(rank: int, world: int, list_only: bool) -> dict:
     plain = _outputs(local)
     stats = engine.stats()
     block = engine.layouts[0].nbytes
-    return {"equal_resident": all(torch.equal(a, b) for a, b in zip(got, want)),
-            "equal_no_allgather": all(torch.equal(a, b) for a, b in zip(got, plain)),
-            "world": stats.world, "mode": stats.host_mode, "host_bytes": stats.host_bytes,
-            "block_bytes": stats.block_bytes, "block": block,
-            "expected_host": sum(shard_nbytes(lay.nbytes, world) for lay in engine.layouts)}
+    return {
+        "equal_resident": all(torch.equal(a, b) for a, b in zip(got, want)),
+        "equal_no_allgather": all(torch.equal(a, b) for a, b in zip(got, plain)),
+        "world": stats.world,
+        "mode": stats.host_mode,
+        "host_bytes": stats.host_bytes,
+        "block_bytes": stats.block_bytes,
+        "block": block,
+        "expected_host": sum(shard_nbytes(lay.nbytes, world) for lay in engine.layouts),
+    }
 
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         result = {"single": _check(rank, world, False), "list": _check(rank, world, True)}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
-
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -92,8 +98,7 @@ def test_group_of_one_runs_no_collective(monkeypatch: pytest.MonkeyPatch):
 
     calls = []
     monkeypatch.setattr(engine_module, "gather_into", lambda *a: calls.append(a))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         model = _model()
         want = _outputs(copy.deepcopy(model))

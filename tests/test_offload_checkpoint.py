@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 from structlog.testing import capture_logs
 from torch import nn
 
-from stagemesh.weight_store.checkpoint import CheckpointError, map_tensors, read_index
 from stage_service.offload import load_or_fallback
+from stagemesh.weight_store.checkpoint import CheckpointError, map_tensors, read_index
 
 
 class _Net(nn.Module):
@@ -88,12 +88,13 @@ def test_good_checkpoint_is_mapped_not_copied(tmp_path: Path):
 def test_sharded_checkpoint_over_several_files(tmp_path: Path):
     state = _state()
     names = sorted(state)
-    files = [_write(tmp_path, {k: state[k] for k in names[:3]}, "a"),
-             _write(tmp_path, {k: state[k] for k in names[3:]}, "b")]
+    files = [
+        _write(tmp_path, {k: state[k] for k in names[:3]}, "a"),
+        _write(tmp_path, {k: state[k] for k in names[3:]}, "b"),
+    ]
     net = _Net()
     assert load_or_fallback(files, {"net.": net}, lambda: None) is None
-    assert {_mapping(t.data_ptr()) for t in net.state_dict().values()} == {
-        ("r--s", str(f)) for f in files}
+    assert {_mapping(t.data_ptr()) for t in net.state_dict().values()} == {("r--s", str(f)) for f in files}
 
 
 def _drop(state):
@@ -112,12 +113,15 @@ def _extra(state):
     state["text_encoder.weight"] = torch.zeros(2)
 
 
-@pytest.mark.parametrize("change,needle", [
-    (_drop, "missing tensor(s) net.blocks.1.bias"),
-    (_reshape, "net.blocks.2.weight: shape (8, 9)"),
-    (_retype, "net.embed.bias: dtype torch.float16"),
-    (_extra, "no planned module owns: text_encoder.weight"),
-])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (_drop, "missing tensor(s) net.blocks.1.bias"),
+        (_reshape, "net.blocks.2.weight: shape (8, 9)"),
+        (_retype, "net.embed.bias: dtype torch.float16"),
+        (_extra, "no planned module owns: text_encoder.weight"),
+    ],
+)
 def test_refused_plans_fall_back_before_touching_the_model(tmp_path: Path, change, needle):
     state = _state()
     change(state)
@@ -129,8 +133,10 @@ def test_refused_plans_fall_back_before_touching_the_model(tmp_path: Path, chang
     def fallback() -> None:
         # The ordinary loader gets the model exactly as it was.
         seen_during_fallback.extend(
-            k for k, v in net.state_dict(keep_vars=True).items()
-            if v is before[k][0] and v.data_ptr() == before[k][1] and torch.equal(v, before[k][2]))
+            k
+            for k, v in net.state_dict(keep_vars=True).items()
+            if v is before[k][0] and v.data_ptr() == before[k][1] and torch.equal(v, before[k][2])
+        )
 
     with capture_logs() as logs:
         reason = load_or_fallback([path], {"net.": net}, fallback)
@@ -146,10 +152,8 @@ def test_tensor_parallel_and_unreadable_files_fall_back(tmp_path: Path):
     assert "TP1 only" in reason and calls == [1]
     broken = tmp_path / "broken.safetensors"
     broken.write_bytes(b"\xff" * 16)
-    assert "header length" in load_or_fallback([broken], {"net.": _Net()},
-                                               lambda: calls.append(1))
-    missing = load_or_fallback([tmp_path / "absent.safetensors"], {"net.": _Net()},
-                               lambda: calls.append(1))
+    assert "header length" in load_or_fallback([broken], {"net.": _Net()}, lambda: calls.append(1))
+    missing = load_or_fallback([tmp_path / "absent.safetensors"], {"net.": _Net()}, lambda: calls.append(1))
     assert "unreadable" in missing and calls == [1, 1, 1]
 
 
@@ -184,8 +188,7 @@ def test_one_header_reader_serves_the_plan_and_sleep(tmp_path: Path):
     assert set(index) == set(mapped) == set(state)
     for name, t in state.items():
         r = index[name]
-        assert (r.path, r.dtype, r.shape, r.nbytes) == (path, t.dtype, tuple(t.shape),
-                                                        t.numel() * t.element_size())
+        assert (r.path, r.dtype, r.shape, r.nbytes) == (path, t.dtype, tuple(t.shape), t.numel() * t.element_size())
         assert torch.equal(mapped[name], t)
     # 12 bytes for a float32 [2] tensor: the offsets disagree with shape and dtype.
     entry = {"dtype": "F32", "shape": [2], "data_offsets": [0, 12]}

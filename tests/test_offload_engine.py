@@ -28,8 +28,11 @@ def _dit(depth: int, seed: int = 0) -> DiT:
 
 def _inputs(seed: int, batch: int = 2) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(batch, 4, 8, 8, generator=g), torch.rand(batch, generator=g),
-            torch.randn(batch, 5, 16, generator=g))
+    return (
+        torch.randn(batch, 4, 8, 8, generator=g),
+        torch.rand(batch, generator=g),
+        torch.randn(batch, 5, 16, generator=g),
+    )
 
 
 def _run(model: nn.Module, iterations: int = 3) -> list[torch.Tensor]:
@@ -46,6 +49,7 @@ def _model_bytes(model: nn.Module) -> int:
 
 
 # ---- discovery ---------------------------------------------------------------------------
+
 
 class _Layers(nn.Module):
     def __init__(self) -> None:
@@ -71,19 +75,16 @@ def test_discovery_uses_the_declared_plan():
 
 def test_discovery_falls_back_to_attribute_names_then_the_heuristic():
     found = discover(_Layers())
-    assert found.source == "attributes" and [b.path for b in found.blocks] == [
-        "layers.0", "layers.1", "layers.2"]
+    assert found.source == "attributes" and [b.path for b in found.blocks] == ["layers.0", "layers.1", "layers.2"]
     found = discover(_Unnamed())
     # The biggest list of same-type blocks; the mixed list is not a block list.
-    assert found.source == "heuristic" and [b.path for b in found.blocks] == [
-        "stack.0", "stack.1", "stack.2"]
+    assert found.source == "heuristic" and [b.path for b in found.blocks] == ["stack.0", "stack.1", "stack.2"]
     assert found.resident_candidates() == []
 
 
 def test_plan_given_explicitly_wins_and_is_validated():
     model = _Unnamed()
-    found = discover(model, OffloadPlan(block_attrs={"": ("small",)},
-                                        offload_submodules={"mixed": "0"}))
+    found = discover(model, OffloadPlan(block_attrs={"": ("small",)}, offload_submodules={"mixed": "0"}))
     assert [b.path for b in found.blocks] == [f"small.{i}" for i in range(5)] + ["mixed.0"]
     with pytest.raises(ValueError, match="nope"):
         discover(model, OffloadPlan(block_attrs={"": ("nope",)}))
@@ -96,6 +97,7 @@ def test_plan_given_explicitly_wins_and_is_validated():
 
 
 # ---- exact equality ----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("depth", [1, 2, 3, 7, 70])
 def test_output_equals_the_resident_model(depth: int):
@@ -128,8 +130,7 @@ def test_resident_layers_without_declared_paths_warn_and_stream_everything():
     with capture_logs() as logs:
         engine = LayerwiseOffload(model, "cpu", resident_layers=2)
     assert engine.resident == [] and engine.stats().streamed_blocks == 3
-    assert any("resident layers ignored" in e["event"] and e["log_level"] == "warning"
-               for e in logs)
+    assert any("resident layers ignored" in e["event"] and e["log_level"] == "warning" for e in logs)
     with pytest.raises(ValueError, match=">= 0"):
         LayerwiseOffload(_Layers(), "cpu", resident_layers=-1)
 
@@ -189,7 +190,6 @@ def test_staged_source_streams_through_two_bounded_buffers(background: bool):
     engine.close()
 
 
-
 def _mapped(model: nn.Module, path) -> nn.Module:
     """`model` with every tensor viewing one safetensors file mapped read-only (as a runtime-cache
     entry is)."""
@@ -236,6 +236,7 @@ def test_a_mapping_the_driver_will_not_lock_is_staged(tmp_path, monkeypatch):
     assert engine.stats().host_mode == "staged"
     assert _same(_run(model), want)
 
+
 def test_meta_blocks_are_materialised_one_at_a_time():
     reference = _dit(3)
     with torch.device("meta"):
@@ -275,10 +276,22 @@ def test_tied_weights_across_blocks_are_refused():
 def test_a_third_party_model_runs_unchanged():
     diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(0)
-    model = diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=8, num_layers=2, num_single_layers=3, attention_head_dim=8,
-        num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8,
-        guidance_embeds=True, axes_dims_rope=(2, 2, 4)).eval().requires_grad_(False)
+    model = (
+        diffusers.FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=8,
+            num_layers=2,
+            num_single_layers=3,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            joint_attention_dim=16,
+            pooled_projection_dim=8,
+            guidance_embeds=True,
+            axes_dims_rope=(2, 2, 4),
+        )
+        .eval()
+        .requires_grad_(False)
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.1)
@@ -287,11 +300,16 @@ def test_a_third_party_model_runs_unchanged():
     assert engine.discovery.source == "attributes"
     assert engine.stats().streamed_blocks == 5
     g = torch.Generator().manual_seed(3)
-    kwargs = dict(hidden_states=torch.randn(1, 16, 8, generator=g),
-                  encoder_hidden_states=torch.randn(1, 6, 16, generator=g),
-                  pooled_projections=torch.randn(1, 8, generator=g),
-                  timestep=torch.tensor([0.5]), guidance=torch.tensor([3.5]),
-                  img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(6, 3), return_dict=False)
+    kwargs = dict(
+        hidden_states=torch.randn(1, 16, 8, generator=g),
+        encoder_hidden_states=torch.randn(1, 6, 16, generator=g),
+        pooled_projections=torch.randn(1, 8, generator=g),
+        timestep=torch.tensor([0.5]),
+        guidance=torch.tensor([3.5]),
+        img_ids=torch.zeros(16, 3),
+        txt_ids=torch.zeros(6, 3),
+        return_dict=False,
+    )
     with torch.inference_mode():
         for _ in range(2):
             assert torch.equal(model(**kwargs)[0], ref(**kwargs)[0])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -10,8 +9,7 @@ from stage_service.models.config import DiTConfig
 from stage_service.models.dit import DiT
 from stage_service.offload import LayerwiseOffload
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 CFG = DiTConfig(hidden_size=256, num_heads=4, cond_dim=64, decoder_channels=8)
 
@@ -61,7 +59,6 @@ def test_resident_layers_and_staging_are_bitwise_equal_to_plain_dlo():
     assert all(torch.equal(a, b) for a, b in zip(plain, staged))
 
 
-
 def test_a_runtime_cache_style_mapping_is_page_locked_and_copied_from_directly(tmp_path):
     from safetensors.torch import save_file
 
@@ -69,14 +66,14 @@ def test_a_runtime_cache_style_mapping_is_page_locked_and_copied_from_directly(t
 
     plain = _run(_offloaded(7)[0])
     model = _dit(7)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-              str(tmp_path / "entry.safetensors"))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "entry.safetensors"))
     model.load_state_dict(map_tensors(tmp_path / "entry.safetensors"), assign=True)
     engine = LayerwiseOffload(model, "cuda", keep_source=True)
     assert engine.stats().host_mode == "locked"
     assert all(torch.equal(a, b) for a, b in zip(_run(model), plain))
     engine.close()
     engine.store.close()
+
 
 def test_device_memory_is_bounded_by_two_slots():
     torch.cuda.synchronize()

@@ -14,10 +14,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from stagemesh.weight_store.checkpoint import read_index
 from stage_service.models.config import PipelineConfig
 from stage_service.models.weights import DIT_FILE, ensure_model_dir
 from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2
+from stagemesh.weight_store.checkpoint import read_index
 from tests.meshproc import Mesh, parallel_meshes, start_mesh, write_config
 
 DLO_MESHES = {
@@ -25,8 +25,12 @@ DLO_MESHES = {
     "dlo-resident": "enable_dlo = true\ndlo_use_allgather = false\ndlo_resident_layers = 1",
 }
 # (width, height, steps, seed, prompt): several sizes, seeds and step counts.
-CASES = [(64, 48, 3, 1, "a lighthouse at dusk"), (128, 64, 2, 2, "a red fox"),
-         (32, 96, 4, 3, "rain on a tin roof"), (256, 256, 2, 4, "a boat")]
+CASES = [
+    (64, 48, 3, 1, "a lighthouse at dusk"),
+    (128, 64, 2, 2, "a red fox"),
+    (32, 96, 4, 3, "rain on a tin roof"),
+    (256, 256, 2, 4, "a boat"),
+]
 RPC_TIMEOUT_S = 60.0
 
 
@@ -36,23 +40,24 @@ def meshes(tmp_path_factory, model_dir, request) -> dict[str, Mesh]:
     roots = {name: tmp_path_factory.mktemp(name) for name in DLO_MESHES}
 
     def start(name: str) -> Mesh:
-        config = write_config(roots[name] / "mesh.toml", Path(model_dir),
-                              extra_diffusion=DLO_MESHES[name])
+        config = write_config(roots[name] / "mesh.toml", Path(model_dir), extra_diffusion=DLO_MESHES[name])
         return start_mesh(config, roots[name] / "mesh.log")
 
     reference: list[Mesh] = []
     # The shared reference mesh starts meanwhile, unless it already runs.
-    with parallel_meshes({name: functools.partial(start, name) for name in DLO_MESHES},
-                         lambda: reference.append(request.getfixturevalue("mesh"))) as started:
+    with parallel_meshes(
+        {name: functools.partial(start, name) for name in DLO_MESHES},
+        lambda: reference.append(request.getfixturevalue("mesh")),
+    ) as started:
         yield {"reference": reference[0], **started}
 
 
 def _png(m: Mesh, width: int, height: int, steps: int, seed: int, prompt: str) -> bytes:
-    params = generation_pb2.GenerationParams(prompt=prompt, width=width, height=height,
-                                             num_inference_steps=steps, seed=seed)
+    params = generation_pb2.GenerationParams(
+        prompt=prompt, width=width, height=height, num_inference_steps=steps, seed=seed
+    )
     with m.channel() as channel:
-        reply = m.gateway(channel).GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=params),
-                                                 timeout=RPC_TIMEOUT_S)
+        reply = m.gateway(channel).GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=params), timeout=RPC_TIMEOUT_S)
     assert reply.result.png.startswith(b"\x89PNG")
     return reply.result.png
 
@@ -69,8 +74,7 @@ def _sleep_wake(m: Mesh, level: int) -> tuple[int, int]:
     """Sleep stage 1 at `level`, wake it, reopen generation: (freed, taken back) bytes."""
     with m.channel() as channel:
         stub = m.gateway(channel)
-        slept = stub.Sleep(gateway_pb2.SleepRequest(stage_ids=[1], level=level),
-                           timeout=RPC_TIMEOUT_S)
+        slept = stub.Sleep(gateway_pb2.SleepRequest(stage_ids=[1], level=level), timeout=RPC_TIMEOUT_S)
         assert slept.status == control_pb2.CONTROL_STATUS_SUCCESS
         [ack] = slept.acks
         assert (ack.stage_id, ack.status, ack.level) == (1, control_pb2.ACK_STATUS_SUCCESS, level)

@@ -10,29 +10,32 @@ from pathlib import Path
 import pytest
 import torch
 
-from stage_service.transport import protocol
 from stage_service.executor.executor import Executor
 from stage_service.models.config import PipelineConfig
 from stage_service.models.runners import WorkItem, build_runner
 from stage_service.models.weights import ensure_model_dir
 from stage_service.offload import DloOptions
 from stage_service.settings import StageSettings
+from stage_service.transport import protocol
 from stagemesh import config as mesh_config
 
 # ---- options -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("values,needle", [
-    ({"dlo_resident_layers": -1}, "dlo_resident_layers must be >= 0"),
-    ({"dlo_resident_layers": 2}, "--dlo-no-use-allgather"),
-    ({"dlo_enable_runtime_cache": True}, "dlo_enable_runtime_cache needs no-AllGather"),
-    ({"dlo_runtime_cache_lock_timeout": 0}, "finite number of seconds > 0"),
-    ({"dlo_runtime_cache_lock_timeout": -5.0}, "finite number of seconds > 0"),
-    ({"dlo_runtime_cache_lock_timeout": math.inf}, "finite number of seconds > 0"),
-    ({"dlo_runtime_cache_lock_timeout": math.nan}, "finite number of seconds > 0"),
-    ({"dp_size": 0}, "dp_size must be >= 1"),
-    ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "values,needle",
+    [
+        ({"dlo_resident_layers": -1}, "dlo_resident_layers must be >= 0"),
+        ({"dlo_resident_layers": 2}, "--dlo-no-use-allgather"),
+        ({"dlo_enable_runtime_cache": True}, "dlo_enable_runtime_cache needs no-AllGather"),
+        ({"dlo_runtime_cache_lock_timeout": 0}, "finite number of seconds > 0"),
+        ({"dlo_runtime_cache_lock_timeout": -5.0}, "finite number of seconds > 0"),
+        ({"dlo_runtime_cache_lock_timeout": math.inf}, "finite number of seconds > 0"),
+        ({"dlo_runtime_cache_lock_timeout": math.nan}, "finite number of seconds > 0"),
+        ({"dp_size": 0}, "dp_size must be >= 1"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
+    ],
+)
 def test_refused_combinations_say_what_to_change(values: dict, needle: str):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace("+", r"\+")):
         StageSettings(kind="diffusion", enable_dlo=True, **values)
@@ -41,19 +44,35 @@ def test_refused_combinations_say_what_to_change(values: dict, needle: str):
 
 
 def test_accepted_combinations_and_flags(capsys):
-    ok = StageSettings(kind="diffusion", enable_dlo=True, dlo_use_allgather=False,
-                       dlo_resident_layers=3, dlo_enable_runtime_cache=True)
+    ok = StageSettings(
+        kind="diffusion", enable_dlo=True, dlo_use_allgather=False, dlo_resident_layers=3, dlo_enable_runtime_cache=True
+    )
     assert DloOptions.from_settings(ok).dlo_resident_layers == 3
     parser = argparse.ArgumentParser()
     StageSettings.add_arguments(parser)
-    args = parser.parse_args(["--enable-dlo", "--dp-size", "2", "--dlo-no-use-allgather",
-                              "--dlo-resident-layers", "4", "--dlo-runtime-cache-lock-timeout",
-                              "30", "--tensor-parallel-size", "1"])
+    args = parser.parse_args(
+        [
+            "--enable-dlo",
+            "--dp-size",
+            "2",
+            "--dlo-no-use-allgather",
+            "--dlo-resident-layers",
+            "4",
+            "--dlo-runtime-cache-lock-timeout",
+            "30",
+            "--tensor-parallel-size",
+            "1",
+        ]
+    )
     s = StageSettings.from_args(args)
-    assert (s.enable_dlo, s.dp_size, s.dlo_use_allgather, s.dlo_resident_layers,
-            s.dlo_runtime_cache_lock_timeout) == (True, 2, False, 4, 30.0)
-    assert not StageSettings.from_args(parser.parse_args(["--no-dlo-use-allgather"])
-                                       ).dlo_use_allgather
+    assert (s.enable_dlo, s.dp_size, s.dlo_use_allgather, s.dlo_resident_layers, s.dlo_runtime_cache_lock_timeout) == (
+        True,
+        2,
+        False,
+        4,
+        30.0,
+    )
+    assert not StageSettings.from_args(parser.parse_args(["--no-dlo-use-allgather"])).dlo_use_allgather
     assert StageSettings.from_args(parser.parse_args([])).dlo_use_allgather
     # The flags a supervisor passes on round-trip through the parser.
     again = StageSettings.from_args(parser.parse_args(s.to_flags()))
@@ -66,8 +85,10 @@ def test_accepted_combinations_and_flags(capsys):
 
 def test_mesh_toml_keys(tmp_path: Path):
     path = tmp_path / "mesh.toml"
-    path.write_text('[[stages]]\nkind = "ar"\n[[stages]]\nkind = "diffusion"\nenable_dlo = true\n'
-                    'dlo_use_allgather = false\ndlo_resident_layers = 1\n')
+    path.write_text(
+        '[[stages]]\nkind = "ar"\n[[stages]]\nkind = "diffusion"\nenable_dlo = true\n'
+        "dlo_use_allgather = false\ndlo_resident_layers = 1\n"
+    )
     stage = mesh_config.load(path).stages[1]
     assert stage.enable_dlo and stage.dlo_resident_layers == 1
     path.write_text('[[stages]]\nkind = "diffusion"\ndlo_resident_layers = 1\n')
@@ -83,6 +104,7 @@ def test_worker_spec_carries_the_options():
 
 # ---- runner ------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_model_dir(tmp_path_factory.mktemp("dlo") / "tiny", PipelineConfig.tiny())
@@ -90,9 +112,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _batch() -> list[WorkItem]:
     g = torch.Generator().manual_seed(0)
-    return [WorkItem(f"r{i}", "p", 32, 48, 3, 4.0, seed=i,
-                     inputs={"hidden_states": torch.randn(5 + i, 64, generator=g)})
-            for i in range(2)]
+    return [
+        WorkItem(f"r{i}", "p", 32, 48, 3, 4.0, seed=i, inputs={"hidden_states": torch.randn(5 + i, 64, generator=g)})
+        for i in range(2)
+    ]
 
 
 def _images(runner) -> list[torch.Tensor]:
@@ -110,8 +133,9 @@ def test_runner_with_dlo_equals_the_resident_runner(model_dir: Path):
     # The checkpoint mapping stays open; blocks go through two staging buffers.
     assert stats.host_mode == "staged" and stats.streamed_blocks == runner.config.dit.depth
     assert _equal(_images(runner), want)
-    resident = build_runner("diffusion", model_dir, dlo={
-        "enable_dlo": True, "dlo_use_allgather": False, "dlo_resident_layers": 1})
+    resident = build_runner(
+        "diffusion", model_dir, dlo={"enable_dlo": True, "dlo_use_allgather": False, "dlo_resident_layers": 1}
+    )
     assert resident.offload.stats().resident_blocks == 1
     assert _equal(_images(resident), want)
 
@@ -119,8 +143,7 @@ def test_runner_with_dlo_equals_the_resident_runner(model_dir: Path):
 def test_runner_falls_back_to_the_ordinary_loader(model_dir: Path):
     want = _images(build_runner("diffusion", model_dir))
     # Without the direct mmap plan: private host copies, packed once.
-    runner = build_runner("diffusion", model_dir, dlo={"enable_dlo": True,
-                                                       "dlo_checkpoint_mmap": False})
+    runner = build_runner("diffusion", model_dir, dlo={"enable_dlo": True, "dlo_checkpoint_mmap": False})
     assert runner.offload.stats().host_mode == "packed"
     assert _equal(_images(runner), want)
 
@@ -135,8 +158,7 @@ def test_worker_processes_get_the_options_through_the_executor(model_dir: Path, 
     item = dataclasses.asdict(_batch()[0])
     images, mapped = [], []
     for dlo in ({}, DloOptions(enable_dlo=True).to_dict()):
-        ex = Executor(1, "diffusion", str(model_dir), "cpu", 1, threads=1, step_execution=True,
-                      dlo=dlo)
+        ex = Executor(1, "diffusion", str(model_dir), "cpu", 1, threads=1, step_execution=True, dlo=dlo)
         try:
             ex.start(120)
             _, fut = ex.submit(0, [item])

@@ -124,6 +124,10 @@ def test_without_dlo_every_weight_is_managed_and_nothing_else_sleeps(tiny_model)
     runner = DiffusionRunner(tiny_model, "cpu")
     assert runner.device_holders() == [] and runner.weight_files()[0].skip == ()
     controller = SleepController(runner.weight_files(), "cpu")
-    everything = [*runner.dit.parameters(), *runner.dit.buffers(), *runner.decoder.parameters(),
-                  *runner.decoder.buffers()]
+    everything = [
+        *runner.dit.parameters(),
+        *runner.dit.buffers(),
+        *runner.decoder.parameters(),
+        *runner.decoder.buffers(),
+    ]
     assert controller.weight_bytes == _nbytes(everything)

@@ -8,8 +8,14 @@ import time
 import pytest
 from structlog.testing import capture_logs
 
-from stage_service.engine.wave_rules import (WAVE_TIMEOUT_ENV, WaveFailed, WaveRejected, WaveRequest,
-                                         run_wave, wave_timeout)
+from stage_service.engine.wave_rules import (
+    WAVE_TIMEOUT_ENV,
+    WaveFailed,
+    WaveRejected,
+    WaveRequest,
+    run_wave,
+    wave_timeout,
+)
 
 
 def _req(rid: str, **kw) -> WaveRequest:
@@ -23,6 +29,7 @@ def _answering(calls: list):
         f = cf.Future()
         f.set_result(f"image-{request.request_id}" if request else "shadow")
         return f
+
     return dispatch
 
 
@@ -33,21 +40,23 @@ def test_a_valid_wave_runs_one_request_per_rank_and_shadows_the_rest():
     assert calls == [(0, "a", "a"), (1, "b", "a"), (2, None, "a")]
 
 
-@pytest.mark.parametrize("second,field", [
-    (dict(num_inference_steps=9), "num_inference_steps"),
-    (dict(num_inference_steps=None), "num_inference_steps"),
-    (dict(width=512), "width"),
-    (dict(height=128), "height"),
-    (dict(guidance_scale=1.0), "guidance_scale"),
-    (dict(prompt="  "), "prompt"),
-])
+@pytest.mark.parametrize(
+    "second,field",
+    [
+        (dict(num_inference_steps=9), "num_inference_steps"),
+        (dict(num_inference_steps=None), "num_inference_steps"),
+        (dict(width=512), "width"),
+        (dict(height=128), "height"),
+        (dict(guidance_scale=1.0), "guidance_scale"),
+        (dict(prompt="  "), "prompt"),
+    ],
+)
 def test_an_invalid_wave_is_refused_before_any_dispatch_and_the_next_one_runs(second, field):
     calls: list = []
     with pytest.raises(WaveRejected) as err:
         run_wave([_req("a"), _req("b", **second)], 2, _answering(calls), timeout_s=5)
     assert err.value.field == field and "b" in str(err.value) and calls == []
-    assert run_wave([_req("c"), _req("d")], 2, _answering(calls), timeout_s=5) == [
-        "image-c", "image-d"]
+    assert run_wave([_req("c"), _req("d")], 2, _answering(calls), timeout_s=5) == ["image-c", "image-d"]
     with pytest.raises(WaveRejected, match="1 to 2 requests"):
         run_wave([_req("x")] * 3, 2, _answering(calls))
 

@@ -5,7 +5,6 @@ output timeout read from the environment at every wait, failures for one rank or
 Real threads; no GPU, nothing faked.
 """
 
-
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -34,9 +33,13 @@ def oid(n: int) -> str:
 
 # ---- point 8: the timeout variable ------------------------------------------------------------
 
+
 def _warnings(logs, value):
-    return [e for e in logs if e["event"] == "ignoring bad async output timeout" and e["value"] == value
-            and e["log_level"] == "warning"]
+    return [
+        e
+        for e in logs
+        if e["event"] == "ignoring bad async output timeout" and e["value"] == value and e["log_level"] == "warning"
+    ]
 
 
 @pytest.mark.parametrize("raw, expected", [("1800", 1800.0), ("45.5", 45.5), ("0.25", 0.25), (" 30 ", 30.0)])
@@ -118,6 +121,7 @@ def test_timeout_names_what_is_pending_and_a_late_output_leaves_nothing():
 
 
 # ---- points 5 and 6: the registry -----------------------------------------------------------------
+
 
 def test_cached_output_is_handed_out_once_and_removed():
     reg = OutputRegistry(STAGE)
@@ -299,5 +303,3 @@ def test_concurrent_cancellation_while_delivering_never_raises_and_leaves_nothin
     assert all(f.done() for f in futs)
     assert all(f.result(0) == [i] for i, f in enumerate(futs) if not f.cancelled())
     assert reg.is_empty()
-
-

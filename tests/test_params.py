@@ -5,20 +5,27 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from stagemesh.core import codec, converters
 from stagemesh.core.errors import InvalidArgument
 from stagemesh.core.params import Limits, resolve
 from stagemesh.v1 import generation_pb2
 
-import torch
-
 LIMITS = Limits(pixel_multiple=16, max_pixels_side=512, max_inference_steps=50, max_prompt_bytes=10)
 
 
 def _resolve(**kw):
-    base = dict(prompt="hi", width=None, height=None, num_inference_steps=None, guidance_scale=None,
-                seed=None, output_format="png", limits=LIMITS)
+    base = dict(
+        prompt="hi",
+        width=None,
+        height=None,
+        num_inference_steps=None,
+        guidance_scale=None,
+        seed=None,
+        output_format="png",
+        limits=LIMITS,
+    )
     base.update(kw)
     return resolve(**base)
 
@@ -29,18 +36,21 @@ def test_defaults_fill_unset_fields():
     assert 0 <= p.seed < 2**63
 
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("width", 0, "must be positive"),
-    ("width", -16, "must be positive"),
-    ("height", 17, "not a multiple of 16"),
-    ("width", 528, "above the maximum 512"),
-    ("num_inference_steps", 0, "allowed: 1 to 50"),
-    ("num_inference_steps", 51, "allowed: 1 to 50"),
-    ("guidance_scale", 0.5, "allowed: 1.0 to 30.0"),
-    ("guidance_scale", math.nan, "allowed: 1.0 to 30.0"),
-    ("output_format", "gif", "allowed: PNG, TENSOR"),
-    ("prompt", "é" * 6, "at most 10 UTF-8 bytes"),
-])
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("width", 0, "must be positive"),
+        ("width", -16, "must be positive"),
+        ("height", 17, "not a multiple of 16"),
+        ("width", 528, "above the maximum 512"),
+        ("num_inference_steps", 0, "allowed: 1 to 50"),
+        ("num_inference_steps", 51, "allowed: 1 to 50"),
+        ("guidance_scale", 0.5, "allowed: 1.0 to 30.0"),
+        ("guidance_scale", math.nan, "allowed: 1.0 to 30.0"),
+        ("output_format", "gif", "allowed: PNG, TENSOR"),
+        ("prompt", "é" * 6, "at most 10 UTF-8 bytes"),
+    ],
+)
 def test_each_bad_field_is_named_with_its_range(field, value, needle):
     with pytest.raises(InvalidArgument) as info:
         _resolve(**{field: value})

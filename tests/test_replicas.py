@@ -40,7 +40,8 @@ class Replicated:
         """What one replica says of itself, asked directly (over TLS, as the gateway does)."""
         with tls.channel(replica, self.ca, rpc.channel_options()) as channel:
             return stage_pb2_grpc.StageServiceStub(channel).DescribeStage(
-                stage_pb2.DescribeStageRequest(), timeout=RPC_TIMEOUT_S)
+                stage_pb2.DescribeStageRequest(), timeout=RPC_TIMEOUT_S
+            )
 
     def generate(self) -> gateway_pb2.GenerateUnaryResponse:
         return self.gateway.GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=SMALL), timeout=RPC_TIMEOUT_S)
@@ -66,14 +67,46 @@ def replicated(tmp_path_factory, model_dir):
     serve_tls = ["--tls-cert", str(pki["cert"]), "--tls-key", str(pki["key"])]
 
     def stage(name: str, stage_id: int, kind: str) -> Service:
-        return spawn_service(name, ["stage", "--stage-id", str(stage_id), "--kind", kind, "--model-dir", model_dir,
-                                    "--threads", "1", "--max-size", "512", *serve_tls], root, env)
+        return spawn_service(
+            name,
+            [
+                "stage",
+                "--stage-id",
+                str(stage_id),
+                "--kind",
+                kind,
+                "--model-dir",
+                model_dir,
+                "--threads",
+                "1",
+                "--max-size",
+                "512",
+                *serve_tls,
+            ],
+            root,
+            env,
+        )
 
-    stages = {"a": stage("stage-0", 0, "ar"), "b1": stage("stage-1a", 1, "diffusion"),
-              "b2": stage("stage-1b", 1, "diffusion")}  # all three load at once
+    stages = {
+        "a": stage("stage-0", 0, "ar"),
+        "b1": stage("stage-1a", 1, "diffusion"),
+        "b2": stage("stage-1b", 1, "diffusion"),
+    }  # all three load at once
     addresses = {name: service.wait_bound() for name, service in stages.items()}
-    gateway = spawn_service("gateway", ["gateway", "--stage", addresses["a"], "--tls-ca", str(pki["ca"]),
-                                        "--stage", f"{addresses['b1']},{addresses['b2']}"], root, env)
+    gateway = spawn_service(
+        "gateway",
+        [
+            "gateway",
+            "--stage",
+            addresses["a"],
+            "--tls-ca",
+            str(pki["ca"]),
+            "--stage",
+            f"{addresses['b1']},{addresses['b2']}",
+        ],
+        root,
+        env,
+    )
     mesh = Replicated(gateway, gateway.wait_bound(), {addresses[n]: stages[n] for n in ("b1", "b2")}, str(pki["ca"]))
     try:
         _wait_serving(mesh.channel)
@@ -97,8 +130,9 @@ def test_generate_and_list_stages_count_every_replica(replicated):
 def test_sleep_and_wake_reach_every_replica(replicated):
     reply = replicated.gateway.Sleep(gateway_pb2.SleepRequest(stage_ids=[1]), metadata=CONTROL, timeout=RPC_TIMEOUT_S)
     assert reply.status == SUCCESS, reply
-    assert len(reply.acks) == 2 and all(a.stage_id == 1 and a.status == ACK_SUCCESS and a.level == 2
-                                        for a in reply.acks), reply
+    assert len(reply.acks) == 2 and all(
+        a.stage_id == 1 and a.status == ACK_SUCCESS and a.level == 2 for a in reply.acks
+    ), reply
     assert [replicated.describe(a).sleep_level for a in replicated.replicas] == [2, 2]
     assert replicated.stage(1).state == gateway_pb2.STAGE_STATE_SLEEPING
 
@@ -116,8 +150,9 @@ def test_a_replica_that_cannot_sleep_is_named(replicated):
     """Runs last: it stops the second replica."""
     awake, gone = list(replicated.replicas)
     assert replicated.replicas[gone].stop() == 0
-    reply = replicated.gateway.Sleep(gateway_pb2.SleepRequest(stage_ids=[1], level=1), metadata=CONTROL,
-                                     timeout=RPC_TIMEOUT_S)
+    reply = replicated.gateway.Sleep(
+        gateway_pb2.SleepRequest(stage_ids=[1], level=1), metadata=CONTROL, timeout=RPC_TIMEOUT_S
+    )
     assert reply.status == ERROR, reply
     slept, failed = reply.acks  # replica by replica, in --stage order
     assert slept.status == ACK_SUCCESS and slept.rank == 0 and slept.level == 1
@@ -135,13 +170,16 @@ def test_a_replica_that_cannot_sleep_is_named(replicated):
 
 
 # ---- the pieces, without servers ------------------------------------------------------------------
-@pytest.mark.parametrize("target, expected", [
-    ("dns:///diffusion.internal:50062", ("diffusion.internal", 50062)),
-    ("dns://10.0.0.2:53/diffusion.internal:7", ("diffusion.internal", 7)),
-    ("dns:diffusion.internal", ("diffusion.internal", 443)),
-    ("dns:///[fd00::11]:50062", ("fd00::11", 50062)),
-    ("10.0.0.11:50062", None),
-])
+@pytest.mark.parametrize(
+    "target, expected",
+    [
+        ("dns:///diffusion.internal:50062", ("diffusion.internal", 50062)),
+        ("dns://10.0.0.2:53/diffusion.internal:7", ("diffusion.internal", 7)),
+        ("dns:diffusion.internal", ("diffusion.internal", 443)),
+        ("dns:///[fd00::11]:50062", ("fd00::11", 50062)),
+        ("10.0.0.11:50062", None),
+    ],
+)
 def test_dns_targets_are_split_into_host_and_port(target, expected):
     assert dns_host_port(target) == expected
 
@@ -152,15 +190,16 @@ def test_resolve_formats_every_address_as_a_target():
 
 
 def test_aggregate_sums_memory_and_sleeps_if_any_replica_sleeps():
-    one = stage_pb2.DescribeStageResponse(kind="diffusion", ready=True, supports_sleep=True, device="cpu",
-                                          device_memory_bytes=100, workers=1)
-    two = stage_pb2.DescribeStageResponse(kind="diffusion", ready=True, supports_sleep=True, device="cpu",
-                                          device_memory_bytes=0, workers=1, sleep_level=2)
+    one = stage_pb2.DescribeStageResponse(
+        kind="diffusion", ready=True, supports_sleep=True, device="cpu", device_memory_bytes=100, workers=1
+    )
+    two = stage_pb2.DescribeStageResponse(
+        kind="diffusion", ready=True, supports_sleep=True, device="cpu", device_memory_bytes=0, workers=1, sleep_level=2
+    )
     total = aggregate([one, two])
     assert (total.device_memory_bytes, total.workers, total.sleep_level, total.device) == (100, 2, 2, "cpu")
     assert total.ready and total.supports_sleep
     assert not aggregate([one, stage_pb2.DescribeStageResponse(kind="diffusion")]).ready
-
 
 
 def test_a_dns_stage_counts_the_replicas_its_name_resolves_to(monkeypatch):

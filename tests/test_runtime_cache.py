@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from cache_service import evict
+from stage_service.runtime_cache.lookup import REASONS, RuntimeCache, content_hash, layout_key
 from stagemesh.weight_store import locks
 from stagemesh.weight_store.store import CacheStore
-from stage_service.runtime_cache.lookup import REASONS, RuntimeCache, content_hash, layout_key
 from tests.runtime_cache_proc import Child, weights
 
 KEY = "c" * 64
@@ -24,8 +24,14 @@ KEY3 = "e" * 64
 
 
 def key_of(**overrides) -> str:
-    fields = dict(model_identity="embedded-dit", dtype="bf16", loader_version="3", tp_size=2, tp_rank=0,
-                  content_hash=content_hash(weights()))
+    fields = dict(
+        model_identity="embedded-dit",
+        dtype="bf16",
+        loader_version="3",
+        tp_size=2,
+        tp_rank=0,
+        content_hash=content_hash(weights()),
+    )
     fields.update(overrides)
     return layout_key(**fields)
 
@@ -68,8 +74,15 @@ def test_layout_key_inputs():
 
 
 def test_reason_codes_are_the_contract():
-    assert REASONS == ("hit", "published", "lock_timeout", "unsupported_tensor", "insufficient_disk",
-                       "bad_manifest", "io_error")
+    assert REASONS == (
+        "hit",
+        "published",
+        "lock_timeout",
+        "unsupported_tensor",
+        "insufficient_disk",
+        "bad_manifest",
+        "io_error",
+    )
 
 
 # --- publication ------------------------------------------------------------------------------------
@@ -112,7 +125,7 @@ def test_publisher_killed_mid_publication_releases_lock_and_next_one_cleans_up(t
         # What a publisher killed while writing leaves: a temp dir with a truncated shard.
         stale = root / ".tmp" / f"{KEY}.999999.{'0' * 32}"
         stale.mkdir()
-        (stale / "model-00001-of-00001.safetensors").write_bytes(b"\x10\0\0\0\0\0\0\0{\"x\":")
+        (stale / "model-00001-of-00001.safetensors").write_bytes(b'\x10\0\0\0\0\0\0\0{"x":')
         victim.proc.kill()
         victim.proc.wait()
         assert RuntimeCache(root).lookup(KEY).reason == "miss"  # nothing partial is visible
@@ -174,11 +187,14 @@ def test_insufficient_disk_falls_back_and_writes_nothing(tmp_path):
     assert_nothing_written(root)
 
 
-@pytest.mark.parametrize("make, why", [
-    (lambda w: {**w, "alias": w["blocks.0.weight"].view(64, 64)}, "shares its storage"),
-    (lambda w: {**w, "blocks.0.weight": w["blocks.0.weight"].t()}, "non-contiguous"),
-    (lambda w: {**w, "norm.bias": torch.zeros(128)[:64]}, "larger storage"),
-])
+@pytest.mark.parametrize(
+    "make, why",
+    [
+        (lambda w: {**w, "alias": w["blocks.0.weight"].view(64, 64)}, "shares its storage"),
+        (lambda w: {**w, "blocks.0.weight": w["blocks.0.weight"].t()}, "non-contiguous"),
+        (lambda w: {**w, "norm.bias": torch.zeros(128)[:64]}, "larger storage"),
+    ],
+)
 def test_unsupported_tensors_fail_closed(tmp_path, make, why):
     root = tmp_path / "cache"
     outcome = RuntimeCache(root).get_or_publish(KEY, lambda: make(weights()))

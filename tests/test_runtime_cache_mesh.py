@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import pytest
 
 from stagemesh.v1 import cache_pb2, cache_pb2_grpc, gateway_pb2, generation_pb2
 from tests.meshproc import start_mesh, write_config
-
-import grpc
 
 CACHED_STAGE = """enable_dlo = true
 dlo_use_allgather = false
@@ -37,14 +36,17 @@ def _cache_address(log: str) -> str:
 def _png(mesh, seed: int) -> bytes:
     params = generation_pb2.GenerationParams(prompt="cached", width=64, height=64, num_inference_steps=2, seed=seed)
     with mesh.channel() as channel:
-        return mesh.gateway(channel).GenerateUnary(
-            gateway_pb2.GenerateUnaryRequest(params=params), timeout=120).result.png
+        return (
+            mesh.gateway(channel).GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=params), timeout=120).result.png
+        )
 
 
 def test_stage_publishes_through_the_mesh_cache_service_and_draws_the_same_images(cached_mesh, mesh):
     assert _png(cached_mesh, 5) == _png(mesh, 5)
     with grpc.insecure_channel(_cache_address(cached_mesh.logs())) as channel:
-        entries = cache_pb2_grpc.CacheServiceStub(channel).ListEntries(cache_pb2.ListEntriesRequest(), timeout=10).entries
+        entries = (
+            cache_pb2_grpc.CacheServiceStub(channel).ListEntries(cache_pb2.ListEntriesRequest(), timeout=10).entries
+        )
     layouts = [e for e in entries if e.valid and e.tensor_count > 1]
     assert layouts, entries
     assert any(e.live_consumers >= 1 for e in layouts)  # the stage's worker maps it right now

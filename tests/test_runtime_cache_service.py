@@ -13,10 +13,10 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from stagemesh.weight_store import locks
-from stagemesh.weight_store.store import CacheStore
 from stage_service.runtime_cache.lookup import RuntimeCache
 from stagemesh.v1 import cache_pb2, cache_pb2_grpc
+from stagemesh.weight_store import locks
+from stagemesh.weight_store.store import CacheStore
 from tests.runtime_cache_proc import Child, weights
 from tests.test_cache_service import stop, wait_ready, wait_serving
 
@@ -37,8 +37,24 @@ def service(tmp_path):
         extra = ["--max-bytes", str(max_bytes)] if max_bytes is not None else []
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "stagemesh", "cache", "--port", "0", "--root", str(root),
-                 "--ready-file", str(ready), *extra], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+                [
+                    sys.executable,
+                    "-m",
+                    "stagemesh",
+                    "cache",
+                    "--port",
+                    "0",
+                    "--root",
+                    str(root),
+                    "--ready-file",
+                    str(ready),
+                    *extra,
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         procs.append((proc, log_path))
         address = wait_ready(proc, ready, log_path)
         with grpc.insecure_channel(address) as channel:
@@ -66,8 +82,11 @@ def test_session_holds_lock_while_stream_lives_and_releases_on_sigkill(service):
     try:
         publisher.expect("producing")
         assert locks.try_lock(lock_file) is None  # the service holds it for the stream
-        held_by = [line.split()[4] for line in Path("/proc/locks").read_text().splitlines()
-                   if line.split()[5].endswith(f":{lock_file.stat().st_ino}")]
+        held_by = [
+            line.split()[4]
+            for line in Path("/proc/locks").read_text().splitlines()
+            if line.split()[5].endswith(f":{lock_file.stat().st_ino}")
+        ]
         assert held_by == [str(service_pid)]
         publisher.proc.kill()  # the stream dies with the client
         publisher.proc.wait()

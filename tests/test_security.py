@@ -21,15 +21,16 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from stage_service.transport import ipc
-from stagemesh.core import auth, errors, rpc, tls
 from stagemesh import cli, config, launcher
+from stagemesh.core import auth, errors, rpc, tls
 from stagemesh.v1 import cache_pb2, cache_pb2_grpc, gateway_pb2, generation_pb2, stage_pb2, stage_pb2_grpc
 from tests.meshproc import Mesh, descendants, segments_of, shm_entries, start_mesh, write_config
 
 TOKEN = "s3cret-" + "x" * 25
 MISSING = (grpc.StatusCode.UNAUTHENTICATED, "missing bearer token")
-RUNTIME_CACHE = "enable_dlo = true\ndlo_use_allgather = false\ndlo_enable_runtime_cache = true\n" \
-                "dlo_checkpoint_mmap = false\n"
+RUNTIME_CACHE = (
+    "enable_dlo = true\ndlo_use_allgather = false\ndlo_enable_runtime_cache = true\ndlo_checkpoint_mmap = false\n"
+)
 SMALL = generation_pb2.GenerationParams(prompt="tls", width=64, height=48, num_inference_steps=1, seed=3)
 
 
@@ -39,27 +40,42 @@ def _name(common_name: str) -> x509.Name:
 
 
 def _write_key(path: Path, key) -> None:
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
+    path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     path.chmod(0o600)
 
 
 def make_certificates(folder: Path) -> dict[str, Path]:
     """A CA and a server certificate it signed, valid for 127.0.0.1 and localhost."""
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (x509.CertificateBuilder().subject_name(_name("stagemesh test CA")).issuer_name(_name("stagemesh test CA"))
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(_name("stagemesh test CA"))
+        .issuer_name(_name("stagemesh test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
     key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder().subject_name(_name("localhost")).issuer_name(ca.subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name("localhost"))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
     paths = {"ca": folder / "ca.pem", "cert": folder / "server.pem", "key": folder / "server.key"}
     paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
@@ -83,13 +99,16 @@ def secure_mesh(tmp_path_factory, model_dir, pki) -> Mesh:
     root = tmp_path_factory.mktemp("secure-mesh")
     # Stage 1 publishes its weights through the cache service: a mutation its workers make over TLS.
     path = write_config(root / "mesh.toml", Path(model_dir), extra_diffusion=RUNTIME_CACHE)
-    path.write_text(path.read_text() + f"""
+    path.write_text(
+        path.read_text()
+        + f"""
 [security]
-tls_cert = "{pki['cert']}"
-tls_key = "{pki['key']}"
-tls_ca = "{pki['ca']}"
-token_file = "{pki['token']}"
-""")
+tls_cert = "{pki["cert"]}"
+tls_key = "{pki["key"]}"
+tls_ca = "{pki["ca"]}"
+token_file = "{pki["token"]}"
+"""
+    )
     shm_before = shm_entries()
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv(auth.TOKEN_ENV, raising=False)  # the file, not the environment, configures the mesh
@@ -128,12 +147,19 @@ def test_gateway_control_calls_need_the_right_token(secure_mesh, pki):
     with secure_channel(secure_mesh.address, pki) as channel:
         stub = secure_mesh.gateway(channel)
         assert code_of(lambda: stub.Sleep(sleep, timeout=30)) == MISSING
-        for metadata in (auth.bearer_metadata(wrong_same_length), auth.bearer_metadata(TOKEN + "x"),
-                         (("authorization", f"Basic {TOKEN}"),)):
+        for metadata in (
+            auth.bearer_metadata(wrong_same_length),
+            auth.bearer_metadata(TOKEN + "x"),
+            (("authorization", f"Basic {TOKEN}"),),
+        ):
             assert code_of(lambda: stub.Sleep(sleep, timeout=30, metadata=metadata)) == (
-                grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token")
-        assert code_of(lambda: stub.PauseGeneration(gateway_pb2.PauseGenerationRequest(), timeout=30))[0] \
+                grpc.StatusCode.UNAUTHENTICATED,
+                "invalid bearer token",
+            )
+        assert (
+            code_of(lambda: stub.PauseGeneration(gateway_pb2.PauseGenerationRequest(), timeout=30))[0]
             == grpc.StatusCode.UNAUTHENTICATED
+        )
         assert not stub.ListStages(gateway_pb2.ListStagesRequest(), timeout=30).generation_paused  # nothing happened
 
         good = auth.bearer_metadata(TOKEN)
@@ -162,11 +188,18 @@ def test_stage_control_rpcs_need_the_token(secure_mesh, pki):
     with secure_channel(secure_mesh.child_addresses()["stage-1"], pki) as channel:
         stub = stage_pb2_grpc.StageServiceStub(channel)
         assert stub.DescribeStage(stage_pb2.DescribeStageRequest(), timeout=30).kind == "diffusion"
-        assert code_of(lambda: stub.SleepStage(stage_pb2.SleepStageRequest(level=1), timeout=30))[0] \
+        assert (
+            code_of(lambda: stub.SleepStage(stage_pb2.SleepStageRequest(level=1), timeout=30))[0]
             == grpc.StatusCode.UNAUTHENTICATED
-        assert code_of(lambda: stub.WakeUpStage(stage_pb2.WakeUpStageRequest(), timeout=30,
-                                                metadata=auth.bearer_metadata("nope")))[0] \
+        )
+        assert (
+            code_of(
+                lambda: stub.WakeUpStage(
+                    stage_pb2.WakeUpStageRequest(), timeout=30, metadata=auth.bearer_metadata("nope")
+                )
+            )[0]
             == grpc.StatusCode.UNAUTHENTICATED
+        )
 
 
 def test_cache_mutations_need_the_token(secure_mesh, pki):
@@ -200,12 +233,16 @@ def test_token_is_on_no_command_line_of_the_mesh(secure_mesh, pki):
 @pytest.mark.skipif(shutil.which("grpcurl") is None, reason="no grpcurl binary on PATH")
 def test_banner_grpcurl_hints_work_as_printed(secure_mesh, pki):
     text = launcher.banner(secure_mesh.address, config.load(secure_mesh.config_path).security)
-    commands = [line[line.index("grpcurl"):] for line in text.splitlines() if "grpcurl" in line]
+    commands = [line[line.index("grpcurl") :] for line in text.splitlines() if "grpcurl" in line]
     assert [c.rsplit("/", 1)[1] for c in commands] == ["GenerateUnary", "PauseGeneration"]
     outputs = []
     for command in commands:
-        done = subprocess.run(["bash", "-c", command.replace("grpcurl", shutil.which("grpcurl"), 1)],
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            ["bash", "-c", command.replace("grpcurl", shutil.which("grpcurl"), 1)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, (command, done.stderr)
         outputs.append(done.stdout)
     assert '"png"' in outputs[0]
@@ -216,14 +253,17 @@ def test_banner_grpcurl_hints_work_as_printed(secure_mesh, pki):
 
 
 # ---- the checker and the option checks, without a mesh --------------------------------------------
-@pytest.mark.parametrize("metadata,reason", [
-    ((), "missing bearer token"),
-    ((("x-request-id", "r1"),), "missing bearer token"),
-    ((("authorization", "Bearer short"),), "invalid bearer token"),
-    ((("authorization", "Bearer " + "y" * len(TOKEN)),), "invalid bearer token"),  # right length, wrong value
-    ((("authorization", "Bearer " + TOKEN[:-1] + "Y"),), "invalid bearer token"),  # last character differs
-    ((("authorization", TOKEN),), "invalid bearer token"),  # no scheme
-])
+@pytest.mark.parametrize(
+    "metadata,reason",
+    [
+        ((), "missing bearer token"),
+        ((("x-request-id", "r1"),), "missing bearer token"),
+        ((("authorization", "Bearer short"),), "invalid bearer token"),
+        ((("authorization", "Bearer " + "y" * len(TOKEN)),), "invalid bearer token"),  # right length, wrong value
+        ((("authorization", "Bearer " + TOKEN[:-1] + "Y"),), "invalid bearer token"),  # last character differs
+        ((("authorization", TOKEN),), "invalid bearer token"),  # no scheme
+    ],
+)
 def test_check_bearer_refuses(metadata, reason):
     with pytest.raises(errors.Unauthenticated, match=reason):
         auth.check_bearer(metadata, TOKEN)
@@ -279,12 +319,15 @@ def test_tls_options_name_what_is_wrong(tmp_path, pki):
     assert isinstance(tls.server_credentials(str(pki["cert"]), str(pki["key"])), grpc.ServerCredentials)
 
 
-@pytest.mark.parametrize("table,needle", [
-    ('tls_cert = "/c.pem"\ntls_ca = "/ca.pem"', "tls_cert and tls_key go together"),
-    ('tls_cert = "/c.pem"\ntls_key = "/k.pem"', "tls_ca: needed with tls_cert"),
-    ('token = "inline"', "unknown key.*'token'"),
-    ("token_file = 5", "token_file: must be a file path"),
-])
+@pytest.mark.parametrize(
+    "table,needle",
+    [
+        ('tls_cert = "/c.pem"\ntls_ca = "/ca.pem"', "tls_cert and tls_key go together"),
+        ('tls_cert = "/c.pem"\ntls_key = "/k.pem"', "tls_ca: needed with tls_cert"),
+        ('token = "inline"', "unknown key.*'token'"),
+        ("token_file = 5", "token_file: must be a file path"),
+    ],
+)
 def test_security_table_errors_name_the_key(tmp_path, table, needle):
     path = tmp_path / "mesh.toml"
     path.write_text(f"[security]\n{table}\n")
@@ -294,11 +337,14 @@ def test_security_table_errors_name_the_key(tmp_path, table, needle):
 
 def test_security_table_reaches_every_stage_and_the_banner(tmp_path, pki):
     path = tmp_path / "mesh.toml"
-    path.write_text(f'[security]\ntls_cert = "{pki["cert"]}"\ntls_key = "{pki["key"]}"\n'
-                    f'tls_ca = "{pki["ca"]}"\ntoken_file = "{pki["token"]}"\n')
+    path.write_text(
+        f'[security]\ntls_cert = "{pki["cert"]}"\ntls_key = "{pki["key"]}"\n'
+        f'tls_ca = "{pki["ca"]}"\ntoken_file = "{pki["token"]}"\n'
+    )
     mesh = config.load(path)
     assert {(s.tls_cert, s.tls_ca, s.token_file) for s in mesh.stages} == {
-        (str(pki["cert"]), str(pki["ca"]), str(pki["token"]))}
+        (str(pki["cert"]), str(pki["ca"]), str(pki["token"]))
+    }
     text = launcher.banner("127.0.0.1:5000", mesh.security)
     assert text.splitlines()[0] == "stagemesh: gateway serving on 127.0.0.1:5000"
     assert f"grpcurl -cacert {pki['ca']} -d" in text and "-plaintext" not in text
@@ -307,8 +353,9 @@ def test_security_table_reaches_every_stage_and_the_banner(tmp_path, pki):
 
 def test_unreadable_security_file_refuses_up_before_any_child(tmp_path, pki, capsys):
     path = tmp_path / "mesh.toml"
-    path.write_text(f'[security]\ntls_cert = "{pki["cert"]}"\ntls_key = "{tmp_path}/absent.key"\n'
-                    f'tls_ca = "{pki["ca"]}"\n')
+    path.write_text(
+        f'[security]\ntls_cert = "{pki["cert"]}"\ntls_key = "{tmp_path}/absent.key"\ntls_ca = "{pki["ca"]}"\n'
+    )
     assert launcher.main(str(path), "error") == 2
     assert "[security] tls_key: cannot read" in capsys.readouterr().err
 

@@ -15,15 +15,9 @@ import grpc
 import pytest
 
 from stagemesh.v1 import gateway_pb2
+
 # The mesh fixtures are found by name: importing them here is how this module uses them.
 from tests.sleep_mesh import (  # noqa: F401
-    awake_and_open,
-    channel,
-    reference,
-    sleepy,
-    stub,
-)
-from tests.sleep_mesh import (
     BIG,
     NOT_SLEEPING,
     RPC_TIMEOUT_S,
@@ -34,16 +28,21 @@ from tests.sleep_mesh import (
     SUCCESS,
     assert_acks,
     assert_all_serving,
+    awake_and_open,
+    channel,
     field_violations,
     generate,
     list_stages,
     put_to_sleep,
+    reference,
     refused,
     resume,
     rpc_done,
+    sleepy,
     stage_calls,
     states,
     stopped_cleanly,
+    stub,
     wake_up,
 )
 
@@ -67,14 +66,18 @@ def test_sleep_with_no_stage_ids_succeeds_and_puts_nothing_to_sleep(stub, sleepy
     assert generate(stub) == reference
 
 
-@pytest.mark.parametrize("method, request_, fields", [
-    ("Sleep", gateway_pb2.SleepRequest(stage_ids=[2]), {"stage_ids"}),
-    ("Sleep", gateway_pb2.SleepRequest(stage_ids=[0, -1], level=1), {"stage_ids"}),
-    ("Sleep", gateway_pb2.SleepRequest(stage_ids=[1], level=3), {"level"}),
-    ("Sleep", gateway_pb2.SleepRequest(stage_ids=[1], level=0), {"level"}),
-    ("Sleep", gateway_pb2.SleepRequest(stage_ids=[5], level=3), {"stage_ids", "level"}),
-    ("WakeUp", gateway_pb2.WakeUpRequest(stage_ids=[0, 9]), {"stage_ids"}),
-], ids=["sleep-unknown-id", "sleep-negative-id", "level-3", "level-0", "both", "wake-unknown-id"])
+@pytest.mark.parametrize(
+    "method, request_, fields",
+    [
+        ("Sleep", gateway_pb2.SleepRequest(stage_ids=[2]), {"stage_ids"}),
+        ("Sleep", gateway_pb2.SleepRequest(stage_ids=[0, -1], level=1), {"stage_ids"}),
+        ("Sleep", gateway_pb2.SleepRequest(stage_ids=[1], level=3), {"level"}),
+        ("Sleep", gateway_pb2.SleepRequest(stage_ids=[1], level=0), {"level"}),
+        ("Sleep", gateway_pb2.SleepRequest(stage_ids=[5], level=3), {"stage_ids", "level"}),
+        ("WakeUp", gateway_pb2.WakeUpRequest(stage_ids=[0, 9]), {"stage_ids"}),
+    ],
+    ids=["sleep-unknown-id", "sleep-negative-id", "level-3", "level-0", "both", "wake-unknown-id"],
+)
 def test_bad_arguments_are_invalid_argument_and_leave_admission_open(stub, sleepy, reference, method, request_, fields):
     calls = stage_calls(sleepy, "SleepStage") + stage_calls(sleepy, "WakeUpStage")
     exc = refused(lambda: getattr(stub, method)(request_, timeout=RPC_TIMEOUT_S))
@@ -277,8 +280,9 @@ def test_twenty_cycles_under_a_stream_of_generates_lose_no_request(stub, referen
         for cycle in range(20):
             level = 1 + cycle % 2
             with cond:  # let at least one Generate through since the last resume: calls really overlap
-                assert cond.wait_for(lambda: state["ok"] > state["ok_at_resume"]
-                                     or not any(t.is_alive() for t in threads), RPC_TIMEOUT_S)
+                assert cond.wait_for(
+                    lambda: state["ok"] > state["ok_at_resume"] or not any(t.is_alive() for t in threads), RPC_TIMEOUT_S
+                )
             assert any(t.is_alive() for t in threads), outcomes[-3:]
             slept = put_to_sleep(stub, [0, 1], level=level)
             assert slept.status == SUCCESS, slept

@@ -15,28 +15,27 @@ import pytest
 
 from stagemesh import cli
 from tests.meshproc import REPO
+
 # The mesh fixtures are found by name: importing them here is how this module uses them.
 from tests.sleep_mesh import (  # noqa: F401
-    awake_and_open,
-    channel,
-    reference,
-    sleepless,
-    sleepy,
-    stub,
-)
-from tests.sleep_mesh import (
     NOT_SLEEPING,
     RPC_TIMEOUT_S,
     SERVING,
     SKIPPED,
     SLEEPING,
     assert_all_serving,
+    awake_and_open,
+    channel,
     generate,
     list_stages,
     put_to_sleep,
+    reference,
     refused,
+    sleepless,
+    sleepy,
     stage_calls,
     states,
+    stub,
     wake_up,
 )
 
@@ -64,8 +63,14 @@ def test_sleep_of_a_stage_without_sleep_support_is_unimplemented(sleepless):
 
 # ---- CLI ------------------------------------------------------------------------------------------
 def _cli_process(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stagemesh", *argv], cwd=REPO, check=False, capture_output=True, text=True,
-                          timeout=RPC_TIMEOUT_S)
+    return subprocess.run(
+        [sys.executable, "-m", "stagemesh", *argv],
+        cwd=REPO,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=RPC_TIMEOUT_S,
+    )
 
 
 def _cli(capsys, *argv: str) -> tuple[int, str]:
@@ -121,7 +126,17 @@ def test_cli_reports_a_bad_level(stub, sleepy, capsys):
 
 # ---- grpcurl --------------------------------------------------------------------------------------
 def _grpcurl(address: str, method: str, data: dict | None = None, *flags: str) -> subprocess.CompletedProcess:
-    argv = [GRPCURL, "-plaintext", "-max-time", "60", *flags, "-d", json.dumps(data or {}), address, f"{GATEWAY}/{method}"]
+    argv = [
+        GRPCURL,
+        "-plaintext",
+        "-max-time",
+        "60",
+        *flags,
+        "-d",
+        json.dumps(data or {}),
+        address,
+        f"{GATEWAY}/{method}",
+    ]
     return subprocess.run(argv, check=False, capture_output=True, text=True, timeout=90)
 
 
@@ -136,8 +151,10 @@ def _exit_code(code: grpc.StatusCode) -> int:
 
 def _ack_rows(reply: dict) -> list[tuple]:
     """(stage_id, rank, status, level, freed_bytes) per ACK; proto3 JSON leaves zeros out."""
-    return [(a.get("stage_id", 0), a.get("rank", 0), a["status"], a.get("level", 0), int(a.get("freed_bytes", 0)))
-            for a in reply.get("acks", [])]
+    return [
+        (a.get("stage_id", 0), a.get("rank", 0), a["status"], a.get("level", 0), int(a.get("freed_bytes", 0)))
+        for a in reply.get("acks", [])
+    ]
 
 
 @needs_grpcurl
@@ -151,7 +168,9 @@ def test_grpcurl_sleep_wake_rows(sleepy, stub, reference):
 
     listing = _json(_grpcurl(addr, "ListStages"))
     assert [(s.get("stage_id", 0), s["state"], s.get("sleep_level")) for s in listing["stages"]] == [
-        (0, "STAGE_STATE_SLEEPING", 2), (1, "STAGE_STATE_SLEEPING", 2)]
+        (0, "STAGE_STATE_SLEEPING", 2),
+        (1, "STAGE_STATE_SLEEPING", 2),
+    ]
     assert listing["generation_paused"] is True
 
     done = _grpcurl(addr, "GenerateUnary", {"params": {"prompt": "x", "width": 32, "height": 32}})
@@ -183,8 +202,7 @@ def test_grpcurl_sleep_wake_rows(sleepy, stub, reference):
 
 
 @needs_grpcurl
-@pytest.mark.parametrize("data, field", [({"stage_ids": [1], "level": 3}, "level"),
-                                         ({"stage_ids": [4]}, "stage_ids")])
+@pytest.mark.parametrize("data, field", [({"stage_ids": [1], "level": 3}, "level"), ({"stage_ids": [4]}, "stage_ids")])
 def test_grpcurl_bad_sleep_is_invalid_argument_with_a_field_violation(sleepy, stub, data, field):
     done = _grpcurl(sleepy.address, "Sleep", data, "-format-error")
     assert done.returncode == _exit_code(grpc.StatusCode.INVALID_ARGUMENT), (done.returncode, done.stderr)

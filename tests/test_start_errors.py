@@ -22,12 +22,16 @@ def _folder_without_vae(root: Path) -> Path:
     """A diffusers folder whose model_index.json lists a 'vae' that is absent; the other
     components a diffusion stage needs are present, so the vae is what the stage refuses."""
     root.mkdir()
-    (root / "model_index.json").write_text(json.dumps({
-        "_class_name": "FluxPipeline",
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "transformer": ["diffusers", "FluxTransformer2DModel"],
-        "vae": ["diffusers", "AutoencoderKL"],
-    }))
+    (root / "model_index.json").write_text(
+        json.dumps(
+            {
+                "_class_name": "FluxPipeline",
+                "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+                "transformer": ["diffusers", "FluxTransformer2DModel"],
+                "vae": ["diffusers", "AutoencoderKL"],
+            }
+        )
+    )
     (root / "scheduler").mkdir()
     (root / "scheduler" / "scheduler_config.json").write_text("{}")
     (root / "transformer").mkdir()
@@ -44,8 +48,15 @@ def _blocked_path(tmp_path: Path) -> Path:
 
 
 def _start(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stagemesh", *argv], cwd=REPO, capture_output=True,
-                          text=True, timeout=START_TIMEOUT_S, stdin=subprocess.DEVNULL, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "stagemesh", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT_S,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
 
 
 def _last_log_line(stderr: str) -> dict:
@@ -90,10 +101,13 @@ def test_cache_whose_root_cannot_be_created_exits_1_naming_it(tmp_path):
     _assert_refused(done, 1, "cache service", f"cache root {blocked}")
 
 
-@pytest.mark.parametrize("error,code,traceback", [
-    ("RuntimeError('a bug')", 1, True),  # unexpected: its traceback is what finds the bug
-    ("PermissionError(13, 'Permission denied', '/srv/weights')", 1, False),
-])
+@pytest.mark.parametrize(
+    "error,code,traceback",
+    [
+        ("RuntimeError('a bug')", 1, True),  # unexpected: its traceback is what finds the bug
+        ("PermissionError(13, 'Permission denied', '/srv/weights')", 1, False),
+    ],
+)
 def test_only_unexpected_errors_keep_their_traceback(error, code, traceback):
     program = textwrap.dedent(f"""
         from stagemesh import logs, serve
@@ -104,8 +118,9 @@ def test_only_unexpected_errors_keep_their_traceback(error, code, traceback):
         logs.configure("probe")
         serve.main("probe", service())
     """)
-    done = subprocess.run([sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True,
-                          timeout=START_TIMEOUT_S, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True, timeout=START_TIMEOUT_S, check=False
+    )
     assert done.returncode == code, done.stderr
     assert ("Traceback" in done.stderr) is traceback, done.stderr
     last = _last_log_line(done.stderr)
@@ -117,8 +132,7 @@ def test_only_unexpected_errors_keep_their_traceback(error, code, traceback):
 
 
 def test_a_refused_option_combination_exits_2_naming_the_option():
-    done = _start("stage", "--kind", "diffusion", "--enable-dlo", "--dlo-resident-layers", "-1",
-                  "--port", "0")
+    done = _start("stage", "--kind", "diffusion", "--enable-dlo", "--dlo-resident-layers", "-1", "--port", "0")
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stderr.startswith("stagemesh stage: error:") and "resident" in done.stderr

@@ -19,9 +19,9 @@ import torch
 from PIL import Image
 
 from stage_service.executor.executor import Executor
-from stagemesh.core.procutil import free_port
 from stage_service.models.runners import WorkItem, build_runner
 from stage_service.settings import StageSettings
+from stagemesh.core.procutil import free_port
 from stagemesh.v1 import gateway_pb2, generation_pb2
 from tests.meshproc import Mesh, segments_of, shm_entries, start_mesh, write_config
 
@@ -45,8 +45,9 @@ def _rank_main(rank: int, address: str, model: str, dlo: dict, out) -> None:
 
     torch.set_num_threads(1)
     group = join_group(address, rank, 2, "cpu", 60)
-    runner = build_runner("diffusion", Path(model), "cpu", dlo={**dlo, "tensor_parallel_size": 2},
-                          tp=TpGroup(2, rank, group))
+    runner = build_runner(
+        "diffusion", Path(model), "cpu", dlo={**dlo, "tensor_parallel_size": 2}, tp=TpGroup(2, rank, group)
+    )
     image = runner.run(_items())[0]["image"]
     q = runner.dit.blocks[0].attn.q.weight
     mode = runner.offload.stats().host_mode if runner.offload is not None else "resident"
@@ -59,8 +60,7 @@ def _run_tp2(model: Path, dlo: dict) -> dict[int, tuple]:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     address = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_rank_main, args=(r, address, str(model), dlo, out))
-             for r in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(r, address, str(model), dlo, out)) for r in range(2)]
     for p in procs:
         p.start()
     results = {}
@@ -75,12 +75,16 @@ def _run_tp2(model: Path, dlo: dict) -> dict[int, tuple]:
 
 # ---- settings ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("values,needle", [
-    ({"kind": "ar", "tensor_parallel_size": 2}, "diffusion stage only"),
-    ({"tensor_parallel_size": 2, "dp_size": 2}, "run more stage replicas"),
-    ({"tensor_parallel_size": 2, "workers": 3}, "the TP ranks are the workers"),
-    ({"tensor_parallel_size": 2, "device": "cuda:1"}, "its own GPU"),
-])
+
+@pytest.mark.parametrize(
+    "values,needle",
+    [
+        ({"kind": "ar", "tensor_parallel_size": 2}, "diffusion stage only"),
+        ({"tensor_parallel_size": 2, "dp_size": 2}, "run more stage replicas"),
+        ({"tensor_parallel_size": 2, "workers": 3}, "the TP ranks are the workers"),
+        ({"tensor_parallel_size": 2, "device": "cuda:1"}, "its own GPU"),
+    ],
+)
 def test_refused_tp_settings(values: dict, needle: str):
     values = {"kind": "diffusion", **values}
     with pytest.raises(ValueError, match=needle):
@@ -89,8 +93,12 @@ def test_refused_tp_settings(values: dict, needle: str):
 
 def test_the_tp_ranks_are_the_workers():
     assert StageSettings(kind="diffusion", tensor_parallel_size=2).worker_processes() == 2
-    assert StageSettings(kind="diffusion", tensor_parallel_size=2, workers=2,
-                         enable_dlo=True, dlo_use_allgather=False).worker_processes() == 2
+    assert (
+        StageSettings(
+            kind="diffusion", tensor_parallel_size=2, workers=2, enable_dlo=True, dlo_use_allgather=False
+        ).worker_processes()
+        == 2
+    )
 
 
 def test_runner_outside_a_stage_needs_the_group(tiny_model):
@@ -100,8 +108,8 @@ def test_runner_outside_a_stage_needs_the_group(tiny_model):
 
 # ---- runner ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dlo", [{}, {"enable_dlo": True, "dlo_use_allgather": False}],
-                         ids=["resident", "dlo"])
+
+@pytest.mark.parametrize("dlo", [{}, {"enable_dlo": True, "dlo_use_allgather": False}], ids=["resident", "dlo"])
 def test_tp2_equals_tp1_on_gloo_ranks(tiny_model, dlo):
     torch.set_num_threads(1)
     ref = build_runner("diffusion", tiny_model)
@@ -120,6 +128,7 @@ def test_tp2_equals_tp1_on_gloo_ranks(tiny_model, dlo):
 
 # ---- executor: lockstep, rank 0 answers, a dead rank restarts the group ------------------
 
+
 def _submit(ex: Executor) -> torch.Tensor:
     item = dataclasses.asdict(_items()[0])
     _, fut = ex.submit(0, [item])
@@ -130,8 +139,17 @@ def test_executor_runs_every_batch_on_all_tp_ranks(tiny_model):
     torch.set_num_threads(1)
     want = build_runner("diffusion", tiny_model).run(_items())[0]["image"]
     died = threading.Event()
-    ex = Executor(1, "diffusion", str(tiny_model), "cpu", 2, threads=1, step_execution=True,
-                  dlo={"tensor_parallel_size": 2}, on_death=lambda rank, why: died.set())
+    ex = Executor(
+        1,
+        "diffusion",
+        str(tiny_model),
+        "cpu",
+        2,
+        threads=1,
+        step_execution=True,
+        dlo={"tensor_parallel_size": 2},
+        on_death=lambda rank, why: died.set(),
+    )
     try:
         ex.start(120)
         assert ex.engine_workers == 1
@@ -150,6 +168,7 @@ def test_executor_runs_every_batch_on_all_tp_ranks(tiny_model):
 
 # ---- through a real mesh -----------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tp_mesh(tmp_path_factory, tiny_model, mesh):
     root = tmp_path_factory.mktemp("tp-mesh")
@@ -162,11 +181,11 @@ def tp_mesh(tmp_path_factory, tiny_model, mesh):
 
 
 def _png(m: Mesh, width: int, height: int, steps: int, seed: int, prompt: str) -> bytes:
-    params = generation_pb2.GenerationParams(prompt=prompt, width=width, height=height,
-                                             num_inference_steps=steps, seed=seed)
+    params = generation_pb2.GenerationParams(
+        prompt=prompt, width=width, height=height, num_inference_steps=steps, seed=seed
+    )
     with m.channel() as channel:
-        reply = m.gateway(channel).GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=params),
-                                                 timeout=60)
+        reply = m.gateway(channel).GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=params), timeout=60)
     return reply.result.png
 
 
@@ -179,7 +198,6 @@ def test_tp2_mesh_gives_the_png_of_tp1(tp_mesh, mesh):
         assert a.shape == b.shape and np.abs(a - b).max() <= 1, case
         same += want == got
     # Stage 1 really runs two TP ranks.
-    ready = [line for line in tp_mesh.logs().splitlines()
-             if '"worker ready"' in line and '"stage-1"' in line]
+    ready = [line for line in tp_mesh.logs().splitlines() if '"worker ready"' in line and '"stage-1"' in line]
     assert any('"rank": 1' in line for line in ready)
     print(f"TP=2 mesh: {same}/{len(CASES)} PNGs byte-identical to TP=1, the rest within ±1 level")

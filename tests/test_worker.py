@@ -27,6 +27,7 @@ from tests.worker_harness import (
 
 # ---- point 2: ACKs bypass the async path; point 7: drain; ping does not wait ---------------------
 
+
 def test_ping_ack_arrives_while_an_output_is_still_in_flight(harness_factory):
     packer = GatedPacker()
     h = harness_factory(packer=packer)
@@ -134,6 +135,7 @@ def test_shutdown_drains_pending_outputs_before_the_worker_exits():
 
 # ---- point 1: step execution runs the synchronous path, no background thread -----------------------
 
+
 def test_step_execution_sends_results_and_starts_no_output_thread(harness_factory):
     before = {t.ident for t in threading.enumerate() if t.name == "async-output"}
     h = harness_factory(runner=StubRunner(numel=300_000), step_execution=True)  # 1.2 MB: via shm
@@ -182,6 +184,7 @@ def test_async_mode_starts_one_daemon_output_thread(harness_factory):
 
 # ---- failures and cancellation on the worker's main loop -----------------------------------------------
 
+
 def test_runner_failure_is_reported_and_the_worker_lives_on(harness_factory):
     h = harness_factory(runner=StubRunner(fail_on_seed=13))
     with capture_logs() as logged:
@@ -189,8 +192,9 @@ def test_runner_failure_is_reported_and_the_worker_lives_on(harness_factory):
         failure = h.next_of(protocol.Failure)
     assert failure.rpc_id == "rpc-bad" and not failure.cancelled and "cursed" in failure.message
     # Logged as one structured event carrying the stack, not printed over the JSON log lines.
-    assert [(e["event"], e["rpc_id"], e["exc_info"]) for e in logged
-            if e["log_level"] == "error"] == [("batch failed", "rpc-bad", True)]
+    assert [(e["event"], e["rpc_id"], e["exc_info"]) for e in logged if e["log_level"] == "error"] == [
+        ("batch failed", "rpc-bad", True)
+    ]
     h.send(protocol.Execute("rpc-ok", [item(2)]))
     assert h.next_of(protocol.ComputeDone).rpc_id == "rpc-ok"
     ipc.unpack(h.next_of(protocol.OutputReady).payload)

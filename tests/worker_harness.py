@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from stage_service.worker import async_output
 from stage_service.transport import ipc, protocol
-from stage_service.worker.async_output import AsyncOutputThread
 from stage_service.transport.result_pipe import result_pipe
+from stage_service.worker import async_output
+from stage_service.worker.async_output import AsyncOutputThread
 from stage_service.worker.worker import Worker
 
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
@@ -86,8 +86,16 @@ class ObservedOutputThread(AsyncOutputThread):
 
 
 def item(seed: int) -> dict:
-    return {"request_id": f"req-{seed}", "prompt": "p", "width": 16, "height": 16, "num_inference_steps": 1,
-                "guidance_scale": 1.0, "seed": seed, "inputs": {}}
+    return {
+        "request_id": f"req-{seed}",
+        "prompt": "p",
+        "width": 16,
+        "height": 16,
+        "num_inference_steps": 1,
+        "guidance_scale": 1.0,
+        "seed": seed,
+        "inputs": {},
+    }
 
 
 class Harness:
@@ -96,8 +104,15 @@ class Harness:
     def __init__(self, runner=None, packer=None, step_execution: bool = False, own_packer: bool = False):
         self.requests = CTX.Queue()
         self.results, self.sender = result_pipe(CTX)
-        spec = protocol.WorkerSpec(rank=0, stage_id=1, kind="diffusion", model_dir="", device="cpu",
-                                   parent_pid=os.getpid(), step_execution=step_execution)
+        spec = protocol.WorkerSpec(
+            rank=0,
+            stage_id=1,
+            kind="diffusion",
+            model_dir="",
+            device="cpu",
+            parent_pid=os.getpid(),
+            step_execution=step_execution,
+        )
         self.runner = runner or StubRunner()
         self.worker = Worker(spec, self.runner, "cpu", self.requests, self.sender)
         self.packer = packer
@@ -146,4 +161,3 @@ class Harness:
         self.requests.join_thread()
         self.sender.close()
         self.results.close()
-

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import uuid
-from dataclasses import dataclass, field
-from collections.abc import Iterable
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
 
 import torch
 
-from stagemesh.core import errors, logs
-from stagemesh.core.params import Params
+from stage_service.engine.request import Batch, OutputsEvent, ProgressEvent, StageRequest
+from stage_service.engine.waves_scheduler import WaveScheduler
 from stage_service.executor.executor import Executor, ProgressFn
 from stage_service.executor.outputs import output_timeout
-from stage_service.engine.request import OutputsEvent, ProgressEvent, StageRequest, Batch
-from stage_service.engine.waves_scheduler import WaveScheduler
+from stagemesh.core import errors, logs
+from stagemesh.core.params import Params
 
 log = logs.get_logger("stagemesh.engine")
 
@@ -30,8 +28,15 @@ DISPATCH_DEPTH = 2
 
 
 class Engine:
-    def __init__(self, executor: Executor, kind: str, workers: int, max_batch_size: int, max_queue: int,
-                 on_health: Callable[[bool], Any] | None = None):
+    def __init__(
+        self,
+        executor: Executor,
+        kind: str,
+        workers: int,
+        max_batch_size: int,
+        max_queue: int,
+        on_health: Callable[[bool], Any] | None = None,
+    ):
         self._executor = executor
         self._kind = kind
         self._max_batch = max(1, max_batch_size)
@@ -83,8 +88,9 @@ class Engine:
         return len(self._waiting)
 
     # public -----------------------------------------------------------------------------------
-    async def run(self, request_id: str, params: Params, inputs: dict[str, torch.Tensor],
-                  explicit_steps: bool = True) -> AsyncIterator[Any]:
+    async def run(
+        self, request_id: str, params: Params, inputs: dict[str, torch.Tensor], explicit_steps: bool = True
+    ) -> AsyncIterator[Any]:
         """Admit one request; yield ProgressEvents then one OutputsEvent. Cancelling the
         consumer frees the request's place in the queue or in its batch."""
         if len(self._waiting) >= self._max_queue:
@@ -230,7 +236,7 @@ class Engine:
         timeout_s = output_timeout()
         try:
             outputs = await asyncio.wait_for(asyncio.wrap_future(registry.future(output_id)), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             registry.discard(output_id)
             self.deliver(req, registry.timeout_error(output_id, timeout_s))
         except asyncio.CancelledError:

@@ -29,7 +29,7 @@ class StageRequest:
     params: Params
     inputs: dict[str, torch.Tensor]
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    batch: "Batch | None" = None
+    batch: Batch | None = None
     done: bool = False
     output_id: str = ""
     # False when the caller left num_inference_steps to the stage's default (DP waves refuse it).
@@ -39,9 +39,16 @@ class StageRequest:
 
     def work_item(self) -> dict[str, Any]:
         p = self.params
-        return dict(request_id=self.request_id, prompt=p.prompt, width=p.width, height=p.height,
-                    num_inference_steps=p.num_inference_steps, guidance_scale=p.guidance_scale,
-                    seed=p.seed, inputs=self.inputs)
+        return dict(
+            request_id=self.request_id,
+            prompt=p.prompt,
+            width=p.width,
+            height=p.height,
+            num_inference_steps=p.num_inference_steps,
+            guidance_scale=p.guidance_scale,
+            seed=p.seed,
+            inputs=self.inputs,
+        )
 
 
 @dataclass(eq=False)
@@ -49,5 +56,3 @@ class Batch:
     rank: int
     requests: list[StageRequest]
     rpc_id: str = ""
-
-

@@ -48,8 +48,9 @@ class WaveRequest:
 
 def wave_timeout() -> float:
     """Seconds a wave may take, from the environment at each call (bad values: the default)."""
-    return envconfig.positive_seconds(WAVE_TIMEOUT_ENV, DEFAULT_WAVE_TIMEOUT_S, _warned_values, log,
-                                      "invalid wave timeout; using the default")
+    return envconfig.positive_seconds(
+        WAVE_TIMEOUT_ENV, DEFAULT_WAVE_TIMEOUT_S, _warned_values, log, "invalid wave timeout; using the default"
+    )
 
 
 def check_wave(requests: Sequence[WaveRequest], dp_size: int) -> None:
@@ -60,16 +61,21 @@ def check_wave(requests: Sequence[WaveRequest], dp_size: int) -> None:
         if not r.prompt.strip():
             raise WaveRejected("prompt", f"{r.request_id}: a DP wave needs a non-empty prompt")
         if r.num_inference_steps is None:
-            raise WaveRejected("num_inference_steps",
-                               f"{r.request_id}: num_inference_steps must be explicit in a DP "
-                               "wave (every rank enters each weight collective)")
+            raise WaveRejected(
+                "num_inference_steps",
+                f"{r.request_id}: num_inference_steps must be explicit in a DP "
+                "wave (every rank enters each weight collective)",
+            )
     head = requests[0]
     for r in requests[1:]:
         for field in ("num_inference_steps", "width", "height", "guidance_scale"):
             if getattr(r, field) != getattr(head, field):
-                raise WaveRejected(field, f"{r.request_id}: {field} {getattr(r, field)!r} differs "
-                                          f"from {getattr(head, field)!r} of {head.request_id} "
-                                          "in the same DP wave")
+                raise WaveRejected(
+                    field,
+                    f"{r.request_id}: {field} {getattr(r, field)!r} differs "
+                    f"from {getattr(head, field)!r} of {head.request_id} "
+                    "in the same DP wave",
+                )
 
 
 def assign(requests: Sequence[WaveRequest], dp_size: int) -> list[WaveRequest | None]:
@@ -80,29 +86,31 @@ def assign(requests: Sequence[WaveRequest], dp_size: int) -> list[WaveRequest | 
 Dispatch = Callable[[int, WaveRequest | None, WaveRequest], cf.Future]
 
 
-def run_wave(requests: Sequence[WaveRequest], dp_size: int, dispatch: Dispatch,
-             timeout_s: float | None = None) -> list[Any]:
+def run_wave(
+    requests: Sequence[WaveRequest], dp_size: int, dispatch: Dispatch, timeout_s: float | None = None
+) -> list[Any]:
     """Check, dispatch one request (or a filler copy of `requests[0]`) per rank, and wait for
     all of them. Returns the results of the real requests, in order; raises WaveRejected before any
     dispatch, WaveFailed when a rank fails or does not answer in time."""
     check_wave(requests, dp_size)
     timeout_s = wave_timeout() if timeout_s is None else timeout_s
-    futures = [dispatch(rank, request, requests[0])
-               for rank, request in enumerate(assign(requests, dp_size))]
+    futures = [dispatch(rank, request, requests[0]) for rank, request in enumerate(assign(requests, dp_size))]
     # A failed rank ends the wave at once: its peers would wait for it in a collective.
     done, pending = cf.wait(futures, timeout=timeout_s, return_when=cf.FIRST_EXCEPTION)
     missing = [rank for rank, f in enumerate(futures) if f in pending]
-    failed = [rank for rank, f in enumerate(futures)
-              if f in done and (f.cancelled() or f.exception() is not None)]
+    failed = [rank for rank, f in enumerate(futures) if f in done and (f.cancelled() or f.exception() is not None)]
     if missing or failed:
         for f in pending:
             f.cancel()
         ids = [r.request_id for r in requests]
-        log.error("dp wave failed closed", missing_ranks=missing, failed_ranks=failed,
-                  requests=ids, timeout_s=timeout_s)
+        log.error(
+            "dp wave failed closed", missing_ranks=missing, failed_ranks=failed, requests=ids, timeout_s=timeout_s
+        )
         first = futures[failed[0]] if failed else None
-        why = (f"rank(s) {failed} failed: "
-               f"{'cancelled' if first.cancelled() else first.exception()}" if failed
-               else f"rank(s) {missing} did not answer within {timeout_s:g} s")
+        why = (
+            f"rank(s) {failed} failed: {'cancelled' if first.cancelled() else first.exception()}"
+            if failed
+            else f"rank(s) {missing} did not answer within {timeout_s:g} s"
+        )
         raise WaveFailed(f"DP wave of {ids} failed: {why}")
     return [futures[rank].result() for rank in range(len(requests))]

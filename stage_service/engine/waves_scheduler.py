@@ -27,11 +27,10 @@ import concurrent.futures as cf
 from collections.abc import Awaitable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from stage_service.transport import protocol
-from stage_service.engine.wave_rules import (WaveFailed, WaveRejected, WaveRequest, check_wave,
-                                         run_wave, wave_timeout)
 from stage_service.engine.request import StageRequest
+from stage_service.engine.wave_rules import WaveFailed, WaveRejected, WaveRequest, check_wave, run_wave, wave_timeout
 from stage_service.executor.executor import ProgressFn
+from stage_service.transport import protocol
 from stagemesh.core import errors, logs
 
 if TYPE_CHECKING:
@@ -52,13 +51,20 @@ class WaveHost(Protocol):
     async def ranks_up(self, ranks: Iterable[int]) -> None: ...
     def fail_waiting(self, exc: BaseException) -> None: ...
 
+
 RECOVERY_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
 
 
 def wave_request(req: StageRequest) -> WaveRequest:
     p = req.params
-    return WaveRequest(req.request_id, p.prompt, p.width, p.height,
-                       p.num_inference_steps if req.explicit_steps else None, p.guidance_scale)
+    return WaveRequest(
+        req.request_id,
+        p.prompt,
+        p.width,
+        p.height,
+        p.num_inference_steps if req.explicit_steps else None,
+        p.guidance_scale,
+    )
 
 
 def _fits(wave: list[StageRequest], req: StageRequest, size: int) -> bool:
@@ -108,8 +114,7 @@ class WaveScheduler:
             self.running = False
             self._engine.wake()
         if results is not None:
-            await asyncio.gather(*(self._engine.collect([r], done)
-                                   for r, done in zip(wave, results)))
+            await asyncio.gather(*(self._engine.collect([r], done) for r, done in zip(wave, results)))
 
     async def _run_ranks(self, wave: list[StageRequest]) -> list[Any] | None:
         """Dispatch the wave and wait for every rank; None when the wave did not run."""
@@ -128,18 +133,15 @@ class WaveScheduler:
         requests = [wave_request(r) for r in wave]
         self.counts.update(waves=1, requests=len(wave), fillers=self.size - len(wave))
         try:
-            return await asyncio.to_thread(run_wave, requests, self.size, dispatch,
-                                           wave_timeout())
+            return await asyncio.to_thread(run_wave, requests, self.size, dispatch, wave_timeout())
         except WaveRejected as exc:  # admission and next_wave() keep such waves from forming
             self._fail(wave, errors.InvalidArgument.field(f"params.{exc.field}", str(exc)))
         except Exception as exc:  # noqa: BLE001 - WaveFailed, or a dispatch that broke midway
-            why = str(exc) if isinstance(exc, WaveFailed) else \
-                f"DP wave failed: {type(exc).__name__}: {exc}"
+            why = str(exc) if isinstance(exc, WaveFailed) else f"DP wave failed: {type(exc).__name__}: {exc}"
             self.counts.update(failed=1)
             for fut in futures:
                 self._drop_output(fut)  # what the ranks that did answer computed
-            self._fail(wave, errors.Unavailable(f"{self._executor.stage_name}: {why}; the "
-                                                "stage restarts its DP group"))
+            self._fail(wave, errors.Unavailable(f"{self._executor.stage_name}: {why}; the stage restarts its DP group"))
             self.recover(why)
         return None
 
@@ -180,5 +182,6 @@ class WaveScheduler:
             await self._engine.ranks_up(range(self.size))
             return
         log.error("dp group stays down after repeated restart failures")
-        self._engine.fail_waiting(errors.Unavailable(
-            f"{self._executor.stage_name}: its DP group could not be restarted"))
+        self._engine.fail_waiting(
+            errors.Unavailable(f"{self._executor.stage_name}: its DP group could not be restarted")
+        )

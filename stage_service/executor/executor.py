@@ -9,13 +9,14 @@ import os
 import queue
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from stage_service.transport import ipc, protocol
 from stage_service.executor import worker_startup
-from stage_service.offload.config import DloOptions
 from stage_service.executor.outputs import OutputRegistry, resolve_future
+from stage_service.offload.config import DloOptions
+from stage_service.transport import ipc, protocol
 from stagemesh.core import errors, logs
 from stagemesh.core.procutil import free_port
 
@@ -49,29 +50,52 @@ class _Worker:
 
 
 class Executor:
-    def __init__(self, stage_id: int, kind: str, model_dir: str, device: str, workers: int,
-                 threads: int = 0, on_death: DeathFn | None = None, step_execution: bool = False,
-                 dlo: dict | None = None, cuda_graphs: bool = True):
+    def __init__(
+        self,
+        stage_id: int,
+        kind: str,
+        model_dir: str,
+        device: str,
+        workers: int,
+        threads: int = 0,
+        on_death: DeathFn | None = None,
+        step_execution: bool = False,
+        dlo: dict | None = None,
+        cuda_graphs: bool = True,
+    ):
         self.stage_name = f"stage {stage_id} ({kind})"
         self.step_execution = step_execution
         opts = DloOptions.from_mapping(dlo)
         # DLO AllGather: the ranks form one process group and take requests in DP waves.
         self.wave_size = opts.dp_size if kind == "diffusion" and opts.forms_dp_group else 1
         if self.wave_size > 1 and workers != self.wave_size:
-            raise ValueError(f"{self.stage_name}: dp_size = {self.wave_size} with DLO AllGather "
-                             f"runs {self.wave_size} worker processes, got workers = {workers}")
+            raise ValueError(
+                f"{self.stage_name}: dp_size = {self.wave_size} with DLO AllGather "
+                f"runs {self.wave_size} worker processes, got workers = {workers}"
+            )
         # Tensor parallelism: the processes are the TP ranks of one model. The engine sees one
         # worker (rank 0); every batch and control call goes to all ranks, rank 0 answers.
         self.tp_size = opts.tensor_parallel_size
-        if self.tp_size > 1 and (kind != "diffusion" or workers != self.tp_size
-                                 or self.wave_size > 1):
-            raise ValueError(f"{self.stage_name}: tensor_parallel_size = {self.tp_size} needs a "
-                             f"diffusion stage with {self.tp_size} worker processes and no DP "
-                             f"group (got kind {kind!r}, workers = {workers})")
+        if self.tp_size > 1 and (kind != "diffusion" or workers != self.tp_size or self.wave_size > 1):
+            raise ValueError(
+                f"{self.stage_name}: tensor_parallel_size = {self.tp_size} needs a "
+                f"diffusion stage with {self.tp_size} worker processes and no DP "
+                f"group (got kind {kind!r}, workers = {workers})"
+            )
         self.engine_workers = 1 if self.tp_size > 1 else workers
         self._specs = [
-            protocol.WorkerSpec(rank, stage_id, kind, str(model_dir), device, os.getpid(), threads, step_execution,
-                                cuda_graphs=cuda_graphs, dlo=dict(dlo or {}))
+            protocol.WorkerSpec(
+                rank,
+                stage_id,
+                kind,
+                str(model_dir),
+                device,
+                os.getpid(),
+                threads,
+                step_execution,
+                cuda_graphs=cuda_graphs,
+                dlo=dict(dlo or {}),
+            )
             for rank in range(workers)
         ]
         self.outputs = OutputRegistry(self.stage_name)
@@ -127,11 +151,16 @@ class Executor:
 
     def device_memory_bytes(self) -> int:
         """Device memory of the workers, as each last reported it (at load, then with each reply)."""
-        return sum(w.stats.device_memory_bytes if w.stats is not None else w.ready.device_memory_bytes
-                   for w in list(self._workers.values()) if w.ready is not None)
+        return sum(
+            w.stats.device_memory_bytes if w.stats is not None else w.ready.device_memory_bytes
+            for w in list(self._workers.values())
+            if w.ready is not None
+        )
 
     # requests -------------------------------------------------------------------------------
-    def submit(self, rank: int, items: list[dict[str, Any]], on_progress: ProgressFn | None = None) -> tuple[str, cf.Future]:
+    def submit(
+        self, rank: int, items: list[dict[str, Any]], on_progress: ProgressFn | None = None
+    ) -> tuple[str, cf.Future]:
         rpc_id = uuid.uuid4().hex
         fut: cf.Future = cf.Future()
         w = self._workers.get(rank)
@@ -225,8 +254,7 @@ class Executor:
             w.stopping = True  # before any kill: a peer's death is no news while we stop them all
         for w in workers:
             self._stop_worker(w, graceful=False, reason=reason)
-            self.outputs.fail_rank(w.spec.rank, errors.Unavailable(
-                f"{self.stage_name} worker {w.spec.rank}: {reason}"))
+            self.outputs.fail_rank(w.spec.rank, errors.Unavailable(f"{self.stage_name} worker {w.spec.rank}: {reason}"))
             ipc.sweep(os.getpid(), w.spec.rank)
 
     def _spawn(self, spec: protocol.WorkerSpec) -> None:
@@ -306,13 +334,17 @@ class Executor:
                 outputs = [ipc.unpack(o) for o in msg.outputs]
             except Exception as exc:  # noqa: BLE001 - a bad payload fails its request, not the pump
                 ipc.discard(msg.outputs)
-                resolve_future(pending.future, exc=errors.StagemeshError(
-                    f"{self.stage_name}: could not unpack result: {exc}"))
+                resolve_future(
+                    pending.future, exc=errors.StagemeshError(f"{self.stage_name}: could not unpack result: {exc}")
+                )
             else:
                 resolve_future(pending.future, result=outputs)
         elif isinstance(msg, protocol.Failure):
-            exc = errors.Cancelled(msg.message) if msg.cancelled else errors.StagemeshError(
-                f"{self.stage_name} failed: {msg.message}")
+            exc = (
+                errors.Cancelled(msg.message)
+                if msg.cancelled
+                else errors.StagemeshError(f"{self.stage_name} failed: {msg.message}")
+            )
             resolve_future(pending.future, exc=exc)
 
     def _note_stats(self, w: _Worker, stats: protocol.WorkerStats) -> None:
@@ -327,15 +359,17 @@ class Executor:
     def _output_ready(self, msg: protocol.OutputReady) -> None:
         # Unpack first, whoever waits: a shared-memory segment never outlives its reader.
         if msg.error is not None:
-            self.outputs.deliver(msg.async_output_id, exc=errors.StagemeshError(
-                f"{self.stage_name}: output failed: {msg.error}"))
+            self.outputs.deliver(
+                msg.async_output_id, exc=errors.StagemeshError(f"{self.stage_name}: output failed: {msg.error}")
+            )
             return
         try:
             result = [ipc.unpack(item) for item in msg.payload]
         except Exception as exc:  # noqa: BLE001 - a bad payload fails its request, not the pump
             ipc.discard(msg.payload)
-            self.outputs.deliver(msg.async_output_id, exc=errors.StagemeshError(
-                f"{self.stage_name}: could not unpack output: {exc}"))
+            self.outputs.deliver(
+                msg.async_output_id, exc=errors.StagemeshError(f"{self.stage_name}: could not unpack output: {exc}")
+            )
             return
         self.outputs.deliver(msg.async_output_id, result)
 
@@ -387,4 +421,3 @@ class Executor:
         w.results.close()
         if w.pump is not None and w.pump is not threading.current_thread():
             w.pump.join(JOIN_TIMEOUT_S)
-

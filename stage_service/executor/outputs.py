@@ -22,8 +22,9 @@ _warned_values: set[str] = set()
 
 def output_timeout() -> float:
     """Seconds to wait for an output, read from the environment at every wait."""
-    return envconfig.positive_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, _warned_values, log,
-                                      "ignoring bad async output timeout")
+    return envconfig.positive_seconds(
+        TIMEOUT_ENV, DEFAULT_TIMEOUT_S, _warned_values, log, "ignoring bad async output timeout"
+    )
 
 
 def split_id(batch_id: str, request_key: str) -> str:
@@ -75,7 +76,9 @@ class OutputRegistry:
             if batch_id in self._cached:
                 batch = self._cached.pop(batch_id)
                 for i, sub_id in enumerate(sub_ids):
-                    self._resolve_locked(sub_id, *((None, batch) if isinstance(batch, BaseException) else (batch[i], None)))
+                    self._resolve_locked(
+                        sub_id, *((None, batch) if isinstance(batch, BaseException) else (batch[i], None))
+                    )
                 return sub_ids
             self._splits[batch_id] = sub_ids
             owner = self._owner.get(batch_id)
@@ -153,8 +156,11 @@ class OutputRegistry:
 
     def pending_summary(self) -> dict[str, Any]:
         with self._lock:
-            return {"waiting": sorted(self._waiting), "cached": sorted(self._cached),
-                    "splits": {k: list(v) for k, v in self._splits.items()}}
+            return {
+                "waiting": sorted(self._waiting),
+                "cached": sorted(self._cached),
+                "splits": {k: list(v) for k, v in self._splits.items()},
+            }
 
     def is_empty(self) -> bool:
         with self._lock:

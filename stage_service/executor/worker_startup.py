@@ -11,8 +11,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from stage_service.transport import protocol
-from stage_service.worker import worker
 from stage_service.transport.result_pipe import result_pipe
+from stage_service.worker import worker
 from stagemesh.core import errors
 
 POLL_S = 0.1
@@ -24,7 +24,9 @@ def spawn(ctx: Any, spec: protocol.WorkerSpec) -> tuple[mp.Process, Any, Any]:
     requests = ctx.Queue()
     results, sender = result_pipe(ctx)
     process = ctx.Process(
-        target=worker.main, args=(spec, requests, sender), name=f"stagemesh-worker-{spec.stage_id}-{spec.rank}",
+        target=worker.main,
+        args=(spec, requests, sender),
+        name=f"stagemesh-worker-{spec.stage_id}-{spec.rank}",
         daemon=True,
     )
     process.start()
@@ -45,8 +47,7 @@ def wait_ready(stage_name: str, workers: Mapping[int, Any], timeout_s: float) ->
                 del waiting[rank]
                 yield rank, ready
         if waiting and time.monotonic() > deadline:
-            raise errors.Unavailable(f"{stage_name} worker {next(iter(waiting))} not ready after "
-                                     f"{timeout_s:.0f} s")
+            raise errors.Unavailable(f"{stage_name} worker {next(iter(waiting))} not ready after {timeout_s:.0f} s")
 
 
 def _poll(stage_name: str, rank: int, w: Any, timeout_s: float) -> protocol.Ready | None:
@@ -54,12 +55,14 @@ def _poll(stage_name: str, rank: int, w: Any, timeout_s: float) -> protocol.Read
         msg = w.results.get(timeout=timeout_s)
     except EOFError:
         w.process.join(POLL_S)  # it closed its end: it is exiting
-        raise errors.Unavailable(f"{stage_name} worker {rank} exited while loading "
-                                 f"(exit code {w.process.exitcode})") from None
+        raise errors.Unavailable(
+            f"{stage_name} worker {rank} exited while loading (exit code {w.process.exitcode})"
+        ) from None
     except queue.Empty:
         if not w.process.is_alive():
-            raise errors.Unavailable(f"{stage_name} worker {rank} exited while loading "
-                                     f"(exit code {w.process.exitcode})") from None
+            raise errors.Unavailable(
+                f"{stage_name} worker {rank} exited while loading (exit code {w.process.exitcode})"
+            ) from None
         return None
     if isinstance(msg, protocol.LoadFailed):
         raise errors.Unavailable(f"{stage_name} worker {rank} failed to load: {msg.message}")

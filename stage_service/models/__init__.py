@@ -7,7 +7,21 @@ from stage_service.models.runners import ArRunner, DiffusionRunner, WorkItem, bu
 from stage_service.models.weights import default_model_dir, ensure_model_dir, load_dit, load_lm, read_config
 
 __all__ = [
-    "ArRunner", "ByteTokenizer", "CausalLM", "DiT", "DiTConfig", "DiffusionRunner",
-    "LMConfig", "LatentDecoder", "PipelineConfig", "WorkItem", "build_runner",
-    "default_model_dir", "ensure_model_dir", "load_dit", "load_lm", "read_config", "sample",
+    "ArRunner",
+    "ByteTokenizer",
+    "CausalLM",
+    "DiT",
+    "DiTConfig",
+    "DiffusionRunner",
+    "LMConfig",
+    "LatentDecoder",
+    "PipelineConfig",
+    "WorkItem",
+    "build_runner",
+    "default_model_dir",
+    "ensure_model_dir",
+    "load_dit",
+    "load_lm",
+    "read_config",
+    "sample",
 ]

@@ -48,12 +48,10 @@ class LMConfig:
     def __post_init__(self) -> None:
         _require(self.vocab_size >= BYTE_VOCAB, f"vocab_size must be >= {BYTE_VOCAB}")
         _require(self.d_model > 0 and self.n_layers > 0, "d_model and n_layers must be > 0")
-        _require(self.n_heads > 0 and self.d_model % self.n_heads == 0,
-                 "d_model must be divisible by n_heads")
+        _require(self.n_heads > 0 and self.d_model % self.n_heads == 0, "d_model must be divisible by n_heads")
         _require(self.decode_tokens >= 0, "decode_tokens must be >= 0")
         # Room for BOS, at least one prompt byte and every decoded token.
-        _require(self.max_seq_len >= self.decode_tokens + 2,
-                 "max_seq_len must be >= decode_tokens + 2")
+        _require(self.max_seq_len >= self.decode_tokens + 2, "max_seq_len must be >= decode_tokens + 2")
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -74,12 +72,19 @@ class DiTConfig:
     decoder_channels: int = 32
 
     def __post_init__(self) -> None:
-        positive = (self.latent_channels, self.vae_scale, self.patch_size, self.hidden_size,
-                    self.depth, self.num_heads, self.cond_dim, self.decoder_channels)
+        positive = (
+            self.latent_channels,
+            self.vae_scale,
+            self.patch_size,
+            self.hidden_size,
+            self.depth,
+            self.num_heads,
+            self.cond_dim,
+            self.decoder_channels,
+        )
         _require(all(v > 0 for v in positive), "DiTConfig sizes must be > 0")
         _require(self.vae_scale & (self.vae_scale - 1) == 0, "vae_scale must be a power of two")
-        _require(self.hidden_size % self.num_heads == 0,
-                 "hidden_size must be divisible by num_heads")
+        _require(self.hidden_size % self.num_heads == 0, "hidden_size must be divisible by num_heads")
         # The 2-D sin/cos position code splits hidden_size into 4 equal parts.
         _require(self.hidden_size % 4 == 0, "hidden_size must be divisible by 4")
         _require(self.mlp_ratio > 0, "mlp_ratio must be > 0")
@@ -104,8 +109,10 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         # The LM hidden states are the DiT's conditioning tokens.
-        _require(self.dit.cond_dim == self.lm.d_model,
-                 f"dit.cond_dim ({self.dit.cond_dim}) must equal lm.d_model ({self.lm.d_model})")
+        _require(
+            self.dit.cond_dim == self.lm.d_model,
+            f"dit.cond_dim ({self.dit.cond_dim}) must equal lm.d_model ({self.lm.d_model})",
+        )
         _require(0 <= self.weight_seed < 2**63, "weight_seed must be in [0, 2**63)")
 
     @property
@@ -113,8 +120,7 @@ class PipelineConfig:
         return DTYPES[self.dtype]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"lm": asdict(self.lm), "dit": asdict(self.dit),
-                "weight_seed": self.weight_seed, "dtype": self.dtype}
+        return {"lm": asdict(self.lm), "dit": asdict(self.dit), "weight_seed": self.weight_seed, "dtype": self.dtype}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PipelineConfig:
@@ -132,6 +138,13 @@ class PipelineConfig:
     def flux_sized(cls) -> PipelineConfig:
         """A ~12B-parameter DiT in the size class of FLUX.1, for offload and memory benchmarks."""
         lm = LMConfig(d_model=1024, n_layers=4, n_heads=16)
-        dit = DiTConfig(latent_channels=16, hidden_size=3072, depth=57, num_heads=24,
-                        mlp_ratio=4.0, cond_dim=1024, decoder_channels=128)
+        dit = DiTConfig(
+            latent_channels=16,
+            hidden_size=3072,
+            depth=57,
+            num_heads=24,
+            mlp_ratio=4.0,
+            cond_dim=1024,
+            decoder_channels=128,
+        )
         return cls(lm=lm, dit=dit, dtype="bfloat16")

@@ -39,8 +39,9 @@ def check_batch(batch: list[WorkItem]) -> None:
     for item in batch[1:]:
         mine = (item.width, item.height, item.num_inference_steps, item.guidance_scale)
         if mine != shared:
-            raise ValueError(f"{item.request_id}: (width, height, steps, guidance) {mine} "
-                             f"differs from the batch's {shared}")
+            raise ValueError(
+                f"{item.request_id}: (width, height, steps, guidance) {mine} differs from the batch's {shared}"
+            )
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,7 @@ class Runner(Protocol):
 
     kind: str
 
-    def run(self, batch: list[WorkItem], progress: Progress | None = None
-            ) -> list[dict[str, torch.Tensor]]: ...
+    def run(self, batch: list[WorkItem], progress: Progress | None = None) -> list[dict[str, torch.Tensor]]: ...
 
     def limits(self) -> dict[str, Any]: ...
 

@@ -11,11 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from stage_service import platform
-from stage_service.offload.plan import OffloadPlan
-
 from stage_service.models.config import DiTConfig
 from stage_service.models.tp import TpGroup, column, row, split
-
+from stage_service.offload.plan import OffloadPlan
 
 TIME_FREQ_DIM = 256
 MIN_COND_BUCKET = 8
@@ -25,8 +23,15 @@ Progress = Callable[[int, int], None]
 class CapturedSteps(Protocol):
     """Replays the denoising loop from captured graphs (models.step_graphs.StepGraphs)."""
 
-    def denoise(self, x: torch.Tensor, cond: torch.Tensor, mask: torch.Tensor, steps: int,
-                guidance_scale: float, progress: Progress | None = None) -> torch.Tensor: ...
+    def denoise(
+        self,
+        x: torch.Tensor,
+        cond: torch.Tensor,
+        mask: torch.Tensor,
+        steps: int,
+        guidance_scale: float,
+        progress: Progress | None = None,
+    ) -> torch.Tensor: ...
 
 
 def timestep_embedding(t: torch.Tensor, dim: int = TIME_FREQ_DIM) -> torch.Tensor:
@@ -46,8 +51,7 @@ def _sincos(pos: torch.Tensor, dim: int) -> torch.Tensor:
 
 def pos_embed_2d(grid_h: int, grid_w: int, dim: int, device: torch.device) -> torch.Tensor:
     """Fixed 2-D position code [grid_h * grid_w, dim]; computed per call so any size works."""
-    ys, xs = torch.meshgrid(torch.arange(grid_h, device=device),
-                            torch.arange(grid_w, device=device), indexing="ij")
+    ys, xs = torch.meshgrid(torch.arange(grid_h, device=device), torch.arange(grid_w, device=device), indexing="ij")
     return torch.cat([_sincos(ys.flatten(), dim // 2), _sincos(xs.flatten(), dim // 2)], dim=-1)
 
 
@@ -70,33 +74,34 @@ class Attention(nn.Module):
         b, n, d = t.shape
         return t.view(b, n, self.heads, d // self.heads).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
-                key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, context: torch.Tensor | None = None, key_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         context = x if context is None else context
         k, v = self.kv(context).chunk(2, dim=-1)
         # key_mask [B, L] True = attend; broadcast over heads and queries.
         mask = None if key_mask is None else key_mask[:, None, None, :]
-        out = F.scaled_dot_product_attention(
-            self._heads(self.q(x)), self._heads(k), self._heads(v), attn_mask=mask)
+        out = F.scaled_dot_product_attention(self._heads(self.q(x)), self._heads(k), self._heads(v), attn_mask=mask)
         b, _, n, _ = out.shape
         return self.proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
 class DiTBlock(nn.Module):
-    def __init__(self, hidden: int, heads: int, mlp_hidden: int,
-                 tp: TpGroup | None = None) -> None:
+    def __init__(self, hidden: int, heads: int, mlp_hidden: int, tp: TpGroup | None = None) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
         self.attn = Attention(hidden, heads, tp)
         self.norm_cross = nn.LayerNorm(hidden, eps=1e-6)
         self.cross_attn = Attention(hidden, heads, tp)
         self.norm2 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
-        self.mlp = nn.Sequential(column(hidden, mlp_hidden, tp), nn.GELU(approximate="tanh"),
-                                 row(mlp_hidden, hidden, tp))
+        self.mlp = nn.Sequential(
+            column(hidden, mlp_hidden, tp), nn.GELU(approximate="tanh"), row(mlp_hidden, hidden, tp)
+        )
         self.adaLN = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 6 * hidden))
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor, context: torch.Tensor,
-                context_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, c: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None
+    ) -> torch.Tensor:
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN(c).chunk(6, dim=-1)
         x = x + gate1[:, None] * self.attn(modulate(self.norm1(x), shift1, scale1))
         x = x + self.cross_attn(self.norm_cross(x), context, context_mask)
@@ -128,12 +133,10 @@ class DiT(nn.Module):
         c, p, hid = config.latent_channels, config.patch_size, config.hidden_size
         self.x_embed = nn.Linear(c * p * p, hid)
         self.t_embed = nn.Sequential(nn.Linear(TIME_FREQ_DIM, hid), nn.SiLU(), nn.Linear(hid, hid))
-        self.cond_embed = nn.Sequential(nn.Linear(config.cond_dim, hid), nn.SiLU(),
-                                        nn.Linear(hid, hid))
+        self.cond_embed = nn.Sequential(nn.Linear(config.cond_dim, hid), nn.SiLU(), nn.Linear(hid, hid))
         # Unconditional tokens for classifier-free guidance.
         self.null_cond = nn.Parameter(torch.zeros(1, config.cond_dim))
-        self.blocks = nn.ModuleList(
-            DiTBlock(hid, config.num_heads, config.mlp_hidden, tp) for _ in range(config.depth))
+        self.blocks = nn.ModuleList(DiTBlock(hid, config.num_heads, config.mlp_hidden, tp) for _ in range(config.depth))
         self.final = FinalLayer(hid, c * p * p)
 
     def _patchify(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,8 +151,9 @@ class DiT(nn.Module):
         x = x.view(b, h // p, w // p, c, p, p).permute(0, 3, 1, 4, 2, 5)
         return x.reshape(b, c, h, w)
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor,
-                cond_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor, cond_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [B, C, h, w], t [B] in [0, 1], cond [B, L, cond_dim], cond_mask [B, L] (True=valid)."""
         _, _, h, w = x.shape
         p = self.config.patch_size
@@ -213,8 +217,9 @@ def pad_conds(conds: list[torch.Tensor], length: int | None = None) -> tuple[tor
     return out, mask
 
 
-def _check_sample_args(dit: DiT, conds: list[torch.Tensor], width: int, height: int,
-                       steps: int, seeds: list[int]) -> None:
+def _check_sample_args(
+    dit: DiT, conds: list[torch.Tensor], width: int, height: int, steps: int, seeds: list[int]
+) -> None:
     cfg = dit.config
     if not conds or len(conds) != len(seeds):
         raise ValueError(f"need one seed per cond and at least one ({len(conds)} vs {len(seeds)})")
@@ -223,8 +228,7 @@ def _check_sample_args(dit: DiT, conds: list[torch.Tensor], width: int, height: 
             raise ValueError(f"cond must be [L>=1, {cfg.cond_dim}], got {tuple(c.shape)}")
     m = cfg.pixel_multiple
     if width <= 0 or height <= 0 or width % m or height % m:
-        raise ValueError(f"width and height must be positive multiples of {m}, "
-                         f"got {width}x{height}")
+        raise ValueError(f"width and height must be positive multiples of {m}, got {width}x{height}")
     if steps < 1:
         raise ValueError(f"num_inference_steps must be >= 1, got {steps}")
 
@@ -233,13 +237,19 @@ def initial_noise(dit: DiT, width: int, height: int, seeds: list[int]) -> torch.
     """Per-request CPU noise, so results do not depend on batch mates or on the device."""
     cfg = dit.config
     shape = (cfg.latent_channels, height // cfg.vae_scale, width // cfg.vae_scale)
-    noise = [torch.randn(shape, generator=torch.Generator(device="cpu").manual_seed(s))
-             for s in seeds]
+    noise = [torch.randn(shape, generator=torch.Generator(device="cpu").manual_seed(s)) for s in seeds]
     return torch.stack(noise)
 
 
-def velocity(dit: DiT, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor, mask: torch.Tensor,
-             guided: bool, guidance: float | torch.Tensor) -> torch.Tensor:
+def velocity(
+    dit: DiT,
+    x: torch.Tensor,
+    t: torch.Tensor,
+    cond: torch.Tensor,
+    mask: torch.Tensor,
+    guided: bool,
+    guidance: float | torch.Tensor,
+) -> torch.Tensor:
     """The flow velocity of latents `x` at times `t` (one per DiT row), float32; with guidance
     `cond` holds the conditional rows then the unconditional ones."""
     v = dit(torch.cat([x, x]) if guided else x, t, cond, mask).float()
@@ -249,8 +259,15 @@ def velocity(dit: DiT, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor, mas
     return v_u + guidance * (v_c - v_u)
 
 
-def _euler(dit: DiT, x: torch.Tensor, cond: torch.Tensor, mask: torch.Tensor, n: int,
-           guidance_scale: float, progress: Progress | None) -> torch.Tensor:
+def _euler(
+    dit: DiT,
+    x: torch.Tensor,
+    cond: torch.Tensor,
+    mask: torch.Tensor,
+    n: int,
+    guidance_scale: float,
+    progress: Progress | None,
+) -> torch.Tensor:
     guided = guidance_scale != 1.0
     for i in range(n):
         t, t_next = 1.0 - i / n, 1.0 - (i + 1) / n
@@ -261,9 +278,18 @@ def _euler(dit: DiT, x: torch.Tensor, cond: torch.Tensor, mask: torch.Tensor, n:
     return x
 
 
-def sample(dit: DiT, decoder: LatentDecoder, conds: list[torch.Tensor], width: int,
-           height: int, num_inference_steps: int, guidance_scale: float, seeds: list[int],
-           progress: Progress | None = None, graphs: CapturedSteps | None = None) -> torch.Tensor:
+def sample(
+    dit: DiT,
+    decoder: LatentDecoder,
+    conds: list[torch.Tensor],
+    width: int,
+    height: int,
+    num_inference_steps: int,
+    guidance_scale: float,
+    seeds: list[int],
+    progress: Progress | None = None,
+    graphs: CapturedSteps | None = None,
+) -> torch.Tensor:
     """Euler flow-matching sampler; returns images [B, height, width, 3] float32 in [0, 1].
     With `graphs` the steps are replayed from captured CUDA graphs (same arithmetic)."""
     _check_sample_args(dit, conds, width, height, num_inference_steps, seeds)

@@ -7,11 +7,8 @@ from pathlib import Path
 
 import torch
 
-from stage_service.models.weights import (DECODER_PREFIX, DIT_FILE, DIT_PREFIX, build_dit,
-                                          load_dit, read_config)
-
 from stage_service.models.tp import TpGroup
-
+from stage_service.models.weights import DECODER_PREFIX, DIT_FILE, DIT_PREFIX, build_dit, load_dit, read_config
 from stage_service.offload.checkpoint import load_or_fallback
 from stage_service.offload.collective import group_shape
 from stage_service.offload.config import DloOptions
@@ -35,9 +32,9 @@ def load_host_dit(model_dir: Path, tp: TpGroup | None = None, try_mmap: bool = T
         ordinary()
         reason = "dlo_checkpoint_mmap is off"
     else:
-        reason = load_or_fallback([model_dir / DIT_FILE],
-                                  {DIT_PREFIX: dit, DECODER_PREFIX: decoder}, ordinary,
-                                  1 if tp is None else tp.size)
+        reason = load_or_fallback(
+            [model_dir / DIT_FILE], {DIT_PREFIX: dit, DECODER_PREFIX: decoder}, ordinary, 1 if tp is None else tp.size
+        )
     if reason is not None:
         dit, decoder = loaded["dit"], loaded["decoder"]
     for m in (dit, decoder):
@@ -45,32 +42,42 @@ def load_host_dit(model_dir: Path, tp: TpGroup | None = None, try_mmap: bool = T
     return dit, decoder, reason is None, reason
 
 
-def load_offloaded_dit(model_dir: Path, device: str | torch.device, opts: DloOptions,
-                       group=None, tp: TpGroup | None = None):
+def load_offloaded_dit(
+    model_dir: Path, device: str | torch.device, opts: DloOptions, group=None, tp: TpGroup | None = None
+):
     """(dit, decoder, engine, runtime-cache result or None). `group`: the DP process group for
     AllGather (dp_size > 1); `tp`: the rank's TP coordinate (its blocks hold only its shards)."""
     if opts.allgather_active and group is None:
         # The stage's executor forms the group; only a caller outside a stage gets here.
-        raise ValueError(f"dp_size = {opts.dp_size} with AllGather needs the process group of "
-                         "the stage's DP ranks: pass group=, or use dp_size = 1 or "
-                         "--dlo-no-use-allgather")
+        raise ValueError(
+            f"dp_size = {opts.dp_size} with AllGather needs the process group of "
+            "the stage's DP ranks: pass group=, or use dp_size = 1 or "
+            "--dlo-no-use-allgather"
+        )
     if opts.allgather_active and group_shape(group)[0] != opts.dp_size:
-        raise ValueError(f"dp_size = {opts.dp_size} but the process group has "
-                         f"{group_shape(group)[0]} ranks")
+        raise ValueError(f"dp_size = {opts.dp_size} but the process group has {group_shape(group)[0]} ranks")
     cached = None  # the runtime-cache entry the weights map, kept open while they are used
     if opts.dlo_enable_runtime_cache:
         from stage_service.models.runtime_weights import load_through_cache
 
         dit, decoder, mapped, cached = load_through_cache(
-            model_dir, opts, tp, lambda: load_host_dit(model_dir, tp, opts.dlo_checkpoint_mmap),
-            service_address=opts.dlo_runtime_cache_service or None)
+            model_dir,
+            opts,
+            tp,
+            lambda: load_host_dit(model_dir, tp, opts.dlo_checkpoint_mmap),
+            service_address=opts.dlo_runtime_cache_service or None,
+        )
     else:
         dit, decoder, mapped, _ = load_host_dit(model_dir, tp, opts.dlo_checkpoint_mmap)
     decoder.to(device)
     # A group of one runs no collective: it streams its own complete blocks, like no-AllGather.
     use_allgather = opts.allgather_active
-    engine = LayerwiseOffload(dit, device, resident_layers=opts.dlo_resident_layers,
-                              group=group if use_allgather else None,
-                              use_allgather=use_allgather,
-                              keep_source=mapped and not use_allgather)
+    engine = LayerwiseOffload(
+        dit,
+        device,
+        resident_layers=opts.dlo_resident_layers,
+        group=group if use_allgather else None,
+        use_allgather=use_allgather,
+        keep_source=mapped and not use_allgather,
+    )
     return dit, decoder, engine, cached

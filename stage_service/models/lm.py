@@ -35,8 +35,9 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
 
-    def forward(self, x: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None
-                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def forward(
+        self, x: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         b, n, d = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
         if past is not None:
@@ -59,11 +60,12 @@ class LMBlock(nn.Module):
         self.attn = CausalSelfAttention(d_model, n_heads)
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(
-            nn.Linear(d_model, 4 * d_model), nn.GELU(approximate="tanh"),
-            nn.Linear(4 * d_model, d_model))
+            nn.Linear(d_model, 4 * d_model), nn.GELU(approximate="tanh"), nn.Linear(4 * d_model, d_model)
+        )
 
-    def forward(self, x: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None
-                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def forward(
+        self, x: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         attn_out, present = self.attn(self.ln1(x), past)
         x = x + attn_out
         return x + self.mlp(self.ln2(x)), present
@@ -76,13 +78,11 @@ class CausalLM(nn.Module):
         self.tokenizer = ByteTokenizer(config.max_prompt_tokens)
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model)
-        self.blocks = nn.ModuleList(
-            LMBlock(config.d_model, config.n_heads) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(LMBlock(config.d_model, config.n_heads) for _ in range(config.n_layers))
         self.norm_f = nn.LayerNorm(config.d_model)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
         """tokens [B, n] continue the sequence held in `cache` (None: start fresh).
 
         Returns final-norm hidden states [B, n, d], logits [B, n, V] and the extended cache.
@@ -90,8 +90,7 @@ class CausalLM(nn.Module):
         start = cache[0][0].shape[2] if cache else 0
         n = tokens.shape[1]
         if start + n > self.config.max_seq_len:
-            raise ValueError(f"sequence length {start + n} exceeds max_seq_len "
-                             f"{self.config.max_seq_len}")
+            raise ValueError(f"sequence length {start + n} exceeds max_seq_len {self.config.max_seq_len}")
         pos = torch.arange(start, start + n, device=tokens.device)
         x = self.tok_emb(tokens) + self.pos_emb(pos)[None]
         new_cache: KVCache = []

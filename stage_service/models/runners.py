@@ -7,13 +7,14 @@ from pathlib import Path
 import torch
 
 from stage_service import platform
-from stage_service.offload.config import DloOptions
-from stage_service.models.dit_offload import load_offloaded_dit
+from stage_service.models.contract import Progress, WeightFile, WorkItem, check_batch
 from stage_service.models.dit import sample
+from stage_service.models.dit_offload import load_offloaded_dit
 from stage_service.models.step_graphs import StepGraphs
 from stage_service.models.tp import TpGroup
-from stage_service.models.contract import DeviceHolder, Progress, WeightFile, WorkItem, check_batch
 from stage_service.models.weights import DECODER_PREFIX, DIT_FILE, DIT_PREFIX, LM_FILE, load_dit, load_lm, read_config
+from stage_service.offload.config import DloOptions
+
 
 def _output(t: torch.Tensor) -> torch.Tensor:
     # Outputs stay on the device: the worker's output path copies them to the host (on a side
@@ -40,8 +41,7 @@ class ArRunner:
         """Device memory beyond the weight files that sleeps with them: none here."""
         return []
 
-    def run(self, batch: list[WorkItem], progress: Progress | None = None
-            ) -> list[dict[str, torch.Tensor]]:
+    def run(self, batch: list[WorkItem], progress: Progress | None = None) -> list[dict[str, torch.Tensor]]:
         """One output per item, in order. `progress(k, len(batch))` follows each item and may
         raise to abort the rest of the batch."""
         outputs = []
@@ -53,10 +53,12 @@ class ArRunner:
 
     def limits(self) -> dict:
         lm = self.config.lm
-        return {"max_prompt_bytes": lm.max_prompt_tokens - 1,  # BOS takes one slot
-                "max_seq_len": lm.max_seq_len,
-                "decode_tokens": lm.decode_tokens,
-                "hidden_dim": lm.d_model}
+        return {
+            "max_prompt_bytes": lm.max_prompt_tokens - 1,  # BOS takes one slot
+            "max_seq_len": lm.max_seq_len,
+            "decode_tokens": lm.decode_tokens,
+            "hidden_dim": lm.d_model,
+        }
 
 
 class DiffusionRunner:
@@ -64,8 +66,15 @@ class DiffusionRunner:
 
     kind = "diffusion"
 
-    def __init__(self, model_dir: Path, device: str = "cpu", dlo: dict | None = None,
-                 group=None, tp: TpGroup | None = None, cuda_graphs: bool = True) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        device: str = "cpu",
+        dlo: dict | None = None,
+        group=None,
+        tp: TpGroup | None = None,
+        cuda_graphs: bool = True,
+    ) -> None:
         self.model_dir = Path(model_dir)
         self.device = device
         self.config = read_config(self.model_dir)
@@ -75,12 +84,16 @@ class DiffusionRunner:
         self.tp = _tp_coordinate(opts, tp)
         if opts.enable_dlo:
             self.dit, self.decoder, self.offload, self.runtime_cache = load_offloaded_dit(
-                self.model_dir, device, opts, group=group, tp=self.tp)
+                self.model_dir, device, opts, group=group, tp=self.tp
+            )
         else:
             self.dit, self.decoder = load_dit(self.model_dir, device, tp=self.tp)
         # Graphs fix the weights' addresses: not with DLO (it streams them) or TP (collectives).
-        self.graphs = StepGraphs(self.dit) if (cuda_graphs and platform.is_cuda(device)
-                                               and self.offload is None and self.tp is None) else None
+        self.graphs = (
+            StepGraphs(self.dit)
+            if (cuda_graphs and platform.is_cuda(device) and self.offload is None and self.tp is None)
+            else None
+        )
 
     def weight_files(self) -> list[WeightFile]:
         # Under DLO the streamed blocks belong to the offload engine (host copies or the
@@ -101,12 +114,10 @@ class DiffusionRunner:
         if cond is None:
             raise ValueError(f"{item.request_id}: inputs lack 'hidden_states'")
         if cond.dim() != 2 or cond.shape[0] < 1 or cond.shape[1] != d:
-            raise ValueError(f"{item.request_id}: hidden_states must be [L>=1, {d}], "
-                             f"got {tuple(cond.shape)}")
+            raise ValueError(f"{item.request_id}: hidden_states must be [L>=1, {d}], got {tuple(cond.shape)}")
         return cond
 
-    def run(self, batch: list[WorkItem], progress: Progress | None = None
-            ) -> list[dict[str, torch.Tensor]]:
+    def run(self, batch: list[WorkItem], progress: Progress | None = None) -> list[dict[str, torch.Tensor]]:
         """Sample the whole batch as one; every item must share shape, steps and guidance.
 
         `progress(step, num_inference_steps)` follows each denoising step and may raise to
@@ -116,19 +127,28 @@ class DiffusionRunner:
             return []
         check_batch(batch)
         head = batch[0]
-        images = sample(self.dit, self.decoder, [self._cond(i) for i in batch],
-                        width=head.width, height=head.height,
-                        num_inference_steps=head.num_inference_steps,
-                        guidance_scale=head.guidance_scale,
-                        seeds=[i.seed for i in batch], progress=progress, graphs=self.graphs)
+        images = sample(
+            self.dit,
+            self.decoder,
+            [self._cond(i) for i in batch],
+            width=head.width,
+            height=head.height,
+            num_inference_steps=head.num_inference_steps,
+            guidance_scale=head.guidance_scale,
+            seeds=[i.seed for i in batch],
+            progress=progress,
+            graphs=self.graphs,
+        )
         return [{"image": _output(img)} for img in images]
 
     def limits(self) -> dict:
         dit = self.config.dit
-        return {"pixel_multiple": dit.pixel_multiple,
-                "cond_dim": dit.cond_dim,
-                "latent_channels": dit.latent_channels,
-                "vae_scale": dit.vae_scale}
+        return {
+            "pixel_multiple": dit.pixel_multiple,
+            "cond_dim": dit.cond_dim,
+            "latent_channels": dit.latent_channels,
+            "vae_scale": dit.vae_scale,
+        }
 
 
 def _tp_coordinate(opts: DloOptions, tp: TpGroup | None) -> TpGroup | None:
@@ -138,8 +158,10 @@ def _tp_coordinate(opts: DloOptions, tp: TpGroup | None) -> TpGroup | None:
         return None
     if tp is None or tp.size != size:
         have = "none" if tp is None else f"{tp.size} ranks"
-        raise ValueError(f"tensor_parallel_size = {size} needs the process group of the "
-                         f"stage's TP ranks (got {have}): pass tp=, or run it in a stage")
+        raise ValueError(
+            f"tensor_parallel_size = {size} needs the process group of the "
+            f"stage's TP ranks (got {have}): pass tp=, or run it in a stage"
+        )
     return tp
 
 
@@ -149,9 +171,15 @@ _RUNNERS: dict[str, type[ArRunner | DiffusionRunner]] = {
 }
 
 
-def build_runner(kind: str, model_dir: Path, device: str = "cpu",
-                 dlo: dict | None = None, group=None,
-                 tp: TpGroup | None = None, cuda_graphs: bool = True) -> ArRunner | DiffusionRunner:
+def build_runner(
+    kind: str,
+    model_dir: Path,
+    device: str = "cpu",
+    dlo: dict | None = None,
+    group=None,
+    tp: TpGroup | None = None,
+    cuda_graphs: bool = True,
+) -> ArRunner | DiffusionRunner:
     """Load the runner for a stage kind from an existing model folder (see ensure_model_dir).
     `group`: the stage's DP process group (DLO AllGather with dp_size > 1); `tp`: the rank's
     TP coordinate (tensor_parallel_size > 1, diffusion only); `cuda_graphs`: the embedded
@@ -167,8 +195,7 @@ def build_runner(kind: str, model_dir: Path, device: str = "cpu",
     try:
         cls = _RUNNERS[kind]
     except KeyError:
-        raise ValueError(f"unknown runner kind {kind!r}; expected one of {sorted(_RUNNERS)}") \
-            from None
+        raise ValueError(f"unknown runner kind {kind!r}; expected one of {sorted(_RUNNERS)}") from None
     if cls is DiffusionRunner:
         return cls(model_dir, device, dlo, group, tp, cuda_graphs=cuda_graphs)
     if tp is not None and tp.size > 1:

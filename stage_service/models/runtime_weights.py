@@ -27,13 +27,10 @@ from torch import nn
 
 from stage_service.models.config import PipelineConfig
 from stage_service.models.tp import TpGroup
-from stage_service.models.weights import (CONFIG_FILE, DECODER_PREFIX, DIT_FILE, DIT_PREFIX,
-                                          build_dit, read_config)
-from stage_service.runtime_cache.lookup import (MappedEntry, RuntimeCache, content_hash,
-                                         layout_key)
-from stagemesh.core import logs
-
+from stage_service.models.weights import CONFIG_FILE, DECODER_PREFIX, DIT_FILE, DIT_PREFIX, build_dit, read_config
 from stage_service.offload.config import DloOptions
+from stage_service.runtime_cache.lookup import MappedEntry, RuntimeCache, content_hash, layout_key
+from stagemesh.core import logs
 
 log = logs.get_logger("stagemesh.offload.runtime_weights")
 
@@ -84,9 +81,11 @@ def checkpoint_fingerprint(file: Path) -> str:
 
 def final_tensors(parts: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
     """Checkpoint name -> tensor: parameters and persistent buffers, as the model holds them."""
-    return {prefix + name: t.detach()
-            for prefix, module in parts.items()
-            for name, t in module.state_dict(keep_vars=True).items()}
+    return {
+        prefix + name: t.detach()
+        for prefix, module in parts.items()
+        for name, t in module.state_dict(keep_vars=True).items()
+    }
 
 
 def _check(parts: dict[str, nn.Module], tensors: dict[str, torch.Tensor]) -> None:
@@ -97,8 +96,7 @@ def _check(parts: dict[str, nn.Module], tensors: dict[str, torch.Tensor]) -> Non
     for name, t in want.items():
         m = tensors[name]
         if tuple(m.shape) != tuple(t.shape) or m.dtype != t.dtype:
-            raise LayoutMismatch(f"{name}: entry {tuple(m.shape)} {m.dtype}, model "
-                                 f"{tuple(t.shape)} {t.dtype}")
+            raise LayoutMismatch(f"{name}: entry {tuple(m.shape)} {m.dtype}, model {tuple(t.shape)} {t.dtype}")
     for prefix, module in parts.items():
         persistent = set(module.state_dict(keep_vars=True))
         if any(n not in persistent for n, _ in module.named_buffers()):
@@ -119,13 +117,14 @@ def swap_storage(parts: dict[str, nn.Module], tensors: dict[str, torch.Tensor]) 
                 module.get_submodule(owner)._buffers[leaf] = mapped
 
 
-def _bind_on_meta(config: PipelineConfig, tp: TpGroup | None,
-                  tensors: dict[str, torch.Tensor]) -> tuple[nn.Module, nn.Module]:
+def _bind_on_meta(
+    config: PipelineConfig, tp: TpGroup | None, tensors: dict[str, torch.Tensor]
+) -> tuple[nn.Module, nn.Module]:
     dit, decoder = build_dit(config, "meta", tp)
     parts = _parts(dit, decoder)
     _check(parts, tensors)
     for prefix, module in parts.items():
-        state = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+        state = {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
         module.load_state_dict(state, strict=True, assign=True)
         module.eval().requires_grad_(False)
     return dit, decoder
@@ -134,20 +133,27 @@ def _bind_on_meta(config: PipelineConfig, tp: TpGroup | None,
 class DitWeightCache:
     """The cache as one DiT rank sees it (its TP coordinate; never its DP rank)."""
 
-    def __init__(self, model_dir: Path, opts: DloOptions, tp: TpGroup | None,
-                 service_address: str | None = None) -> None:
+    def __init__(
+        self, model_dir: Path, opts: DloOptions, tp: TpGroup | None, service_address: str | None = None
+    ) -> None:
         self.model_dir = Path(model_dir)
         self.config = read_config(self.model_dir)
         self.tp = tp
-        self.cache = RuntimeCache(Path(opts.dlo_runtime_cache_dir).expanduser(),
-                                  service_address, float(opts.dlo_runtime_cache_lock_timeout))
+        self.cache = RuntimeCache(
+            Path(opts.dlo_runtime_cache_dir).expanduser(), service_address, float(opts.dlo_runtime_cache_lock_timeout)
+        )
         self.identity = model_identity(self.model_dir)
 
     def _key(self, loader_version: str, digest: str) -> str:
         size, rank = _coordinate(self.tp)
-        return layout_key(model_identity=self.identity, dtype=self.config.dtype,
-                          loader_version=loader_version, tp_size=size, tp_rank=rank,
-                          content_hash=digest)
+        return layout_key(
+            model_identity=self.identity,
+            dtype=self.config.dtype,
+            loader_version=loader_version,
+            tp_size=size,
+            tp_rank=rank,
+            content_hash=digest,
+        )
 
     def alias_key(self) -> str:
         return self._key(ALIAS_VERSION, checkpoint_fingerprint(self.model_dir / DIT_FILE))
@@ -172,8 +178,12 @@ class DitWeightCache:
         try:
             dit, decoder = _bind_on_meta(self.config, self.tp, found.entry.tensors)
         except (LayoutMismatch, RuntimeError) as exc:
-            log.warning("dlo runtime cache entry does not fit the model; loading", key=key,
-                        reason="layout_mismatch", detail=str(exc))
+            log.warning(
+                "dlo runtime cache entry does not fit the model; loading",
+                key=key,
+                reason="layout_mismatch",
+                detail=str(exc),
+            )
             found.entry.close()
             return None
         return dit, decoder, CacheResult(found.entry, "skip_load_hit", key)
@@ -191,8 +201,9 @@ class DitWeightCache:
         try:
             swap_storage(parts, outcome.entry.tensors)
         except LayoutMismatch as exc:
-            log.warning("dlo runtime cache entry does not fit the model", key=key,
-                        reason="layout_mismatch", detail=str(exc))
+            log.warning(
+                "dlo runtime cache entry does not fit the model", key=key, reason="layout_mismatch", detail=str(exc)
+            )
             outcome.entry.close()
             return CacheResult(None, "layout_mismatch", key)
         self._record_alias(key)
@@ -205,8 +216,9 @@ class DitWeightCache:
             alias.entry.close()
 
 
-def load_through_cache(model_dir: Path, opts: DloOptions, tp: TpGroup | None, load_private,
-                       service_address: str | None = None):
+def load_through_cache(
+    model_dir: Path, opts: DloOptions, tp: TpGroup | None, load_private, service_address: str | None = None
+):
     """(dit, decoder, mapped, CacheResult | None). `load_private()` is the usual host load:
     (dit, decoder, mapped, why-not-mapped). A checkpoint mapped directly needs no cache."""
     started = time.perf_counter()
@@ -214,14 +226,14 @@ def load_through_cache(model_dir: Path, opts: DloOptions, tp: TpGroup | None, lo
     try:
         hit = cache.skip_load()
     except Exception as exc:  # noqa: BLE001 - the cache never stops a stage from starting
-        log.warning("dlo runtime cache lookup failed; loading", reason="io_error",
-                    detail=f"{type(exc).__name__}: {exc}")
+        log.warning(
+            "dlo runtime cache lookup failed; loading", reason="io_error", detail=f"{type(exc).__name__}: {exc}"
+        )
         hit = None
     if hit is not None:
         dit, decoder, result = hit
         result.load_s = time.perf_counter() - started
-        log.info("dlo runtime cache hit; checkpoint load skipped", key=result.key,
-                 load_s=round(result.load_s, 4))
+        log.info("dlo runtime cache hit; checkpoint load skipped", key=result.key, load_s=round(result.load_s, 4))
         return dit, decoder, True, result
     dit, decoder, mapped, _ = load_private()
     if mapped:
@@ -234,9 +246,14 @@ def load_through_cache(model_dir: Path, opts: DloOptions, tp: TpGroup | None, lo
         result = CacheResult(None, "io_error")
     result.load_s = time.perf_counter() - started
     if result.entry is None:
-        log.warning("dlo runtime cache not used; private weights kept", reason=result.reason,
-                    key=result.key, load_s=round(result.load_s, 4))
+        log.warning(
+            "dlo runtime cache not used; private weights kept",
+            reason=result.reason,
+            key=result.key,
+            load_s=round(result.load_s, 4),
+        )
         return dit, decoder, False, result
-    log.info("dlo runtime cache mapped after a load", reason=result.reason, key=result.key,
-             load_s=round(result.load_s, 4))
+    log.info(
+        "dlo runtime cache mapped after a load", reason=result.reason, key=result.key, load_s=round(result.load_s, 4)
+    )
     return dit, decoder, True, result

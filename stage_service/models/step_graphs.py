@@ -25,10 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from stagemesh.core import logs
-
 from stage_service import platform
 from stage_service.models.dit import velocity
+from stagemesh.core import logs
 
 log = logs.get_logger("stagemesh.step_graphs")
 
@@ -73,8 +72,15 @@ class StepGraphs:
     def __len__(self) -> int:
         return len(self._steps)
 
-    def denoise(self, x: torch.Tensor, cond: torch.Tensor, mask: torch.Tensor, steps: int,
-                guidance_scale: float, progress: Progress | None = None) -> torch.Tensor:
+    def denoise(
+        self,
+        x: torch.Tensor,
+        cond: torch.Tensor,
+        mask: torch.Tensor,
+        steps: int,
+        guidance_scale: float,
+        progress: Progress | None = None,
+    ) -> torch.Tensor:
         """The Euler loop of `dit.sample` on `x` [B, C, h, w] (float32); `cond`/`mask` hold the
         guided rows (conditional then unconditional) when guidance is on. Returns the latents
         in the step's buffer: read them before the next call."""
@@ -120,8 +126,14 @@ class StepGraphs:
     def _build(self, x: torch.Tensor, cond: torch.Tensor, mask: torch.Tensor, guided: bool) -> _Step:
         dev = x.device
         rows = cond.shape[0]
-        buffers = dict(x=x.clone(), t=torch.ones(rows, device=dev), dt=torch.zeros((), device=dev),
-                       guidance=torch.ones((), device=dev), cond=cond.clone(), mask=mask.clone())
+        buffers = dict(
+            x=x.clone(),
+            t=torch.ones(rows, device=dev),
+            dt=torch.zeros((), device=dev),
+            guidance=torch.ones((), device=dev),
+            cond=cond.clone(),
+            mask=mask.clone(),
+        )
         dit = self._dit
 
         def run() -> None:
@@ -137,8 +149,7 @@ class StepGraphs:
                 # A model or driver that cannot be captured still serves, at eager speed.
                 platform.clear_cuda_error()
                 self._capture = False
-                log.warning("CUDA graph capture failed; denoising steps run eagerly from now on",
-                            error=str(exc))
+                log.warning("CUDA graph capture failed; denoising steps run eagerly from now on", error=str(exc))
         return step
 
 

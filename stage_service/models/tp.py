@@ -48,7 +48,7 @@ class ColumnParallelLinear(nn.Linear):
         # Weight [out, in] and bias [out] both split along dim 0.
         per = self.full_out // self.chunks // self.tp.size
         parts = full.chunk(self.chunks, dim=0)
-        return torch.cat([p[self.tp.rank * per:(self.tp.rank + 1) * per] for p in parts]).clone()
+        return torch.cat([p[self.tp.rank * per : (self.tp.rank + 1) * per] for p in parts]).clone()
 
 
 class RowParallelLinear(nn.Linear):
@@ -63,7 +63,7 @@ class RowParallelLinear(nn.Linear):
         if name == "bias":
             return full.clone()
         n = self.in_features
-        return full[:, self.tp.rank * n:(self.tp.rank + 1) * n].contiguous().clone()
+        return full[:, self.tp.rank * n : (self.tp.rank + 1) * n].contiguous().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         part = F.linear(x, self.weight)
@@ -95,5 +95,5 @@ def shard_functions(parts: dict[str, nn.Module]) -> dict[str, object]:
                 continue
             for p_name, _ in module.named_parameters(recurse=False):
                 key = f"{prefix}{mod_name}.{p_name}"
-                out[key] = (lambda full, m=module, n=p_name: m.shard(n, full))
+                out[key] = lambda full, m=module, n=p_name: m.shard(n, full)
     return out

@@ -18,12 +18,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from stagemesh.weight_store.checkpoint import CheckpointError
 from stage_service.models.config import PipelineConfig
 from stage_service.models.dit import DiT, LatentDecoder
 from stage_service.models.lm import CausalLM
-from stagemesh.weight_store.safetensors_writer import write_streamed
 from stage_service.models.tp import TpGroup, shard_functions
+from stagemesh.weight_store.checkpoint import CheckpointError
+from stagemesh.weight_store.safetensors_writer import write_streamed
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -51,12 +51,12 @@ def build_lm(config: PipelineConfig, device: str | torch.device = "meta") -> Cau
         return CausalLM(config.lm).to(config.torch_dtype)
 
 
-def build_dit(config: PipelineConfig, device: str | torch.device = "meta",
-              tp: TpGroup | None = None) -> tuple[DiT, LatentDecoder]:
+def build_dit(
+    config: PipelineConfig, device: str | torch.device = "meta", tp: TpGroup | None = None
+) -> tuple[DiT, LatentDecoder]:
     """`tp`: this rank's TP coordinate; the DiT's blocks then hold only its shards."""
     with torch.device(device):
-        return (DiT(config.dit, tp).to(config.torch_dtype),
-                LatentDecoder(config.dit).to(config.torch_dtype))
+        return (DiT(config.dit, tp).to(config.torch_dtype), LatentDecoder(config.dit).to(config.torch_dtype))
 
 
 def _config_json(config: PipelineConfig) -> dict:
@@ -73,14 +73,13 @@ def read_config(path: Path) -> PipelineConfig:
 
 # ---- generation -------------------------------------------------------------------------
 
-def _param_entries(parts: list[tuple[str, nn.Module]]
-                   ) -> list[tuple[str, nn.Module, str, tuple[int, ...]]]:
+
+def _param_entries(parts: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module, str, tuple[int, ...]]]:
     """(file key, owning module, local name, shape) in the fixed module-definition order."""
     entries = []
     for prefix, model in parts:
         if list(model.buffers()):
-            raise ValueError(f"{type(model).__name__} has buffers; the generator only covers "
-                             "parameters")
+            raise ValueError(f"{type(model).__name__} has buffers; the generator only covers parameters")
         for mod_name, module in model.named_modules():
             for p_name, param in module.named_parameters(recurse=False):
                 key = f"{prefix}{mod_name}.{p_name}" if mod_name else f"{prefix}{p_name}"
@@ -88,8 +87,7 @@ def _param_entries(parts: list[tuple[str, nn.Module]]
     return entries
 
 
-def _init_value(key: str, module: nn.Module, p_name: str, shape: tuple[int, ...],
-                gen: torch.Generator) -> torch.Tensor:
+def _init_value(key: str, module: nn.Module, p_name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     """float32 CPU value of one parameter; each rule is explicit so new kinds fail loudly."""
     if isinstance(module, _NORMS):
         return torch.ones(shape) if p_name == "weight" else torch.zeros(shape)
@@ -100,8 +98,7 @@ def _init_value(key: str, module: nn.Module, p_name: str, shape: tuple[int, ...]
     raise ValueError(f"no init rule for parameter {key} ({type(module).__name__})")
 
 
-def _write_part(file: Path, parts: list[tuple[str, nn.Module]], gen: torch.Generator,
-                dtype: torch.dtype) -> None:
+def _write_part(file: Path, parts: list[tuple[str, nn.Module]], gen: torch.Generator, dtype: torch.dtype) -> None:
     entries = _param_entries(parts)
     specs = [(key, shape, dtype) for key, _, _, shape in entries]
     values = (_init_value(key, m, p, shape, gen).to(dtype) for key, m, p, shape in entries)
@@ -138,8 +135,7 @@ def _is_current(path: Path, config: PipelineConfig) -> bool:
         data = json.loads((path / CONFIG_FILE).read_text())
     except (OSError, ValueError):
         return False
-    return (data == _config_json(config) and (path / LM_FILE).is_file()
-            and (path / DIT_FILE).is_file())
+    return data == _config_json(config) and (path / LM_FILE).is_file() and (path / DIT_FILE).is_file()
 
 
 def _remove(path: Path) -> None:
@@ -168,8 +164,7 @@ def _install(tmp: Path, path: Path, config: PipelineConfig) -> None:
         except FileNotFoundError:
             continue
         _remove(stale)
-    raise RuntimeError(f"could not install model folder at {path} after "
-                       f"{_INSTALL_ATTEMPTS} attempts")
+    raise RuntimeError(f"could not install model folder at {path} after {_INSTALL_ATTEMPTS} attempts")
 
 
 def ensure_model_dir(path: Path, config: PipelineConfig) -> Path:
@@ -199,12 +194,15 @@ def _open_checkpoint(file: Path, device: str | torch.device):
     except SafetensorError as exc:  # its message does not say which file
         raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
 
-def _load_state(file: Path, parts: dict[str, nn.Module], device: str | torch.device,
-                dtype: torch.dtype) -> None:
+
+def _load_state(file: Path, parts: dict[str, nn.Module], device: str | torch.device, dtype: torch.dtype) -> None:
     """Load `file` into meta-built modules with strict key, shape and dtype checks. A TP rank
     slices each sharded tensor out of the full one (shapes are checked after slicing)."""
-    expected = {f"{prefix}{k}": (prefix, k, tuple(v.shape))
-                for prefix, module in parts.items() for k, v in module.state_dict().items()}
+    expected = {
+        f"{prefix}{k}": (prefix, k, tuple(v.shape))
+        for prefix, module in parts.items()
+        for k, v in module.state_dict().items()
+    }
     shards = shard_functions(parts)
     states: dict[str, dict[str, torch.Tensor]] = {prefix: {} for prefix in parts}
     with _open_checkpoint(file, device) as f:
@@ -219,8 +217,7 @@ def _load_state(file: Path, parts: dict[str, nn.Module], device: str | torch.dev
             if key in shards:
                 tensor = shards[key](tensor)
             if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-                raise ValueError(f"{file}: {key} is {tuple(tensor.shape)} {tensor.dtype}, "
-                                 f"expected {shape} {dtype}")
+                raise ValueError(f"{file}: {key} is {tuple(tensor.shape)} {tensor.dtype}, expected {shape} {dtype}")
             states[prefix][local] = tensor
     for prefix, module in parts.items():
         module.load_state_dict(states[prefix], strict=True, assign=True)
@@ -235,11 +232,9 @@ def load_lm(path: Path, device: str | torch.device = "cpu") -> CausalLM:
     return lm
 
 
-def load_dit(path: Path, device: str | torch.device = "cpu",
-             tp: TpGroup | None = None) -> tuple[DiT, LatentDecoder]:
+def load_dit(path: Path, device: str | torch.device = "cpu", tp: TpGroup | None = None) -> tuple[DiT, LatentDecoder]:
     path = Path(path)
     config = read_config(path)
     dit, decoder = build_dit(config, tp=tp)
-    _load_state(path / DIT_FILE, {DIT_PREFIX: dit, DECODER_PREFIX: decoder}, device,
-                config.torch_dtype)
+    _load_state(path / DIT_FILE, {DIT_PREFIX: dit, DECODER_PREFIX: decoder}, device, config.torch_dtype)
     return dit, decoder

@@ -9,11 +9,18 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "Block": "plan", "Discovery": "plan", "OffloadPlan": "plan", "discover": "plan",
+    "Block": "plan",
+    "Discovery": "plan",
+    "OffloadPlan": "plan",
+    "discover": "plan",
     "DloOptions": "config",
-    "LayerwiseOffload": "engine", "OffloadStats": "engine",
-    "MmapPlan": "checkpoint", "PlanRefused": "checkpoint", "apply_plan": "checkpoint",
-    "load_or_fallback": "checkpoint", "plan_checkpoint": "checkpoint",
+    "LayerwiseOffload": "engine",
+    "OffloadStats": "engine",
+    "MmapPlan": "checkpoint",
+    "PlanRefused": "checkpoint",
+    "apply_plan": "checkpoint",
+    "load_or_fallback": "checkpoint",
+    "plan_checkpoint": "checkpoint",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from stagemesh.core import logs
 from stagemesh.weight_store.checkpoint import (
     CheckpointError,
     TensorRecord,
@@ -24,7 +25,6 @@ from stagemesh.weight_store.checkpoint import (
     read_index,
     record_view,
 )
-from stagemesh.core import logs
 
 log = logs.get_logger("stagemesh.offload.checkpoint")
 
@@ -62,16 +62,16 @@ def _default_load(module: nn.Module) -> bool:
     return type(module)._load_from_state_dict is nn.Module._load_from_state_dict
 
 
-def _expected(parts: dict[str, nn.Module]
-              ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, str]]]:
+def _expected(parts: dict[str, nn.Module]) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, str]]]:
     """Checkpoint name -> the model tensor it must fill, and -> (prefix, local name)."""
     expected: dict[str, torch.Tensor] = {}
     owners: dict[str, tuple[str, str]] = {}
     for prefix, module in parts.items():
         for sub_name, sub in module.named_modules():
             if not _default_load(sub) or sub._load_state_dict_pre_hooks:
-                raise PlanRefused(f"{prefix}{sub_name or type(sub).__name__} transforms "
-                                  "tensors while loading (a load callback)")
+                raise PlanRefused(
+                    f"{prefix}{sub_name or type(sub).__name__} transforms tensors while loading (a load callback)"
+                )
         state = module.state_dict(keep_vars=True)
         seen: dict[int, str] = {}
         for name, t in state.items():
@@ -100,16 +100,14 @@ def _check(records: dict[str, TensorRecord], expected: dict[str, torch.Tensor]) 
     for name, t in expected.items():
         r = records[name]
         if r.shape != tuple(t.shape):
-            raise PlanRefused(f"{name}: shape {r.shape} in the checkpoint, {tuple(t.shape)} "
-                              "in the model")
+            raise PlanRefused(f"{name}: shape {r.shape} in the checkpoint, {tuple(t.shape)} in the model")
         if r.dtype != t.dtype:
             raise PlanRefused(f"{name}: dtype {r.dtype} in the checkpoint, {t.dtype} in the model")
         if r.file_offset % r.dtype.itemsize:
             raise PlanRefused(f"{name}: offset {r.file_offset} is not aligned to its dtype")
 
 
-def plan_checkpoint(files: list[Path], parts: dict[str, nn.Module],
-                    tp_size: int = 1) -> MmapPlan:
+def plan_checkpoint(files: list[Path], parts: dict[str, nn.Module], tp_size: int = 1) -> MmapPlan:
     """Prove the plan or raise PlanRefused. `parts`: checkpoint prefix -> module."""
     if tp_size != 1:
         raise PlanRefused(f"tensor_parallel_size {tp_size} > 1: the mmap plan covers TP1 only")
@@ -136,8 +134,7 @@ def apply_plan(plan: MmapPlan) -> None:
     for prefix, module in plan.parts.items():
         saved = _non_persistent(module)
         module.to("meta")
-        state = {local: _view(plan, name)
-                 for name, (owner, local) in plan.owners.items() if owner == prefix}
+        state = {local: _view(plan, name) for name, (owner, local) in plan.owners.items() if owner == prefix}
         module.load_state_dict(state, strict=True, assign=True)  # runs post-load hooks
         for qualified, buf in saved.items():
             owner, _, leaf = qualified.rpartition(".")
@@ -147,8 +144,9 @@ def apply_plan(plan: MmapPlan) -> None:
             post()
 
 
-def load_or_fallback(files: list[Path], parts: dict[str, nn.Module],
-                     fallback: Callable[[], None], tp_size: int = 1) -> str | None:
+def load_or_fallback(
+    files: list[Path], parts: dict[str, nn.Module], fallback: Callable[[], None], tp_size: int = 1
+) -> str | None:
     """Map the checkpoint into `parts`, or call `fallback` (the ordinary loader) untouched.
     Returns None when mapped, else the reason it was refused."""
     try:

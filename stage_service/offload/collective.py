@@ -30,8 +30,7 @@ def gather_into(out: torch.Tensor, shard: torch.Tensor, group) -> None:
     """Fill `out` (world * shard bytes) with every rank's `shard`, in rank order."""
     world = dist.get_world_size(group)
     if out.numel() != world * shard.numel():
-        raise ValueError(f"gather output holds {out.numel()} elements, expected "
-                         f"{world} x {shard.numel()}")
+        raise ValueError(f"gather output holds {out.numel()} elements, expected {world} x {shard.numel()}")
     backend = str(dist.get_backend(group))
     if backend not in _LIST_ONLY:
         try:
@@ -56,8 +55,9 @@ def join_group(address: str, rank: int, world_size: int, device: str, timeout_s:
         backend = "nccl"
         torch.cuda.set_device(device)
         kwargs["device_id"] = torch.device(device)
-    dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s), **kwargs)
+    dist.init_process_group(
+        backend, init_method=address, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), **kwargs
+    )
     return dist.group.WORLD
 
 

@@ -22,17 +22,17 @@ def validate(o: Any) -> None:
         raise ValueError(
             f"dlo_resident_layers = {o.dlo_resident_layers} needs no-AllGather (every AllGather "
             "rank must rebuild the same blocks): pass --dlo-no-use-allgather "
-            "(dlo_use_allgather = false in mesh.toml) or set dlo_resident_layers = 0")
+            "(dlo_use_allgather = false in mesh.toml) or set dlo_resident_layers = 0"
+        )
     if o.dlo_enable_runtime_cache and o.dlo_use_allgather:
         raise ValueError(
             "dlo_enable_runtime_cache needs no-AllGather (the cache holds complete rank-local "
             "weights): pass --dlo-no-use-allgather (dlo_use_allgather = false in mesh.toml) or "
-            "drop --dlo-enable-runtime-cache")
+            "drop --dlo-enable-runtime-cache"
+        )
     timeout = o.dlo_runtime_cache_lock_timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-            or not math.isfinite(timeout) or timeout <= 0:
-        raise ValueError("dlo_runtime_cache_lock_timeout must be a finite number of seconds "
-                         f"> 0, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"dlo_runtime_cache_lock_timeout must be a finite number of seconds > 0, got {timeout!r}")
 
 
 @dataclass(frozen=True)
@@ -52,11 +52,11 @@ class DloOptions:
         validate(self)
 
     @classmethod
-    def from_settings(cls, settings: Any) -> "DloOptions":
+    def from_settings(cls, settings: Any) -> DloOptions:
         return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
 
     @classmethod
-    def from_mapping(cls, values: dict[str, Any] | None) -> "DloOptions":
+    def from_mapping(cls, values: dict[str, Any] | None) -> DloOptions:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values or {}) - known)
         if unknown:
@@ -79,25 +79,25 @@ class DloOptions:
 
 HELP = {
     "enable_dlo": "stream the DiT's blocks from host memory through two device slots "
-                  "(distributed layerwise offload, DLO)",
+    "(distributed layerwise offload, DLO)",
     "dp_size": "data-parallel ranks of the stage; with DLO AllGather on a diffusion stage, "
-               "that many worker processes form the weight-sharding group and run requests in "
-               "DP waves (see docs/DLO.md)",
+    "that many worker processes form the weight-sharding group and run requests in "
+    "DP waves (see docs/DLO.md)",
     "dlo_use_allgather": "DLO: each DP rank keeps 1/dp_size of every block and rebuilds it with "
-                         "AllGather; --dlo-no-use-allgather streams complete rank-local blocks",
+    "AllGather; --dlo-no-use-allgather streams complete rank-local blocks",
     "dlo_resident_layers": "DLO: keep this many leading blocks on the device (needs "
-                           "--dlo-no-use-allgather and a model that declares eligible blocks)",
+    "--dlo-no-use-allgather and a model that declares eligible blocks)",
     "dlo_enable_runtime_cache": "DLO: share final ordinary-loader weights through the node-local "
-                                "runtime-weight cache (needs --dlo-no-use-allgather)",
+    "runtime-weight cache (needs --dlo-no-use-allgather)",
     "dlo_runtime_cache_dir": "DLO runtime-weight cache root on a local disk",
     "dlo_runtime_cache_lock_timeout": "DLO: seconds to wait for another process publishing the "
-                                      "same runtime-cache layout (finite, > 0)",
+    "same runtime-cache layout (finite, > 0)",
     "dlo_runtime_cache_service": "DLO: address of the node's cache service, which holds the "
-                                 "publication locks; empty (or unreachable): the same lock "
-                                 "protocol on the directory itself. `stagemesh up` fills it in",
+    "publication locks; empty (or unreachable): the same lock "
+    "protocol on the directory itself. `stagemesh up` fills it in",
     "tensor_parallel_size": "tensor-parallel ranks of a diffusion stage: that many worker "
-                            "processes form one group and run every batch together; the direct "
-                            "mmap plan needs 1",
+    "processes form one group and run every batch together; the direct "
+    "mmap plan needs 1",
     "dlo_checkpoint_mmap": "DLO: try the direct checkpoint mmap plan first; "
-                           "--no-dlo-checkpoint-mmap always uses the ordinary loader",
+    "--no-dlo-checkpoint-mmap always uses the ordinary loader",
 }

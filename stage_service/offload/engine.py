@@ -26,12 +26,11 @@ import torch
 from torch import nn
 
 from stage_service import platform
-from stagemesh.core import logs
-
 from stage_service.offload.collective import gather_into, group_shape
 from stage_service.offload.host import InitBlock, PackedStore, ShardStore, StagedStore, locked_mapping_store
 from stage_service.offload.layout import BlockLayout
 from stage_service.offload.plan import Block, Discovery, OffloadPlan, discover
+from stagemesh.core import logs
 
 log = logs.get_logger("stagemesh.offload")
 
@@ -56,12 +55,17 @@ def _pick_resident(found: Discovery, n: int, world: int) -> list[Block]:
     if n == 0:
         return []
     if world > 1:
-        raise ValueError("resident layers need no-AllGather: every rank must rebuild the same "
-                         "blocks; use dlo_use_allgather = false or resident_layers = 0")
+        raise ValueError(
+            "resident layers need no-AllGather: every rank must rebuild the same "
+            "blocks; use dlo_use_allgather = false or resident_layers = 0"
+        )
     candidates = found.resident_candidates()
     if not candidates:
-        log.warning("dlo resident layers ignored: the model declares no resident_paths in its "
-                    "OffloadPlan, so every block streams", requested=n)
+        log.warning(
+            "dlo resident layers ignored: the model declares no resident_paths in its "
+            "OffloadPlan, so every block streams",
+            requested=n,
+        )
         return []
     if n > len(candidates):
         log.warning("dlo resident layers capped", requested=n, eligible=len(candidates))
@@ -78,16 +82,20 @@ def _check_no_sharing(model: nn.Module, layouts: list[BlockLayout], roots: set[s
     for layout in layouts:
         for key in layout.tensor_ids():
             if key in owner:
-                raise ValueError(f"blocks {owner[key]!r} and {layout.path!r} share a tensor; "
-                                 "tied weights across blocks cannot be streamed")
+                raise ValueError(
+                    f"blocks {owner[key]!r} and {layout.path!r} share a tensor; "
+                    "tied weights across blocks cannot be streamed"
+                )
             owner[key] = layout.path
     for name, module in model.named_modules(remove_duplicate=False):
         if _inside(name, roots):
             continue
         for t in [*module._parameters.values(), *module._buffers.values()]:
             if t is not None and id(t) in owner:
-                raise ValueError(f"{name or type(model).__name__} shares a tensor with streamed "
-                                 f"block {owner[id(t)]!r}; tied weights cannot be streamed")
+                raise ValueError(
+                    f"{name or type(model).__name__} shares a tensor with streamed "
+                    f"block {owner[id(t)]!r}; tied weights cannot be streamed"
+                )
 
 
 def _move_rest(model: nn.Module, roots: set[str], device: torch.device) -> None:
@@ -111,11 +119,19 @@ class LayerwiseOffload:
     shared page cache); where the driver refuses, each transfer is staged through pinned buffers.
     `init_block`: materialises a block built on "meta" into host memory, one block at a time."""
 
-    def __init__(self, model: nn.Module, device: str | torch.device, *,
-                 plan: OffloadPlan | None = None, resident_layers: int = 0, group=None,
-                 use_allgather: bool = True, keep_source: bool = False,
-                 init_block: InitBlock | None = None,
-                 background_staging: bool | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        device: str | torch.device,
+        *,
+        plan: OffloadPlan | None = None,
+        resident_layers: int = 0,
+        group=None,
+        use_allgather: bool = True,
+        keep_source: bool = False,
+        init_block: InitBlock | None = None,
+        background_staging: bool | None = None,
+    ) -> None:
         self.model = model
         self.device = torch.device(device)
         self.discovery = discover(model, plan)
@@ -136,8 +152,11 @@ class LayerwiseOffload:
         if background_staging is None:
             background_staging = isinstance(self.store, StagedStore) and platform.is_cuda(device)
         # Packing from a mapping is host work; a thread keeps it off the compute thread.
-        self._stager = (cf.ThreadPoolExecutor(1, thread_name_prefix="dlo-stage")
-                        if background_staging and isinstance(self.store, StagedStore) else None)
+        self._stager = (
+            cf.ThreadPoolExecutor(1, thread_name_prefix="dlo-stage")
+            if background_staging and isinstance(self.store, StagedStore)
+            else None
+        )
         self._hooks = self._install_hooks()
         if self.layouts:
             self._load(0, 0)
@@ -170,8 +189,9 @@ class LayerwiseOffload:
         size = max((self.store.slot_nbytes(i) for i in range(n)), default=0)
         self._slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
         shard = max((self.store.h2d_nbytes(i) for i in range(n)), default=0)
-        self._shards = ([torch.empty(shard, dtype=torch.uint8, device=self.device)
-                         for _ in range(2)] if self.world > 1 else [])
+        self._shards = (
+            [torch.empty(shard, dtype=torch.uint8, device=self.device) for _ in range(2)] if self.world > 1 else []
+        )
         for t in self._slots + self._shards:
             # Freed slots must not be reused before the side streams' last writes land.
             platform.record_stream(t, self._copy)
@@ -201,11 +221,9 @@ class LayerwiseOffload:
     def _install_hooks(self) -> list:
         hooks = []
         for i, block in enumerate(self.streamed):
-            hooks.append(block.module.register_forward_pre_hook(
-                functools.partial(self._before, i)))
+            hooks.append(block.module.register_forward_pre_hook(functools.partial(self._before, i)))
             # always_call: a block that raised must still release its slot.
-            hooks.append(block.module.register_forward_hook(functools.partial(self._after, i),
-                                                            always_call=True))
+            hooks.append(block.module.register_forward_hook(functools.partial(self._after, i), always_call=True))
         return hooks
 
     # runtime ------------------------------------------------------------------------------
@@ -262,21 +280,24 @@ class LayerwiseOffload:
             return
         self._comm.wait_event(self._copied[s])
         with self._comm.active():
-            gather_into(self._slots[s][:self.store.slot_nbytes(i)], self._shards[s][:sent],
-                        self.group)
+            gather_into(self._slots[s][: self.store.slot_nbytes(i)], self._shards[s][:sent], self.group)
             self._ready[s].record(self._comm)
 
     # life cycle ---------------------------------------------------------------------------
     def stats(self) -> OffloadStats:
         n = len(self.layouts)
         return OffloadStats(
-            streamed_blocks=n, resident_blocks=len(self.resident),
+            streamed_blocks=n,
+            resident_blocks=len(self.resident),
             block_bytes=sum(layout.nbytes for layout in self.layouts),
             payload_bytes=sum(layout.payload_bytes() for layout in self.layouts),
             host_bytes=self.store.host_bytes,
             slot_bytes=self._device_bytes(),
             h2d_bytes_per_iteration=sum(self.store.h2d_nbytes(i) for i in range(n)),
-            world=self.world, host_mode=self.host_mode, discovery=self.discovery.source)
+            world=self.world,
+            host_mode=self.host_mode,
+            discovery=self.discovery.source,
+        )
 
     def synchronize(self) -> None:
         """Wait for every transfer in flight (before freeing or reusing memory)."""
@@ -300,8 +321,7 @@ class LayerwiseOffload:
         freed = self._device_bytes()
         for layout in self.layouts:
             # Views into a slot would keep it alive.
-            layout.bind([torch.empty(0, dtype=e.dtype, device=self.device)
-                         for e in layout.entries])
+            layout.bind([torch.empty(0, dtype=e.dtype, device=self.device) for e in layout.entries])
         self._slots, self._shards, self._views = [], [], []
         self._owner, self._pending = [None, None], [None, None]
         self._bound = [None] * len(self.layouts)

@@ -23,9 +23,8 @@ import torch
 from torch import nn
 
 from stage_service import platform
-from stagemesh.core import logs
-
 from stage_service.offload.layout import BlockLayout, align_up
+from stagemesh.core import logs
 
 InitBlock = Callable[[nn.Module], None]
 
@@ -37,8 +36,9 @@ def _materialize(layout: BlockLayout, init_block: InitBlock | None) -> None:
     # host memory twice over can still be packed.
     if any(e.current().is_meta for e in layout.entries):
         if init_block is None:
-            raise ValueError(f"block {layout.path!r} is on the meta device and no init_block "
-                             "was given to materialise it")
+            raise ValueError(
+                f"block {layout.path!r} is on the meta device and no init_block was given to materialise it"
+            )
         init_block(layout.module)
 
 
@@ -47,8 +47,9 @@ def shard_nbytes(nbytes: int, world: int) -> int:
 
 
 class PackedStore:
-    def __init__(self, layouts: list[BlockLayout], device: str | torch.device,
-                 init_block: InitBlock | None = None) -> None:
+    def __init__(
+        self, layouts: list[BlockLayout], device: str | torch.device, init_block: InitBlock | None = None
+    ) -> None:
         self.layouts = layouts
         self.buffers: list[platform.HostBuffer] = []
         for layout in layouts:
@@ -73,7 +74,7 @@ class PackedStore:
         """Copy block i's host bytes (this rank's shard, for a ShardStore) into the front of
         `target` on `stream`; returns how many bytes that is."""
         src = self.buffers[i].tensor
-        target[:src.numel()].copy_(src, non_blocking=True)
+        target[: src.numel()].copy_(src, non_blocking=True)
         return src.numel()
 
     def close(self) -> None:
@@ -82,8 +83,14 @@ class PackedStore:
 
 
 class ShardStore(PackedStore):
-    def __init__(self, layouts: list[BlockLayout], device: str | torch.device, rank: int,
-                 world: int, init_block: InitBlock | None = None) -> None:
+    def __init__(
+        self,
+        layouts: list[BlockLayout],
+        device: str | torch.device,
+        rank: int,
+        world: int,
+        init_block: InitBlock | None = None,
+    ) -> None:
         self.layouts = layouts
         self.world = world
         self.shard = [shard_nbytes(layout.nbytes, world) for layout in layouts]
@@ -93,8 +100,8 @@ class ShardStore(PackedStore):
             buf = platform.HostBuffer(size, device)
             lo = min(rank * size, layout.nbytes)
             hi = min(lo + size, layout.nbytes)
-            layout.pack_range(layout.sources(), lo, hi, buf.tensor[:hi - lo])
-            buf.tensor[hi - lo:].zero_()
+            layout.pack_range(layout.sources(), lo, hi, buf.tensor[: hi - lo])
+            buf.tensor[hi - lo :].zero_()
             self.buffers.append(buf)
 
     def slot_nbytes(self, i: int) -> int:
@@ -157,8 +164,7 @@ def _run_all(functions: list) -> None:
         f()
 
 
-def locked_mapping_store(layouts: list[BlockLayout], device: str | torch.device
-                         ) -> LockedMappingStore | None:
+def locked_mapping_store(layouts: list[BlockLayout], device: str | torch.device) -> LockedMappingStore | None:
     """Lock every storage the blocks' tensors live in (once each); None, with nothing left
     locked, when that is not possible (a CPU target, or the driver refuses)."""
     sources = [layout.sources() for layout in layouts]
@@ -169,12 +175,17 @@ def locked_mapping_store(layouts: list[BlockLayout], device: str | torch.device
         if undo is None:
             _run_all(unlock)
             if platform.is_cuda(device):  # a CPU target has nothing to lock: no news
-                log.warning("dlo mapping not page-locked (the driver refused); blocks are "
-                            "staged through pinned buffers instead", mappings=len(storages))
+                log.warning(
+                    "dlo mapping not page-locked (the driver refused); blocks are "
+                    "staged through pinned buffers instead",
+                    mappings=len(storages),
+                )
             return None
         unlock.append(undo)
-    log.info("dlo mapping page-locked in place", mappings=len(storages),
-             bytes=sum(s.untyped_storage().nbytes() for s in storages.values()),
-             seconds=round(time.perf_counter() - started, 3))
+    log.info(
+        "dlo mapping page-locked in place",
+        mappings=len(storages),
+        bytes=sum(s.untyped_storage().nbytes() for s in storages.values()),
+        seconds=round(time.perf_counter() - started, 3),
+    )
     return LockedMappingStore(layouts, sources, unlock)
-

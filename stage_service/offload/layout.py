@@ -63,9 +63,9 @@ class BlockLayout:
                         offset = align_up(offset)
                         seen[key] = offset
                         offset += t.numel() * t.element_size()
-                    self.entries.append(Entry(module, name, is_param, seen[key],
-                                              t.numel() * t.element_size(), tuple(t.shape),
-                                              t.dtype))
+                    self.entries.append(
+                        Entry(module, name, is_param, seen[key], t.numel() * t.element_size(), tuple(t.shape), t.dtype)
+                    )
         self.nbytes = offset
         self._unique = sorted({e.offset: e for e in self.entries}.values(), key=lambda e: e.offset)
 
@@ -78,8 +78,7 @@ class BlockLayout:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Typed views, one per entry, into a uint8 buffer holding this layout."""
-        return [flat[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
-                for e in self.entries]
+        return [flat[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in self.entries]
 
     def bind(self, views: list[torch.Tensor]) -> None:
         """Point every parameter and buffer of the block at `views` (no copy)."""
@@ -93,8 +92,9 @@ class BlockLayout:
         """(entry, current bytes) for each distinct stored tensor, in offset order."""
         return [(e, byte_view(e.current())) for e in self._unique]
 
-    def pack_range(self, sources: list[tuple[Entry, torch.Tensor]], lo: int, hi: int,
-                   out: torch.Tensor, non_blocking: bool = False) -> None:
+    def pack_range(
+        self, sources: list[tuple[Entry, torch.Tensor]], lo: int, hi: int, out: torch.Tensor, non_blocking: bool = False
+    ) -> None:
         """Copy bytes [lo, hi) of the packed block into `out` (uint8, hi - lo long); padding is
         zeroed so every rank holds identical bytes."""
         cursor = lo
@@ -103,9 +103,8 @@ class BlockLayout:
             if start >= end:
                 continue
             if start > cursor:
-                out[cursor - lo:start - lo].zero_()
-            out[start - lo:end - lo].copy_(src[start - e.offset:end - e.offset],
-                                           non_blocking=non_blocking)
+                out[cursor - lo : start - lo].zero_()
+            out[start - lo : end - lo].copy_(src[start - e.offset : end - e.offset], non_blocking=non_blocking)
             cursor = end
         if cursor < hi:
-            out[cursor - lo:hi - lo].zero_()
+            out[cursor - lo : hi - lo].zero_()

@@ -15,7 +15,10 @@ from torch import nn
 
 # Attribute names of block lists in common DiT and transformer code, in execution order.
 FALLBACK_ATTRS: tuple[str, ...] = (
-    "blocks", "transformer_blocks", "single_transformer_blocks", "layers",
+    "blocks",
+    "transformer_blocks",
+    "single_transformer_blocks",
+    "layers",
 )
 PLAN_ATTRS = ("_offload_plan", "offload_plan")
 
@@ -39,8 +42,7 @@ class OffloadPlan:
     resident_paths: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        frozen = {str(k): (v,) if isinstance(v, str) else tuple(v)
-                  for k, v in dict(self.block_attrs).items()}
+        frozen = {str(k): (v,) if isinstance(v, str) else tuple(v) for k, v in dict(self.block_attrs).items()}
         object.__setattr__(self, "block_attrs", MappingProxyType(frozen))
         object.__setattr__(self, "offload_submodules", _freeze_submodules(self.offload_submodules))
         object.__setattr__(self, "resident_paths", tuple(self.resident_paths))
@@ -88,16 +90,14 @@ def _expand(model: nn.Module, path: str) -> list[Block]:
     try:
         target = model.get_submodule(path)
     except AttributeError:
-        raise ValueError(f"offload plan names {path!r}, which {type(model).__name__} "
-                         "does not have") from None
+        raise ValueError(f"offload plan names {path!r}, which {type(model).__name__} does not have") from None
     if isinstance(target, nn.ModuleList):
         return [Block(_join(path, str(i)), child, path) for i, child in enumerate(target)]
     return [Block(path, target, path)]
 
 
 def _same_type_list(value) -> bool:
-    return (isinstance(value, nn.ModuleList) and len(value) > 0
-            and len({type(m) for m in value}) == 1)
+    return isinstance(value, nn.ModuleList) and len(value) > 0 and len({type(m) for m in value}) == 1
 
 
 def _from_attributes(model: nn.Module) -> list[str]:
@@ -120,7 +120,7 @@ def _heuristic(model: nn.Module) -> list[str]:
 def _check_disjoint(blocks: list[Block]) -> None:
     paths = [b.path for b in blocks]
     for i, a in enumerate(paths):
-        for b in paths[i + 1:]:
+        for b in paths[i + 1 :]:
             if a == b or a.startswith(b + ".") or b.startswith(a + "."):
                 raise ValueError(f"offload blocks overlap: {a!r} and {b!r}")
 
@@ -136,7 +136,6 @@ def discover(model: nn.Module, plan: OffloadPlan | None = None) -> Discovery:
             source, paths = "heuristic", _heuristic(model)
     blocks = [b for p in paths for b in _expand(model, p)]
     if not blocks:
-        raise ValueError(f"{type(model).__name__}: no offloadable blocks found; declare an "
-                         "OffloadPlan on the model")
+        raise ValueError(f"{type(model).__name__}: no offloadable blocks found; declare an OffloadPlan on the model")
     _check_disjoint(blocks)
     return Discovery(tuple(blocks), source, plan)

@@ -32,7 +32,8 @@ class PublishLease:
         self._outbox.put(cache_pb2.PublishSessionRequest(key=key, lock_timeout_seconds=lock_timeout_s))
         # A publication session is a cache mutation: it carries the token when one is configured.
         self._responses = cache_pb2_grpc.CacheServiceStub(channel).PublishSession(
-            self._requests(), metadata=auth.bearer_metadata(auth.load_token(None)))
+            self._requests(), metadata=auth.bearer_metadata(auth.load_token(None))
+        )
         self.existing_valid = False
         self._open = True
 

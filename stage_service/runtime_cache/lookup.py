@@ -22,16 +22,15 @@ from pathlib import Path
 
 import torch
 
-from stagemesh.weight_store import locks, publish
-from stagemesh.weight_store.manifest import Manifest, hash_side_by_side
-from stagemesh.weight_store.store import LAST_USE_FILE, MANIFEST_FILE, CacheStore
-from stagemesh.weight_store import checkpoint
 from stage_service.runtime_cache.lease import (
     LeaseTimeout,
     PublishLease,
     ServiceUnreachable,
 )
 from stagemesh.core import logs
+from stagemesh.weight_store import checkpoint, locks, publish
+from stagemesh.weight_store.manifest import Manifest, hash_side_by_side
+from stagemesh.weight_store.store import LAST_USE_FILE, MANIFEST_FILE, CacheStore
 
 REASONS = ("hit", "published", "lock_timeout", "unsupported_tensor", "insufficient_disk", "bad_manifest", "io_error")
 MISS = "miss"  # lookup only: no entry for the key
@@ -40,8 +39,16 @@ log = logs.get_logger("stage_service.runtime_cache.lookup")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
-def layout_key(*, model_identity: str, dtype: str, loader_version: str, tp_size: int, tp_rank: int,
-               content_hash: str, schema: int = 1) -> str:
+def layout_key(
+    *,
+    model_identity: str,
+    dtype: str,
+    loader_version: str,
+    tp_size: int,
+    tp_rank: int,
+    content_hash: str,
+    schema: int = 1,
+) -> str:
     """SHA-256 over a canonical JSON of the layout. The DP rank is deliberately not an input:
     DP replicas hold identical weights and share one entry; TP ranks hold different ones."""
     if not (isinstance(tp_size, int) and isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
@@ -51,8 +58,15 @@ def layout_key(*, model_identity: str, dtype: str, loader_version: str, tp_size:
     for name, value in (("model_identity", model_identity), ("dtype", dtype), ("loader_version", loader_version)):
         if not isinstance(value, str) or not value:
             raise ValueError(f"{name} must be a non-empty string")
-    doc = {"schema": schema, "model_identity": model_identity, "dtype": dtype, "loader_version": loader_version,
-           "tp_size": tp_size, "tp_rank": tp_rank, "content_hash": content_hash}
+    doc = {
+        "schema": schema,
+        "model_identity": model_identity,
+        "dtype": dtype,
+        "loader_version": loader_version,
+        "tp_size": tp_size,
+        "tp_rank": tp_rank,
+        "content_hash": content_hash,
+    }
     canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -72,8 +86,9 @@ def content_hash(tensors: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for name, (nbytes, inner) in zip(names, digests):
         t = tensors[name]
-        meta = json.dumps({"name": name, "dtype": str(t.dtype), "shape": list(t.shape)},
-                          sort_keys=True, separators=(",", ":")).encode()
+        meta = json.dumps(
+            {"name": name, "dtype": str(t.dtype), "shape": list(t.shape)}, sort_keys=True, separators=(",", ":")
+        ).encode()
         digest.update(len(meta).to_bytes(8, "little") + meta)
         digest.update(nbytes.to_bytes(8, "little") + inner)
     return digest.hexdigest()
@@ -104,8 +119,13 @@ class CacheOutcome:
 
 
 class RuntimeCache:
-    def __init__(self, root: Path, service_address: str | None = None, lock_timeout_s: float = 600.0,
-                 reserve_bytes: int | None = None):
+    def __init__(
+        self,
+        root: Path,
+        service_address: str | None = None,
+        lock_timeout_s: float = 600.0,
+        reserve_bytes: int | None = None,
+    ):
         if not math.isfinite(lock_timeout_s) or lock_timeout_s <= 0:
             raise ValueError("lock_timeout_s must be a positive finite number")
         self.store = CacheStore(Path(root))
@@ -135,7 +155,9 @@ class RuntimeCache:
         except Exception as exc:  # noqa: BLE001
             return _io_error(key, exc)
         if lease is None:
-            return _outcome(key, CacheOutcome(None, "lock_timeout", f"{how}: not granted within {self.lock_timeout_s:g} s"))
+            return _outcome(
+                key, CacheOutcome(None, "lock_timeout", f"{how}: not granted within {self.lock_timeout_s:g} s")
+            )
         published = False
         try:
             outcome = self._under_lock(key, produce)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from stagemesh.core.codec import dtype_name, host_bytes
 from stage_service.transport.shm_pool import SlotPool, SlotReader, copy_into, map_fd
+from stagemesh.core.codec import dtype_name, host_bytes
 
 SHM_THRESHOLD_BYTES = 1_000_000
 WORKER_POOL_SLOTS = 16  # reusable segments per worker (see shm_pool): queued batches of four and outputs still read
@@ -203,11 +203,13 @@ def sweep(owner_pid: int, rank: int | None = None) -> int:
 
 def sweep_orphans() -> int:
     """Unlink segments whose owning executor process no longer exists."""
+
     def orphan(name: str) -> bool:
         parts = name.split("-")
         if len(parts) != 4 or parts[0] != SHM_PREFIX or not parts[1].isdigit():
             return False
         return not Path(f"/proc/{parts[1]}").exists()
+
     return _sweep(orphan)
 
 

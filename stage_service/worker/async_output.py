@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from stage_service.transport import ipc, protocol
 from stage_service import platform
+from stage_service.transport import ipc, protocol
 from stagemesh.core import logs
 
 log = logs.get_logger("stagemesh.async_output")
@@ -81,9 +81,11 @@ def covering_groups(tensors) -> dict[tuple, list[torch.Tensor]]:
     groups: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault(_storage_key(t), []).append(t)
-    return {key: views for key, views in groups.items()
-            if len(views) > 1
-            and sum(v.numel() * v.element_size() for v in views) >= views[0].untyped_storage().nbytes()}
+    return {
+        key: views
+        for key, views in groups.items()
+        if len(views) > 1 and sum(v.numel() * v.element_size() for v in views) >= views[0].untyped_storage().nbytes()
+    }
 
 
 def storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -93,8 +95,7 @@ def storage_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def same_view(storage_copy: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """`t`'s view (offset, shape, strides, dtype) of a byte-for-byte copy of its storage."""
-    return torch.empty(0, dtype=t.dtype).set_(
-        storage_copy.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+    return torch.empty(0, dtype=t.dtype).set_(storage_copy.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
 
 def _copy(obj: Any, whole: dict[tuple, torch.Tensor]) -> Any:
@@ -127,8 +128,9 @@ class AsyncOutputThread:
         self._thread = threading.Thread(target=self._run, name="async-output", daemon=True)
         self._thread.start()
 
-    def submit(self, output_id: str, outputs: Any, event: platform.DeviceEvent,
-               started: platform.DeviceEvent | None = None) -> None:
+    def submit(
+        self, output_id: str, outputs: Any, event: platform.DeviceEvent, started: platform.DeviceEvent | None = None
+    ) -> None:
         """`event` follows the forward pass that produced `outputs`; a timing `started` event
         before it (with `event` a timing event too) reports that pass's device time."""
         with self._idle:
@@ -164,7 +166,7 @@ class AsyncOutputThread:
                 # Both events are complete: the copy waited for `event`.
                 seconds = event.seconds_since(started) if started is not None else 0.0
                 self._writer.put(protocol.OutputReady(output_id, payload=payload, compute_seconds=seconds))
-            except Exception as exc:  # noqa: BLE001 - the executor must hear about it, never silence
+            except Exception as exc:
                 log.exception("async output failed", output_id=output_id)
                 self._send_error(output_id, f"{type(exc).__name__}: {exc}")
             finally:
@@ -187,5 +189,5 @@ class AsyncOutputThread:
     def _send_error(self, output_id: str, message: str) -> None:
         try:
             self._writer.put(protocol.OutputReady(output_id, error=message))
-        except Exception:  # noqa: BLE001 - queue gone: the executor sees the worker die instead
+        except Exception:
             log.exception("could not report async output failure", output_id=output_id)

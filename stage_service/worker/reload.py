@@ -84,8 +84,9 @@ class Reloader:
                     placed = self._read(pool, files, staging, group)
                     with stream.active():
                         for c, start in placed:
-                            flat[c.device_offset:c.device_offset + c.nbytes].copy_(
-                                staging[start:start + c.nbytes], non_blocking=self._pin)
+                            flat[c.device_offset : c.device_offset + c.nbytes].copy_(
+                                staging[start : start + c.nbytes], non_blocking=self._pin
+                            )
                     done[slot] = platform.DeviceEvent(self.device).record(stream)
             stream.synchronize()
         finally:
@@ -93,16 +94,20 @@ class Reloader:
                 os.close(fd)
 
     @staticmethod
-    def _read(pool: ThreadPoolExecutor, files: dict[Path, int], staging: torch.Tensor,
-              group: list[Copy]) -> list[tuple[Copy, int]]:
+    def _read(
+        pool: ThreadPoolExecutor, files: dict[Path, int], staging: torch.Tensor, group: list[Copy]
+    ) -> list[tuple[Copy, int]]:
         view = memoryview(staging.numpy())
         placed, jobs, start = [], [], 0
         for c in group:
             placed.append((c, start))
             for piece in range(0, c.nbytes, READ_PIECE_BYTES):
                 n = min(READ_PIECE_BYTES, c.nbytes - piece)
-                jobs.append(pool.submit(_pread_exact, files[c.path], view[start + piece:start + piece + n],
-                                        c.file_offset + piece))
+                jobs.append(
+                    pool.submit(
+                        _pread_exact, files[c.path], view[start + piece : start + piece + n], c.file_offset + piece
+                    )
+                )
             start += c.nbytes
         for job in jobs:
             job.result()

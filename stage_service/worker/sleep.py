@@ -18,15 +18,13 @@ import gc
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from torch import nn
 
 from stage_service import platform
 from stage_service.models.contract import DeviceHolder, WeightFile
-from stagemesh.weight_store.checkpoint import read_index
 from stage_service.worker.reload import Copy, Reloader
+from stagemesh.weight_store.checkpoint import read_index
 
 _ALIGN = 64  # bytes: every tensor starts on a 64-byte boundary of the flat buffers
 
@@ -113,8 +111,9 @@ class SleepController:
             if level == 2 and not e.key:
                 # Non-persistent buffers cannot be reloaded from the checkpoint: keep them, but not
                 # as views into the shared weight buffer of a previous wake, which they would keep alive.
-                if self._device_flat is not None and (e.tensor.data.untyped_storage().data_ptr()
-                                                      == self._device_flat.untyped_storage().data_ptr()):
+                if self._device_flat is not None and (
+                    e.tensor.data.untyped_storage().data_ptr() == self._device_flat.untyped_storage().data_ptr()
+                ):
                     e.tensor.data = e.tensor.data.clone()
                 continue
             e.tensor.data = torch.empty(0, dtype=e.dtype, device=self.device)
@@ -137,7 +136,7 @@ class SleepController:
                 self._host.copy_(self._device_flat, non_blocking=pin)
             else:
                 for e in self._entries:
-                    self._host[e.offset:e.offset + e.nbytes].copy_(_bytes(e.tensor.data), non_blocking=pin)
+                    self._host[e.offset : e.offset + e.nbytes].copy_(_bytes(e.tensor.data), non_blocking=pin)
         stream.synchronize()
 
     # wake -------------------------------------------------------------------------------------
@@ -155,7 +154,7 @@ class SleepController:
         for e in self._entries:
             if level == 2 and not e.key:
                 continue
-            e.tensor.data = flat[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+            e.tensor.data = flat[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
         restored = sum(h.restore_device() for h in self._holders)
         self._holders = []
         if platform.is_cuda(self.device):
@@ -177,8 +176,10 @@ class SleepController:
                 if e is None:
                     continue
                 if record.shape != tuple(e.shape) or record.dtype != e.dtype:
-                    raise ValueError(f"{weight_file.path}: {key} is {record.shape} {record.dtype}, "
-                                     f"the model holds {tuple(e.shape)} {e.dtype}")
+                    raise ValueError(
+                        f"{weight_file.path}: {key} is {record.shape} {record.dtype}, "
+                        f"the model holds {tuple(e.shape)} {e.dtype}"
+                    )
                 copies.append(Copy(weight_file.path, record.file_offset, e.offset, e.nbytes))
                 found.add(key)
         missing = sorted(by_key.keys() - found)
@@ -210,7 +211,7 @@ class SleepController:
             if collect:
                 gc.collect()  # first sleep: reference cycles may still hold the loaded tensors
             # cuBLAS keeps workspaces in the caching allocator; they count as the stage's memory too.
-            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # noqa: SLF001
+            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
             if clear_workspaces is not None:
                 clear_workspaces()
             torch.cuda.empty_cache()

@@ -14,8 +14,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from stage_service.transport import ipc, protocol
 from stage_service import platform
+from stage_service.transport import ipc, protocol
 from stage_service.worker.async_output import AsyncOutputThread, ResultWriter, new_output_id
 from stage_service.worker.sleep import SleepController
 from stagemesh.core import logs
@@ -76,8 +76,9 @@ class Worker:
         # rank 0 alone reports progress and outputs.
         self.follower = spec.tp_group is not None and spec.rank > 0
         self.packer = ipc.Packer(spec.parent_pid, spec.rank, pool_slots=ipc.WORKER_POOL_SLOTS)
-        self.async_output = None if spec.step_execution or self.follower else \
-            AsyncOutputThread(device, self.packer, self.writer)
+        self.async_output = (
+            None if spec.step_execution or self.follower else AsyncOutputThread(device, self.packer, self.writer)
+        )
         self.sleep = SleepController(runner.weight_files(), device)
 
     def serve(self) -> None:
@@ -115,15 +116,14 @@ class Worker:
             if self.async_output is None:
                 # One pack call: if any output fails to pack, the segments of the others are unlinked.
                 payload = self.packer.pack(list(outputs))
-                self.writer.put(protocol.Result(msg.rpc_id, payload, self.stats(),
-                                                finished.seconds_since(started)))
+                self.writer.put(protocol.Result(msg.rpc_id, payload, self.stats(), finished.seconds_since(started)))
                 return
             output_id = new_output_id()
             self.writer.put(protocol.ComputeDone(msg.rpc_id, output_id, self.stats()))
             self.async_output.submit(output_id, outputs, finished, started)
         except _CancelledByCaller:
             self.writer.put(protocol.Failure(msg.rpc_id, "cancelled by the caller", cancelled=True))
-        except Exception as exc:  # noqa: BLE001 - reported to the executor, the worker lives on
+        except Exception as exc:
             log.exception("batch failed", rpc_id=msg.rpc_id)  # one JSON line, with the stack
             self.writer.put(protocol.Failure(msg.rpc_id, f"{type(exc).__name__}: {exc}"))
             if self.spec.tp_group is not None:
@@ -139,7 +139,7 @@ class Worker:
             self.writer.put(protocol.Ack(msg.rpc_id, result=result, stats=self.stats()))
         except KeyError:
             self.writer.put(protocol.Ack(msg.rpc_id, error=f"unknown control operation {msg.op!r}"))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.exception("control call failed", op=msg.op)
             self.writer.put(protocol.Ack(msg.rpc_id, error=f"{type(exc).__name__}: {exc}"))
 
@@ -152,20 +152,21 @@ class Worker:
         return {"ping": self._ping, "drain": self._drain, "sleep": self._sleep, "wake": self._wake}
 
     def _ping(self) -> dict[str, Any]:
-        out = {"rank": self.spec.rank, "device_memory_bytes": platform.memory_allocated(self.device),
-               "sleep_level": self.sleep.level}
+        out = {
+            "rank": self.spec.rank,
+            "device_memory_bytes": platform.memory_allocated(self.device),
+            "sleep_level": self.sleep.level,
+        }
         offload = getattr(self.runner, "offload", None)
         if offload is not None:
             stats = offload.stats()
-            out["dlo"] = {"world": stats.world, "host_mode": stats.host_mode,
-                          "host_bytes": stats.host_bytes}
+            out["dlo"] = {"world": stats.world, "host_mode": stats.host_mode, "host_bytes": stats.host_bytes}
         return out
 
     def _sleep(self, level: int) -> dict[str, Any]:
         if level == 2 and getattr(self.runner, "tp", None) is not None:
             # Wake from level 2 reloads whole checkpoint tensors; a TP rank holds shards.
-            raise RuntimeError("sleep level 2 is not available with tensor_parallel_size > 1; "
-                               "use level 1")
+            raise RuntimeError("sleep level 2 is not available with tensor_parallel_size > 1; use level 1")
         # Outputs still being copied reference device memory: they must be out before it is freed.
         drained = self._drain()["drained"]
         if not drained:
@@ -212,9 +213,10 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
     try:
         group = _join_dp_group(spec, device)
         tp = _join_tp_group(spec, device)
-        runner = build_runner(spec.kind, Path(spec.model_dir), device, dlo=spec.dlo, group=group,
-                              tp=tp, cuda_graphs=spec.cuda_graphs)
-    except Exception as exc:  # noqa: BLE001
+        runner = build_runner(
+            spec.kind, Path(spec.model_dir), device, dlo=spec.dlo, group=group, tp=tp, cuda_graphs=spec.cuda_graphs
+        )
+    except Exception as exc:
         if not _says_it_all(exc):
             log.exception("model load failed")  # a bug: its stack is what the log needs
         results.put(protocol.LoadFailed(spec.rank, f"{type(exc).__name__}: {exc}"))
@@ -227,13 +229,13 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
         leave_group()
 
 
-
 def _says_it_all(exc: Exception) -> bool:
     """A bad file or option (checkpoint and folder errors are ValueErrors) is explained by its
     message, which the stage logs; a stack would only bury it."""
     from safetensors import SafetensorError
 
     return isinstance(exc, (OSError, ValueError, SafetensorError))
+
 
 def _join_dp_group(spec: protocol.WorkerSpec, device: str):
     """Before loading: with DLO AllGather each rank keeps only its shard of the weights, so

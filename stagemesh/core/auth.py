@@ -12,8 +12,8 @@ import argparse
 import hmac
 import os
 import stat
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import grpc
 
@@ -28,9 +28,12 @@ log = logs.get_logger("stagemesh.core.auth")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--token-file", default=None, metavar="PATH",
+        "--token-file",
+        default=None,
+        metavar="PATH",
         help=f"file holding the bearer token that control calls must carry (default: ${TOKEN_ENV}; "
-             "neither: control calls are open)")
+        "neither: control calls are open)",
+    )
 
 
 def load_token(token_file: str | None, option: str = "--token-file") -> str | None:
@@ -112,8 +115,9 @@ def _refusal(handler: grpc.RpcMethodHandler, exc: errors.StagemeshError) -> grpc
         (True, False): grpc.stream_unary_rpc_method_handler,
         (True, True): grpc.stream_stream_rpc_method_handler,
     }[(handler.request_streaming, handler.response_streaming)]
-    return factory(refuse, request_deserializer=handler.request_deserializer,
-                   response_serializer=handler.response_serializer)
+    return factory(
+        refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+    )
 
 
 def interceptors(token: str | None, protected: Iterable[str]) -> list[grpc.aio.ServerInterceptor]:

@@ -10,7 +10,16 @@ from stagemesh.v1 import tensor_pb2
 _DTYPES = {
     name: getattr(torch, name)
     for name in (
-        "float32", "float16", "bfloat16", "float64", "uint8", "int8", "int16", "int32", "int64", "bool",
+        "float32",
+        "float16",
+        "bfloat16",
+        "float64",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "bool",
     )
 }
 

@@ -23,7 +23,7 @@ class InvalidArgument(StagemeshError):
         super().__init__("; ".join(f"{v.field}: {v.description}" for v in self.violations))
 
     @classmethod
-    def field(cls, field: str, description: str) -> "InvalidArgument":
+    def field(cls, field: str, description: str) -> InvalidArgument:
         return cls(FieldViolation(field, description))
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 import sys
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import structlog
 
@@ -17,11 +17,7 @@ REQUEST_ID_HEADER = "x-request-id"
 
 
 def configure(service: str, level: str = "info") -> None:
-    renderer = (
-        structlog.dev.ConsoleRenderer()
-        if sys.stderr.isatty()
-        else structlog.processors.JSONRenderer()
-    )
+    renderer = structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -24,18 +24,42 @@ from stagemesh.core import errors, logs
 
 log = logs.get_logger("stagemesh.core.metrics")
 
-PORT_HELP = ("serve Prometheus metrics over HTTP at /metrics on this port, bound to --host; "
-             "0 picks a free one (logged, and written to the ready file); unset: no metrics endpoint")
+PORT_HELP = (
+    "serve Prometheus metrics over HTTP at /metrics on this port, bound to --host; "
+    "0 picks a free one (logged, and written to the ready file); unset: no metrics endpoint"
+)
 # Seconds: a health check takes about a millisecond, a large diffusion request minutes.
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-                   30.0, 60.0, 120.0, 300.0, 600.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
 # A call that gRPC ends this close to (or after) its deadline, with no status of its own, ran out
 # of time; earlier, its client went away.
 DEADLINE_SLACK_S = 0.01
 UNKNOWN_METHOD = "unknown"  # label of calls to methods no service has: no label per guessed name
 
-_KINDS = {(False, False): "unary_unary", (False, True): "unary_stream",
-          (True, False): "stream_unary", (True, True): "stream_stream"}
+_KINDS = {
+    (False, False): "unary_unary",
+    (False, True): "unary_stream",
+    (True, False): "stream_unary",
+    (True, True): "stream_stream",
+}
 
 
 def check_port(port: int | None, option: str) -> None:
@@ -43,8 +67,7 @@ def check_port(port: int | None, option: str) -> None:
     if port is None:
         return
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-        raise ValueError(f"{option} = {port!r}: allowed 0 (a free port) to 65535, or unset for no "
-                         "metrics endpoint")
+        raise ValueError(f"{option} = {port!r}: allowed 0 (a free port) to 65535, or unset for no metrics endpoint")
 
 
 def port_argument(text: str) -> int:
@@ -95,13 +118,22 @@ class ServiceMetrics:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_* (CPU, resident memory, open fds)
         labels = ["service", "method"]
-        self._requests = Counter("stagemesh_requests", "RPCs finished, by method and final status code",
-                                 [*labels, "code"], registry=self.registry)
-        self._latency = Histogram("stagemesh_request_latency_seconds",
-                                  "time from the handler's start until the RPC ended", labels,
-                                  buckets=LATENCY_BUCKETS, registry=self.registry)
-        self._in_flight = Gauge("stagemesh_requests_in_flight", "RPCs being handled now", labels,
-                                registry=self.registry)
+        self._requests = Counter(
+            "stagemesh_requests",
+            "RPCs finished, by method and final status code",
+            [*labels, "code"],
+            registry=self.registry,
+        )
+        self._latency = Histogram(
+            "stagemesh_request_latency_seconds",
+            "time from the handler's start until the RPC ended",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._in_flight = Gauge(
+            "stagemesh_requests_in_flight", "RPCs being handled now", labels, registry=self.registry
+        )
         self._readers = _Readings(service)
         self.registry.register(self._readers)
 
@@ -219,6 +251,7 @@ def _observe_unary(behavior: Callable, metrics: ServiceMetrics, method: str) -> 
             raise
         call.ended = grpc.StatusCode.OK
         return reply
+
     return observed
 
 
@@ -232,6 +265,7 @@ def _observe_stream(behavior: Callable, metrics: ServiceMetrics, method: str) ->
             call.ended = grpc.StatusCode.UNKNOWN
             raise
         call.ended = grpc.StatusCode.OK
+
     return observed
 
 
@@ -268,58 +302,100 @@ class _RpcInterceptor(grpc.aio.ServerInterceptor):
 # What each service exposes besides its RPCs. Readers run on the HTTP server's thread at scrape
 # time and only read plain attributes of the domain objects.
 
+
 def stage_readings(engine: Any, executor: Any, control: Any, ready: Callable[[], bool]) -> Reader:
     """A stage service: stage_service/engine.py, executor.py, control.py."""
+
     def read() -> list[Reading]:
         return [
             Reading("stagemesh_stage_ready", "1 once the model is loaded and a worker runs", int(ready())),
             Reading("stagemesh_stage_workers_up", "worker processes (ranks) serving", len(engine.live_ranks())),
             Reading("stagemesh_stage_sleep_level", "0: awake, 1 or 2: asleep at that level", control.level),
-            Reading("stagemesh_stage_queue_depth", "requests admitted and not finished (waiting or running)",
-                    engine.queue_depth),
-            Reading("stagemesh_stage_waiting_requests", "admitted requests not yet handed to a worker",
-                    engine.waiting),
-            Reading("stagemesh_stage_device_memory_bytes",
-                    "device memory the workers use, as each last reported it", executor.device_memory_bytes()),
-            Reading("stagemesh_stage_offload_streamed_bytes",
-                    "bytes the DLO engines copied host to device, summed over workers and restarts",
-                    executor.offload_bytes_streamed, counter=True),
-            Reading("stagemesh_stage_compute_seconds",
-                    "device seconds of the forward passes whose outputs came back, all workers; "
-                    "its rate per worker is the stage's busy fraction",
-                    executor.compute_seconds, counter=True),
+            Reading(
+                "stagemesh_stage_queue_depth",
+                "requests admitted and not finished (waiting or running)",
+                engine.queue_depth,
+            ),
+            Reading("stagemesh_stage_waiting_requests", "admitted requests not yet handed to a worker", engine.waiting),
+            Reading(
+                "stagemesh_stage_device_memory_bytes",
+                "device memory the workers use, as each last reported it",
+                executor.device_memory_bytes(),
+            ),
+            Reading(
+                "stagemesh_stage_offload_streamed_bytes",
+                "bytes the DLO engines copied host to device, summed over workers and restarts",
+                executor.offload_bytes_streamed,
+                counter=True,
+            ),
+            Reading(
+                "stagemesh_stage_compute_seconds",
+                "device seconds of the forward passes whose outputs came back, all workers; "
+                "its rate per worker is the stage's busy fraction",
+                executor.compute_seconds,
+                counter=True,
+            ),
         ]
+
     return read
 
 
 def gateway_readings(admission: Any, stage_count: int) -> Reader:
     """The gateway: gateway/control.py's Admission."""
+
     def read() -> list[Reading]:
         sleeping = dict(admission.sleeping)
         out = [
-            Reading("stagemesh_gateway_generation_paused",
-                    "1 while admission is closed (PauseGeneration, or a Sleep until Resume)", int(admission.paused)),
-            Reading("stagemesh_gateway_admission_open", "1 when a Generate would be admitted now",
-                    int(not admission.paused and not sleeping)),
+            Reading(
+                "stagemesh_gateway_generation_paused",
+                "1 while admission is closed (PauseGeneration, or a Sleep until Resume)",
+                int(admission.paused),
+            ),
+            Reading(
+                "stagemesh_gateway_admission_open",
+                "1 when a Generate would be admitted now",
+                int(not admission.paused and not sleeping),
+            ),
         ]
-        out += [Reading("stagemesh_gateway_stage_sleep_level", "sleep level of each stage as the gateway knows it",
-                        sleeping.get(i, 0), (("stage_id", str(i)),)) for i in range(stage_count)]
+        out += [
+            Reading(
+                "stagemesh_gateway_stage_sleep_level",
+                "sleep level of each stage as the gateway knows it",
+                sleeping.get(i, 0),
+                (("stage_id", str(i)),),
+            )
+            for i in range(stage_count)
+        ]
         return out
+
     return read
 
 
 def cache_readings(store: Any, servicer: Any) -> Reader:
     """The cache service: cache_service/store.py (scanned at each scrape) and its eviction counts."""
+
     def read() -> list[Reading]:
         entries = store.list_entries()
         return [
             Reading("stagemesh_cache_entries", "entries in the runtime-weight cache", len(entries)),
             Reading("stagemesh_cache_bytes", "bytes on disk of all entries", sum(e.size_bytes for e in entries)),
-            Reading("stagemesh_cache_live_consumers", "processes mapping an entry now",
-                    sum(e.live_consumers for e in entries)),
-            Reading("stagemesh_cache_evictions", "entries evicted since the service started",
-                    servicer.evicted_entries, counter=True),
-            Reading("stagemesh_cache_evicted_bytes", "bytes freed by evictions since the service started",
-                    servicer.evicted_bytes, counter=True),
+            Reading(
+                "stagemesh_cache_live_consumers",
+                "processes mapping an entry now",
+                sum(e.live_consumers for e in entries),
+            ),
+            Reading(
+                "stagemesh_cache_evictions",
+                "entries evicted since the service started",
+                servicer.evicted_entries,
+                counter=True,
+            ),
+            Reading(
+                "stagemesh_cache_evicted_bytes",
+                "bytes freed by evictions since the service started",
+                servicer.evicted_bytes,
+                counter=True,
+            ),
         ]
+
     return read

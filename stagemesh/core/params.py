@@ -45,15 +45,15 @@ class Params:
         return (self.width, self.height, self.num_inference_steps, self.guidance_scale)
 
 
-
 def check_request_id(value: str) -> None:
     """A client's own request id must be sendable as gRPC metadata to every hop."""
     if len(value) > MAX_REQUEST_ID_CHARS:
-        raise InvalidArgument.field("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters "
-                                                  f"(got {len(value)})")
+        raise InvalidArgument.field("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters (got {len(value)})")
     if not all(" " <= c <= "~" for c in value):
-        raise InvalidArgument.field("request_id", "printable ASCII only (0x20-0x7E): it is sent "
-                                                  "on as x-request-id metadata")
+        raise InvalidArgument.field(
+            "request_id", "printable ASCII only (0x20-0x7E): it is sent on as x-request-id metadata"
+        )
+
 
 def _check_side(name: str, value: int, limits: Limits, out: list[FieldViolation]) -> None:
     m, top = limits.pixel_multiple, limits.max_pixels_side
@@ -86,19 +86,29 @@ def resolve(
 
     prompt_bytes = len(prompt.encode("utf-8", errors="surrogatepass"))
     if prompt_bytes > limits.max_prompt_bytes:
-        violations.append(FieldViolation(
-            "params.prompt", f"is {prompt_bytes} bytes; allowed: at most {limits.max_prompt_bytes} UTF-8 bytes"))
+        violations.append(
+            FieldViolation(
+                "params.prompt", f"is {prompt_bytes} bytes; allowed: at most {limits.max_prompt_bytes} UTF-8 bytes"
+            )
+        )
     _check_side("params.width", width, limits, violations)
     _check_side("params.height", height, limits, violations)
     if not 1 <= steps <= limits.max_inference_steps:
-        violations.append(FieldViolation(
-            "params.num_inference_steps", f"{steps} is out of range; allowed: 1 to {limits.max_inference_steps}"))
+        violations.append(
+            FieldViolation(
+                "params.num_inference_steps", f"{steps} is out of range; allowed: 1 to {limits.max_inference_steps}"
+            )
+        )
     if not (math.isfinite(guidance) and 1.0 <= guidance <= limits.max_guidance_scale):
-        violations.append(FieldViolation(
-            "params.guidance_scale", f"{guidance} is out of range; allowed: 1.0 to {limits.max_guidance_scale}"))
+        violations.append(
+            FieldViolation(
+                "params.guidance_scale", f"{guidance} is out of range; allowed: 1.0 to {limits.max_guidance_scale}"
+            )
+        )
     if output_format not in (OUTPUT_PNG, OUTPUT_TENSOR):
-        violations.append(FieldViolation(
-            "params.output_format", f"unknown output format {output_format!r}; allowed: PNG, TENSOR"))
+        violations.append(
+            FieldViolation("params.output_format", f"unknown output format {output_format!r}; allowed: PNG, TENSOR")
+        )
     if violations:
         raise InvalidArgument(violations)
     return Params(

@@ -9,7 +9,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
 PARENT_PID_ENV = "STAGEMESH_PARENT_PID"
@@ -37,6 +37,7 @@ def die_with_parent(parent_pid: int | None = None, sig: int = signal.SIGTERM) ->
 
 def watch_parent(parent_pid: int, on_orphaned: Callable[[], None], interval_s: float = 0.5) -> None:
     """Call `on_orphaned` (in a daemon thread) once `parent_pid` is no longer our parent."""
+
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(interval_s)

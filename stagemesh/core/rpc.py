@@ -6,7 +6,8 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import grpc
 from google.protobuf import any_pb2
@@ -92,6 +93,7 @@ def servicer_method(func: Callable) -> Callable:
     name = func.__name__
 
     if inspect.isasyncgenfunction(func):
+
         @functools.wraps(func)
         async def stream_wrapper(self, request, context):
             with logs.bound_request(request_id_of(context, getattr(request, "request_id", ""))):
@@ -104,6 +106,7 @@ def servicer_method(func: Callable) -> Callable:
                     raise
                 except Exception as exc:  # noqa: BLE001 - mapped to a status, never a traceback
                     await _abort(context, exc, name)
+
         return stream_wrapper
 
     @functools.wraps(func)
@@ -118,15 +121,23 @@ def servicer_method(func: Callable) -> Callable:
                 raise
             except Exception as exc:  # noqa: BLE001
                 await _abort(context, exc, name)
+
     return unary_wrapper
 
 
 class ServiceHost:
     """A grpc.aio server with health (NOT_SERVING until marked ready) and reflection."""
 
-    def __init__(self, host: str, port: int, service_names: Iterable[str], max_receive_bytes: int = MAX_MESSAGE_BYTES,
-                 *, interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
-                 credentials: grpc.ServerCredentials | None = None):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        service_names: Iterable[str],
+        max_receive_bytes: int = MAX_MESSAGE_BYTES,
+        *,
+        interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+        credentials: grpc.ServerCredentials | None = None,
+    ):
         # credentials: TLS for the port (stagemesh.core.tls); None serves plaintext.
         self.server = grpc.aio.server(options=channel_options(max_receive_bytes), interceptors=list(interceptors))
         self.health = health.aio.HealthServicer()
@@ -136,8 +147,11 @@ class ServiceHost:
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
         )
         try:
-            self.port = (self.server.add_secure_port(f"{host}:{port}", credentials) if credentials is not None
-                         else self.server.add_insecure_port(f"{host}:{port}"))
+            self.port = (
+                self.server.add_secure_port(f"{host}:{port}", credentials)
+                if credentials is not None
+                else self.server.add_insecure_port(f"{host}:{port}")
+            )
         except RuntimeError as exc:
             raise errors.Unavailable(f"cannot bind {host}:{port}: {exc}") from None
         self.address = f"{host}:{self.port}"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from typing import Any, Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
-from stagemesh.core import errors, logs, readyfile
+from stagemesh.core import errors, logs, procutil, readyfile
 from stagemesh.core.metrics import ServiceMetrics
 from stagemesh.core.rpc import ServiceHost
-from stagemesh.core import procutil
 
 log = logs.get_logger("stagemesh.core.serve")
 
@@ -70,9 +70,13 @@ EXIT_BAD_OPTION = 2
 EXIT_START_FAILED = 1
 
 
-def main(service: str, coroutine: Coroutine[Any, Any, None], *,
-         option_errors: tuple[type[Exception], ...] = (),
-         start_errors: tuple[type[Exception], ...] = ()) -> None:
+def main(
+    service: str,
+    coroutine: Coroutine[Any, Any, None],
+    *,
+    option_errors: tuple[type[Exception], ...] = (),
+    start_errors: tuple[type[Exception], ...] = (),
+) -> None:
     """Run a service to completion. A refused start ends with one log line naming the cause and
     no traceback: exit 2 for errors.InvalidArgument and the service's `option_errors` (e.g. an
     incomplete model folder), exit 1 for other StagemeshErrors, OSError (a path that cannot be

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import grpc
 
@@ -21,14 +22,21 @@ CA_ENV = "STAGEMESH_TLS_CA"
 
 def add_arguments(parser: argparse.ArgumentParser, *, client: bool = True) -> None:
     """--tls-cert/--tls-key for the listener; --tls-ca for a service that calls other services."""
-    parser.add_argument("--tls-cert", default=None, metavar="PEM",
-                        help="serve TLS with this certificate chain; needs --tls-key (default: plaintext)")
-    parser.add_argument("--tls-key", default=None, metavar="PEM",
-                        help="private key of --tls-cert (default: plaintext)")
+    parser.add_argument(
+        "--tls-cert",
+        default=None,
+        metavar="PEM",
+        help="serve TLS with this certificate chain; needs --tls-key (default: plaintext)",
+    )
+    parser.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert (default: plaintext)")
     if client:
-        parser.add_argument("--tls-ca", default=None, metavar="PEM",
-                            help="CA bundle that verifies the services this one calls; set it when they "
-                                 "serve TLS (default: plaintext channels)")
+        parser.add_argument(
+            "--tls-ca",
+            default=None,
+            metavar="PEM",
+            help="CA bundle that verifies the services this one calls; set it when they "
+            "serve TLS (default: plaintext channels)",
+        )
 
 
 def read_pem(path: str, option: str) -> bytes:

@@ -21,10 +21,18 @@ import torch
 from stagemesh.weight_store.safetensors_header import HeaderError, read_header
 
 DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 
 
@@ -105,7 +113,7 @@ def record_view(data: torch.Tensor, r: TensorRecord) -> torch.Tensor:
     """The tensor `r` describes, viewed in `data` (the file mapped by map_file)."""
     if not r.nbytes:
         return torch.empty(r.shape, dtype=r.dtype)
-    return data[r.file_offset:r.file_offset + r.nbytes].view(r.dtype).view(r.shape)
+    return data[r.file_offset : r.file_offset + r.nbytes].view(r.dtype).view(r.shape)
 
 
 def map_tensors(path: str | Path) -> dict[str, torch.Tensor]:

@@ -91,7 +91,9 @@ def try_lock(path: Path, *, shared: bool = False) -> FileLock | None:
     return FileLock(path, fd, shared)
 
 
-def acquire(path: Path, timeout_s: float, *, shared: bool = False, cancelled: threading.Event | None = None) -> FileLock | None:
+def acquire(
+    path: Path, timeout_s: float, *, shared: bool = False, cancelled: threading.Event | None = None
+) -> FileLock | None:
     """The lock within `timeout_s`, else None (also when `cancelled` is set while waiting).
 
     flock has no timeout and a blocked flock cannot be interrupted from another thread, so this
@@ -113,7 +115,9 @@ def acquire(path: Path, timeout_s: float, *, shared: bool = False, cancelled: th
         pause = min(pause * 2, _POLL_MAX_S)
 
 
-def publication_lock(root: Path, key: str, timeout_s: float, cancelled: threading.Event | None = None) -> FileLock | None:
+def publication_lock(
+    root: Path, key: str, timeout_s: float, cancelled: threading.Event | None = None
+) -> FileLock | None:
     return acquire(lock_path(root, key, PUBLISH_SUFFIX), timeout_s, cancelled=cancelled)
 
 

@@ -10,9 +10,10 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from stagemesh.weight_store.safetensors_header import read_header
 
@@ -66,7 +67,7 @@ class Manifest:
         return json.dumps(doc, indent=2) + "\n"
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "Manifest":
+    def from_json(cls, text: str | bytes) -> Manifest:
         try:
             doc = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -92,8 +93,7 @@ class Manifest:
         directory = Path(directory)
         problems: list[str] = []
         # Hashing is most of a consumer's start on a large entry.
-        for found in hash_side_by_side(lambda item: _check_file(directory, *item, deep),
-                                       sorted(self.files.items())):
+        for found in hash_side_by_side(lambda item: _check_file(directory, *item, deep), sorted(self.files.items())):
             problems.extend(found)
         for name, tensor in sorted(self.tensors.items()):
             if tensor.file not in self.files:

@@ -23,13 +23,21 @@ from stagemesh.weight_store.manifest import (
     hash_side_by_side,
     read_safetensors_header,
 )
-from stagemesh.weight_store.store import LAST_USE_FILE, MANIFEST_FILE, CacheStore
 from stagemesh.weight_store.safetensors_writer import write_streamed
+from stagemesh.weight_store.store import LAST_USE_FILE, MANIFEST_FILE, CacheStore
 
 SHARD_MAX_BYTES = 2 * 1024**3
 MIN_RESERVE_BYTES = 64 * 1024**2
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64,
-                    torch.int64, torch.int32, torch.uint8, torch.bool)
+SUPPORTED_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+)
 
 
 class UnsupportedTensors(ValueError):
@@ -89,8 +97,9 @@ def discard_entry(store: CacheStore, key: str) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def write_entry(store: CacheStore, key: str, tensors: dict[str, torch.Tensor], temp: Path,
-                shard_max_bytes: int = SHARD_MAX_BYTES) -> Path:
+def write_entry(
+    store: CacheStore, key: str, tensors: dict[str, torch.Tensor], temp: Path, shard_max_bytes: int = SHARD_MAX_BYTES
+) -> Path:
     """Write `tensors` into the (existing, empty) temp dir `temp` and publish it as the entry."""
     groups = _shard_groups(tensors, shard_max_bytes)
     records: dict[str, TensorRecord] = {}

@@ -42,16 +42,16 @@ def _header(specs: list[TensorSpec], metadata: dict[str, str] | None) -> bytes:
         if name in entries:
             raise ValueError(f"duplicate tensor name {name!r}")
         size = math.prod(shape) * dtype.itemsize
-        entries[name] = {"dtype": _CODES[dtype], "shape": list(shape),
-                         "data_offsets": [offset, offset + size]}
+        entries[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(entries, separators=(",", ":")).encode("utf-8")
     # Pad with spaces so the data section starts 8-byte aligned (readers may mmap it).
     return raw + b" " * (-len(raw) % 8)
 
 
-def write_streamed(path: Path, specs: list[TensorSpec], tensors: Iterable[torch.Tensor],
-                   metadata: dict[str, str] | None = None) -> None:
+def write_streamed(
+    path: Path, specs: list[TensorSpec], tensors: Iterable[torch.Tensor], metadata: dict[str, str] | None = None
+) -> None:
     """Write `tensors` (in `specs` order, each matching its spec) to `path` and fsync it.
 
     A count mismatch raises ValueError. Only one tensor is held at a time, so peak memory is
@@ -65,8 +65,7 @@ def write_streamed(path: Path, specs: list[TensorSpec], tensors: Iterable[torch.
         f.write(header)
         for (name, shape, dtype), t in zip(specs, tensors, strict=True):
             if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                raise ValueError(f"{name}: got {tuple(t.shape)} {t.dtype}, "
-                                 f"expected {tuple(shape)} {dtype}")
+                raise ValueError(f"{name}: got {tuple(t.shape)} {t.dtype}, expected {tuple(shape)} {dtype}")
             flat = t.detach().to("cpu").contiguous().reshape(-1)
             if flat.numel():
                 f.write(memoryview(flat.view(torch.uint8).numpy()))

@@ -19,6 +19,9 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stagemesh.core import errors
+from stagemesh.weight_store import locks
+from stagemesh.weight_store.locks import LOCK_DIR, is_valid_key
 from stagemesh.weight_store.manifest import (  # noqa: F401 - re-exported: callers import them from here
     SCHEMA_VERSION,
     SHARD_SUFFIX,
@@ -29,9 +32,6 @@ from stagemesh.weight_store.manifest import (  # noqa: F401 - re-exported: calle
     file_record,
     read_safetensors_header,
 )
-from stagemesh.weight_store import locks
-from stagemesh.weight_store.locks import LOCK_DIR, is_valid_key  # noqa: F401
-from stagemesh.core import errors
 
 LAYOUT_DIR = "v1"
 TEMP_DIR = ".tmp"

@@ -22,10 +22,23 @@ def _items(rng: random.Random, n: int) -> list[list[dict]]:
         size = rng.choice([64, 128, 256, 512])
         steps = rng.randint(1, 4)
         guidance = rng.choice([1.0, 4.0])  # a batch shares size, steps and guidance
-        batch = [dict(request_id=f"r{i}", prompt="", width=size, height=size, num_inference_steps=steps,
-                      guidance_scale=guidance, seed=rng.randrange(2**31),
-                      inputs={"hidden_states": torch.randn(rng.randint(1, 12), 64, generator=torch.Generator().manual_seed(rng.randrange(2**31)))})
-                 for i in range(rng.randint(1, 4))]
+        batch = [
+            dict(
+                request_id=f"r{i}",
+                prompt="",
+                width=size,
+                height=size,
+                num_inference_steps=steps,
+                guidance_scale=guidance,
+                seed=rng.randrange(2**31),
+                inputs={
+                    "hidden_states": torch.randn(
+                        rng.randint(1, 12), 64, generator=torch.Generator().manual_seed(rng.randrange(2**31))
+                    )
+                },
+            )
+            for i in range(rng.randint(1, 4))
+        ]
         batches.append(batch)
     return batches
 
@@ -62,8 +75,8 @@ def test_async_outputs_equal_the_synchronous_path(tmp_path):
 
 
 def test_a_batch_comes_over_in_one_copy_and_its_slices_go_by_the_batch_storage():
-    from stage_service.transport import ipc
     from stage_service import platform
+    from stage_service.transport import ipc
     from stage_service.worker.async_output import copy_to_host
 
     stream = platform.Stream("cuda")

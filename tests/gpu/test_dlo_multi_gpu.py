@@ -21,8 +21,7 @@ from stagemesh.core.procutil import free_port
 from stagemesh.v1 import gateway_pb2, generation_pb2
 from tests.meshproc import start_mesh, write_config
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 
 # depth 5: an odd block count; hidden 264 makes blocks whose bytes 2 does not split into
 # aligned halves, so the shard remainder path runs.
@@ -54,8 +53,9 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, device_id=device)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, device_id=device
+    )
     try:
         resident = _model()
         want = _outputs(copy.deepcopy(resident).to(device), device)
@@ -66,15 +66,21 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         LayerwiseOffload(plain, device, use_allgather=False)
         streamed = _outputs(plain, device)
         stats = engine.stats()
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
-            "equal_no_allgather": all(torch.equal(a, b) for a, b in zip(got, streamed)),
-            "max_diff_resident": max(float((a - b).abs().max()) for a, b in zip(got, want)),
-            "scale": max(float(b.abs().max()) for b in want),
-            "mode": stats.host_mode, "world": stats.world,
-            "h2d": stats.h2d_bytes_per_iteration, "block_bytes": stats.block_bytes}))
+        Path(out_dir, f"rank{rank}.json").write_text(
+            json.dumps(
+                {
+                    "equal_no_allgather": all(torch.equal(a, b) for a, b in zip(got, streamed)),
+                    "max_diff_resident": max(float((a - b).abs().max()) for a, b in zip(got, want)),
+                    "scale": max(float(b.abs().max()) for b in want),
+                    "mode": stats.host_mode,
+                    "world": stats.world,
+                    "h2d": stats.h2d_bytes_per_iteration,
+                    "block_bytes": stats.block_bytes,
+                }
+            )
+        )
     finally:
         dist.destroy_process_group()
-
 
 
 def test_allgather_over_nccl_equals_no_allgather_and_resident(tmp_path: Path):
@@ -95,8 +101,7 @@ def _pngs(m, params, concurrent: bool) -> list[bytes]:
         stub = m.gateway(channel)
 
         def one(p):
-            return stub.GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=p),
-                                      timeout=300).result.png
+            return stub.GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=p), timeout=300).result.png
 
         if not concurrent:
             return [one(p) for p in params]
@@ -105,11 +110,17 @@ def _pngs(m, params, concurrent: bool) -> list[bytes]:
 
 
 def test_mesh_dp_waves_on_two_gpus_draw_what_one_gpu_draws(tmp_path: Path, model_dir):
-    params = [generation_pb2.GenerationParams(prompt=f"a lighthouse {k}", width=128, height=128,
-                                              num_inference_steps=4, seed=k) for k in range(4)]
+    params = [
+        generation_pb2.GenerationParams(
+            prompt=f"a lighthouse {k}", width=128, height=128, num_inference_steps=4, seed=k
+        )
+        for k in range(4)
+    ]
     got = {}
-    for name, extra in (("one GPU", 'device = "cuda:0"\nenable_dlo = true\n'),
-                        ("dp waves", 'device = "cuda"\nenable_dlo = true\ndp_size = 2\n')):
+    for name, extra in (
+        ("one GPU", 'device = "cuda:0"\nenable_dlo = true\n'),
+        ("dp waves", 'device = "cuda"\nenable_dlo = true\ndp_size = 2\n'),
+    ):
         config = write_config(tmp_path / f"{name}.toml".replace(" ", "-"), model_dir)
         # The diffusion stage is the file's last table: these keys land on it.
         config.write_text(config.read_text() + extra)

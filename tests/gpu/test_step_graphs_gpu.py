@@ -14,9 +14,19 @@ pytestmark = pytest.mark.gpu
 
 
 def _batch(size: int, rows: int, guidance: float, cond_len: int) -> list[WorkItem]:
-    return [WorkItem(f"r{i}", "p", size, size, 3, guidance, 100 + i,
-                     {"hidden_states": torch.randn(cond_len + i, 64, generator=torch.Generator().manual_seed(i))})
-            for i in range(rows)]
+    return [
+        WorkItem(
+            f"r{i}",
+            "p",
+            size,
+            size,
+            3,
+            guidance,
+            100 + i,
+            {"hidden_states": torch.randn(cond_len + i, 64, generator=torch.Generator().manual_seed(i))},
+        )
+        for i in range(rows)
+    ]
 
 
 def _images(runner: DiffusionRunner, batch: list[WorkItem]) -> list[torch.Tensor]:

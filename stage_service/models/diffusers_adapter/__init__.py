@@ -17,17 +17,27 @@ from stage_service.models.diffusers_adapter.folder import (
     open_folder,
 )
 
-__all__ = ["FOLDER_ONLY_KINDS", "MODEL_INDEX", "STAGE_KINDS", "CheckpointFolder", "FolderError", "build_runner",
-           "check_stage_folder", "is_diffusers_folder", "open_folder"]
+__all__ = [
+    "FOLDER_ONLY_KINDS",
+    "MODEL_INDEX",
+    "STAGE_KINDS",
+    "CheckpointFolder",
+    "FolderError",
+    "build_runner",
+    "check_stage_folder",
+    "is_diffusers_folder",
+    "open_folder",
+]
 
 
-def build_runner(kind: str, model_dir, device: str = "cpu", dlo: dict | None = None,
-                 group=None, tp=None):
+def build_runner(kind: str, model_dir, device: str = "cpu", dlo: dict | None = None, group=None, tp=None):
     """The runner of a `kind` stage over a diffusers folder (imports diffusers on first use)."""
     if group is not None or (tp is not None and tp.size > 1):
-        raise ValueError("DP process groups and tensor parallelism are not available for "
-                         "diffusers-format folders; use dp_size = 1 (or dlo_use_allgather = "
-                         "false) and tensor_parallel_size = 1")
+        raise ValueError(
+            "DP process groups and tensor parallelism are not available for "
+            "diffusers-format folders; use dp_size = 1 (or dlo_use_allgather = "
+            "false) and tensor_parallel_size = 1"
+        )
     if kind == "encoder":
         from stage_service.models.diffusers_adapter.encoder import EncoderRunner
 
@@ -40,5 +50,6 @@ def build_runner(kind: str, model_dir, device: str = "cpu", dlo: dict | None = N
         from stage_service.models.diffusers_adapter.denoise import DecodeRunner
 
         return DecodeRunner(model_dir, device)
-    raise FolderError(f"kind {kind!r} cannot be served from a diffusers folder ({model_dir}); "
-                      f"expected one of {list(STAGE_KINDS)}")
+    raise FolderError(
+        f"kind {kind!r} cannot be served from a diffusers folder ({model_dir}); expected one of {list(STAGE_KINDS)}"
+    )

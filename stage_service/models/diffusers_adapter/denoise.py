@@ -12,11 +12,8 @@ from pathlib import Path
 
 import torch
 
-from stage_service.offload.config import DloOptions
-from stage_service.models.contract import WeightFile
-
+from stage_service.models.contract import WeightFile, check_batch
 from stage_service.models.diffusers_adapter.families import family_of, pixel_multiple, vae_scale_factor
-from stage_service.models.contract import check_batch
 from stage_service.models.diffusers_adapter.folder import check_stage_folder
 from stage_service.models.diffusers_adapter.loading import (
     checkpoint_dtype,
@@ -25,6 +22,7 @@ from stage_service.models.diffusers_adapter.loading import (
     refuse_unsupported,
     weight_files,
 )
+from stage_service.offload.config import DloOptions
 
 REQUIRED_INPUTS = ("prompt_embeds", "pooled_prompt_embeds")
 OPTIONAL_INPUTS = ("negative_prompt_embeds", "negative_pooled_prompt_embeds")
@@ -35,12 +33,10 @@ def _image(t: torch.Tensor) -> torch.Tensor:
     return t.permute(1, 2, 0).float().detach()
 
 
-
 class DenoiseRunner:
     """kind "diffusion" decodes with the VAE; kind "denoise" hands latents to a "decode" stage."""
 
-    def __init__(self, model_dir: Path, device: str = "cpu", dlo: dict | None = None,
-                 kind: str = "diffusion") -> None:
+    def __init__(self, model_dir: Path, device: str = "cpu", dlo: dict | None = None, kind: str = "diffusion") -> None:
         opts = DloOptions.from_mapping(dlo)
         refuse_unsupported(opts)
         self.kind = kind
@@ -49,8 +45,7 @@ class DenoiseRunner:
         self.folder = check_stage_folder(model_dir, kind)
         self.family = family_of(self.folder)
         dtype = checkpoint_dtype(self.folder)
-        self.transformer, self.offload = load_transformer(self.folder, self.family, device,
-                                                          dtype, opts)
+        self.transformer, self.offload = load_transformer(self.folder, self.family, device, dtype, opts)
         keep = ["scheduler", "vae"] if self.decodes else ["scheduler"]
         self.pipe = load_pipeline(self.folder, keep, dtype, transformer=self.transformer)
         if self.decodes:
@@ -77,11 +72,12 @@ class DenoiseRunner:
             needed = REQUIRED_INPUTS + (self.family.guided_inputs if item.guidance_scale > 1 else ())
             missing = [n for n in needed if n not in item.inputs]
             if missing:
-                raise ValueError(f"{item.request_id}: inputs lack {missing} (got "
-                                 f"{sorted(item.inputs)}); the stage before must be an "
-                                 "'encoder' stage of the same checkpoint")
-        return {n: torch.stack([item.inputs[n] for item in batch]).to(self.device)
-                for n in names}
+                raise ValueError(
+                    f"{item.request_id}: inputs lack {missing} (got "
+                    f"{sorted(item.inputs)}); the stage before must be an "
+                    "'encoder' stage of the same checkpoint"
+                )
+        return {n: torch.stack([item.inputs[n] for item in batch]).to(self.device) for n in names}
 
     @torch.inference_mode()
     def run(self, batch, progress=None) -> list[dict[str, torch.Tensor]]:
@@ -98,11 +94,16 @@ class DenoiseRunner:
             return tensors
 
         out = self.pipe(
-            **self._inputs(batch), height=head.height, width=head.width,
-            num_inference_steps=steps, guidance_scale=head.guidance_scale,
+            **self._inputs(batch),
+            height=head.height,
+            width=head.width,
+            num_inference_steps=steps,
+            guidance_scale=head.guidance_scale,
             generator=[torch.Generator("cpu").manual_seed(item.seed) for item in batch],
             output_type="pt" if self.decodes else "latent",
-            callback_on_step_end=on_step if progress is not None else None, return_dict=False)[0]
+            callback_on_step_end=on_step if progress is not None else None,
+            return_dict=False,
+        )[0]
         if self.decodes:
             return [{"image": _image(img)} for img in out]
         return [{"latents": lat.detach()} for lat in out]
@@ -137,9 +138,11 @@ class DecodeRunner:
         for i, item in enumerate(batch):
             latents = item.inputs.get("latents")
             if latents is None:
-                raise ValueError(f"{item.request_id}: inputs lack 'latents' (got "
-                                 f"{sorted(item.inputs)}); the stage before must be a "
-                                 "'denoise' stage of the same checkpoint")
+                raise ValueError(
+                    f"{item.request_id}: inputs lack 'latents' (got "
+                    f"{sorted(item.inputs)}); the stage before must be a "
+                    "'denoise' stage of the same checkpoint"
+                )
             latents = latents[None].to(self.device)
             if self.family.unpack is not None:
                 latents = self.family.unpack(self.pipe, latents, item.height, item.width)

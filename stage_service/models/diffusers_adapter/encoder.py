@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 
 from stage_service.models.contract import WeightFile
-
 from stage_service.models.diffusers_adapter.families import family_of
 from stage_service.models.diffusers_adapter.folder import check_stage_folder
 from stage_service.models.diffusers_adapter.loading import checkpoint_dtype, load_pipeline, weight_files
@@ -23,14 +22,12 @@ class EncoderRunner:
         self.device = device
         self.names = self.folder.text_components()
         self.pipe = load_pipeline(self.folder, self.names, checkpoint_dtype(self.folder))
-        self.encoders = {n: getattr(self.pipe, n) for n in self.names
-                         if n.startswith("text_encoder")}
+        self.encoders = {n: getattr(self.pipe, n) for n in self.names if n.startswith("text_encoder")}
         for module in self.encoders.values():
             module.to(device).eval().requires_grad_(False)
 
     def weight_files(self) -> list[WeightFile]:
-        return [f for name, module in self.encoders.items()
-                for f in weight_files(self.folder, name, module)]
+        return [f for name, module in self.encoders.items() for f in weight_files(self.folder, name, module)]
 
     def device_holders(self) -> list:
         return []

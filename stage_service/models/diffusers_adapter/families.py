@@ -34,19 +34,24 @@ class Family:
 def _encode_flux(pipe, prompt: str, guidance_scale: float, device) -> dict:
     # FluxPipeline.__call__ defaults: prompt_2 = prompt, max_sequence_length 512, no true CFG.
     embeds, pooled, _text_ids = pipe.encode_prompt(
-        prompt=prompt, prompt_2=None, device=device, num_images_per_prompt=1,
-        max_sequence_length=512)
+        prompt=prompt, prompt_2=None, device=device, num_images_per_prompt=1, max_sequence_length=512
+    )
     return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
 
 def _encode_sd3(pipe, prompt: str, guidance_scale: float, device) -> dict:
     # StableDiffusion3Pipeline.__call__ guides when guidance_scale > 1 (negative prompt "").
     out = pipe.encode_prompt(
-        prompt=prompt, prompt_2=None, prompt_3=None, device=device, num_images_per_prompt=1,
-        do_classifier_free_guidance=guidance_scale > 1, clip_skip=None,
-        max_sequence_length=256)
-    names = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds",
-             "negative_pooled_prompt_embeds")
+        prompt=prompt,
+        prompt_2=None,
+        prompt_3=None,
+        device=device,
+        num_images_per_prompt=1,
+        do_classifier_free_guidance=guidance_scale > 1,
+        clip_skip=None,
+        max_sequence_length=256,
+    )
+    names = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
     return {n: t for n, t in zip(names, out) if t is not None}
 
 
@@ -55,12 +60,17 @@ def _unpack_flux(pipe, latents, height: int, width: int):
 
 
 FAMILIES = {
-    "FluxPipeline": Family("FluxPipeline", ("transformer_blocks", "single_transformer_blocks"),
-                           _encode_flux, _unpack_flux, packs_2x2=True),
-    "StableDiffusion3Pipeline": Family("StableDiffusion3Pipeline", ("transformer_blocks",),
-                                       _encode_sd3, None, packs_2x2=False,
-                                       guided_inputs=("negative_prompt_embeds",
-                                                      "negative_pooled_prompt_embeds")),
+    "FluxPipeline": Family(
+        "FluxPipeline", ("transformer_blocks", "single_transformer_blocks"), _encode_flux, _unpack_flux, packs_2x2=True
+    ),
+    "StableDiffusion3Pipeline": Family(
+        "StableDiffusion3Pipeline",
+        ("transformer_blocks",),
+        _encode_sd3,
+        None,
+        packs_2x2=False,
+        guided_inputs=("negative_prompt_embeds", "negative_pooled_prompt_embeds"),
+    ),
 }
 
 
@@ -68,8 +78,10 @@ def family_of(folder: CheckpointFolder) -> Family:
     try:
         return FAMILIES[folder.pipeline_class]
     except KeyError:
-        raise FolderError(f"checkpoint {folder.path}: pipeline class {folder.pipeline_class!r} "
-                          f"is not supported; supported: {sorted(FAMILIES)}") from None
+        raise FolderError(
+            f"checkpoint {folder.path}: pipeline class {folder.pipeline_class!r} "
+            f"is not supported; supported: {sorted(FAMILIES)}"
+        ) from None
 
 
 def vae_scale_factor(folder: CheckpointFolder) -> int:

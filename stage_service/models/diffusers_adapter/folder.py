@@ -43,15 +43,18 @@ class CheckpointFolder:
             return ["transformer", "scheduler"]
         if kind == "decode":
             return ["vae"]
-        raise FolderError(f"kind {kind!r} cannot be served from a diffusers folder; "
-                          f"expected one of {list(STAGE_KINDS)}")
+        raise FolderError(
+            f"kind {kind!r} cannot be served from a diffusers folder; expected one of {list(STAGE_KINDS)}"
+        )
 
     def check(self, kind: str) -> None:
         """Raise FolderError naming the first component `kind` needs that is absent or empty."""
         needed = self.needed_by(kind)
         if kind == "encoder" and not needed:
-            raise FolderError(f"checkpoint {self.path}: model_index.json lists no text encoder "
-                              "or tokenizer, which an 'encoder' stage needs")
+            raise FolderError(
+                f"checkpoint {self.path}: model_index.json lists no text encoder "
+                "or tokenizer, which an 'encoder' stage needs"
+            )
         for name in needed:
             self._check_component(name, kind)
         if kind == "denoise":
@@ -59,16 +62,19 @@ class CheckpointFolder:
 
     def _check_component(self, name: str, kind: str) -> None:
         if name not in self.components:
-            raise FolderError(f"checkpoint {self.path}: model_index.json does not list component "
-                              f"{name!r}, which a {kind!r} stage needs")
+            raise FolderError(
+                f"checkpoint {self.path}: model_index.json does not list component "
+                f"{name!r}, which a {kind!r} stage needs"
+            )
         where = self.path / name
         if not where.is_dir():
-            raise FolderError(f"checkpoint {self.path} is missing component {name!r} "
-                              f"(model_index.json lists it; expected folder {where})")
+            raise FolderError(
+                f"checkpoint {self.path} is missing component {name!r} "
+                f"(model_index.json lists it; expected folder {where})"
+            )
         if name.startswith("tokenizer"):
             if not any(where.iterdir()):
-                raise FolderError(f"checkpoint {self.path}: component {name!r} folder {where} "
-                                  "is empty")
+                raise FolderError(f"checkpoint {self.path}: component {name!r} folder {where} is empty")
         elif name in _CONFIG_FILES:
             self._require(where / _CONFIG_FILES[name], name)
         else:
@@ -77,8 +83,7 @@ class CheckpointFolder:
 
     def _require(self, file: Path, name: str) -> None:
         if not file.is_file():
-            raise FolderError(f"checkpoint {self.path}: component {name!r} lacks {file.name} "
-                              f"(expected {file})")
+            raise FolderError(f"checkpoint {self.path}: component {name!r} lacks {file.name} (expected {file})")
 
     def weight_files(self, name: str) -> list[Path]:
         """The safetensors files of a model component: the sharded index's files, or the one
@@ -90,21 +95,23 @@ class CheckpointFolder:
                 shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
                 missing = [s for s in shards if not (where / s).is_file()]
                 if missing:
-                    raise FolderError(f"checkpoint {self.path}: component {name!r} lacks shard "
-                                      f"{missing[0]} listed in {index}")
+                    raise FolderError(
+                        f"checkpoint {self.path}: component {name!r} lacks shard {missing[0]} listed in {index}"
+                    )
                 return [where / s for s in shards]
             single = where / f"{stem}.safetensors"
             if single.is_file():
                 return [single]
-        raise FolderError(f"checkpoint {self.path}: component {name!r} has no safetensors "
-                          f"weights in {where} (expected {_WEIGHT_NAMES[0]}.safetensors or "
-                          f"{_WEIGHT_NAMES[1]}.safetensors; .bin weights are not loaded)")
+        raise FolderError(
+            f"checkpoint {self.path}: component {name!r} has no safetensors "
+            f"weights in {where} (expected {_WEIGHT_NAMES[0]}.safetensors or "
+            f"{_WEIGHT_NAMES[1]}.safetensors; .bin weights are not loaded)"
+        )
 
     def component_config(self, name: str) -> dict:
         file = self.path / name / "config.json"
         if not file.is_file():
-            raise FolderError(f"checkpoint {self.path}: component {name!r} lacks config.json "
-                              f"(expected {file})")
+            raise FolderError(f"checkpoint {self.path}: component {name!r} lacks config.json (expected {file})")
         return json.loads(file.read_text())
 
 

@@ -20,13 +20,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from stagemesh.weight_store.checkpoint import read_index
-from stage_service.offload.config import DloOptions
 from stage_service.models.contract import WeightFile
-from stagemesh.core import logs
-
 from stage_service.models.diffusers_adapter.families import Family
 from stage_service.models.diffusers_adapter.folder import CheckpointFolder
+from stage_service.offload.config import DloOptions
+from stagemesh.core import logs
+from stagemesh.weight_store.checkpoint import read_index
 
 log = logs.get_logger("stagemesh.diffusers")
 
@@ -36,8 +35,9 @@ def import_diffusers():
         diffusers = importlib.import_module("diffusers")
         transformers = importlib.import_module("transformers")
     except ImportError as exc:
-        raise RuntimeError("serving a diffusers-format folder needs the optional extra: "
-                           f"pip install 'stagemesh[diffusers]' ({exc})") from None
+        raise RuntimeError(
+            f"serving a diffusers-format folder needs the optional extra: pip install 'stagemesh[diffusers]' ({exc})"
+        ) from None
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()
     return diffusers
@@ -71,8 +71,7 @@ def load_pipeline(folder: CheckpointFolder, keep: list[str], dtype: torch.dtype,
     diffusers = import_diffusers()
     cls = getattr(diffusers, folder.pipeline_class)
     absent = {n: None for n in folder.components if n not in keep and n not in given}
-    pipe = cls.from_pretrained(folder.path, local_files_only=True, **dtype_kwarg(dtype),
-                               **absent, **given)
+    pipe = cls.from_pretrained(folder.path, local_files_only=True, **dtype_kwarg(dtype), **absent, **given)
     pipe.set_progress_bar_config(disable=True)  # the denoising loop's bar; progress goes by RPC
     return pipe
 
@@ -83,8 +82,7 @@ def component_class(folder: CheckpointFolder, name: str):
     return getattr(importlib.import_module(library), class_name)
 
 
-def load_transformer(folder: CheckpointFolder, family: Family, device: str, dtype: torch.dtype,
-                     opts: DloOptions):
+def load_transformer(folder: CheckpointFolder, family: Family, device: str, dtype: torch.dtype, opts: DloOptions):
     """(transformer, DLO engine or None). Under DLO the blocks stay on the host: checkpoint
     views when the mmap plan is proven, else the ordinary loader's copies."""
     cls = component_class(folder, "transformer")
@@ -107,30 +105,41 @@ def load_transformer(folder: CheckpointFolder, family: Family, device: str, dtyp
         torch.set_default_dtype(saved)
     loaded = {}
     if opts.dlo_checkpoint_mmap:
-        reason = load_or_fallback(folder.weight_files("transformer"), {"": model},
-                                  lambda: loaded.setdefault("model", ordinary()))
+        reason = load_or_fallback(
+            folder.weight_files("transformer"), {"": model}, lambda: loaded.setdefault("model", ordinary())
+        )
     else:
         loaded["model"], reason = ordinary(), "dlo_checkpoint_mmap is off"
     if reason is not None:
         model = loaded["model"]
     model.eval().requires_grad_(False)
-    engine = LayerwiseOffload(model, device, plan=family.offload_plan(),
-                              resident_layers=opts.dlo_resident_layers, use_allgather=False,
-                              keep_source=reason is None)
+    engine = LayerwiseOffload(
+        model,
+        device,
+        plan=family.offload_plan(),
+        resident_layers=opts.dlo_resident_layers,
+        use_allgather=False,
+        keep_source=reason is None,
+    )
     return model, engine
 
 
 def refuse_unsupported(opts: DloOptions) -> None:
     """Options the diffusers path does not implement fail at start, saying what to change."""
     if opts.tensor_parallel_size > 1:
-        raise ValueError("tensor_parallel_size > 1 is not available for diffusers-format "
-                         "folders; set tensor_parallel_size = 1")
+        raise ValueError(
+            "tensor_parallel_size > 1 is not available for diffusers-format folders; set tensor_parallel_size = 1"
+        )
     if opts.allgather_active:
-        raise ValueError("dp_size > 1 with DLO AllGather is not available for diffusers-format "
-                         "folders; set dlo_use_allgather = false (or dp_size = 1)")
+        raise ValueError(
+            "dp_size > 1 with DLO AllGather is not available for diffusers-format "
+            "folders; set dlo_use_allgather = false (or dp_size = 1)"
+        )
     if opts.dlo_enable_runtime_cache:
-        raise ValueError("dlo_enable_runtime_cache is not available for diffusers-format "
-                         "folders (DLO maps the checkpoint directly); drop it")
+        raise ValueError(
+            "dlo_enable_runtime_cache is not available for diffusers-format "
+            "folders (DLO maps the checkpoint directly); drop it"
+        )
 
 
 @dataclass(frozen=True)
@@ -144,8 +153,9 @@ class ShardFile(WeightFile):
         return key in self.keys and super().manages(key)
 
 
-def weight_files(folder: CheckpointFolder, name: str, module: nn.Module,
-                 skip: tuple[str, ...] = ()) -> list[WeightFile]:
+def weight_files(
+    folder: CheckpointFolder, name: str, module: nn.Module, skip: tuple[str, ...] = ()
+) -> list[WeightFile]:
     """What sleep level 2 reloads `module` (component `name`) from."""
     files = folder.weight_files(name)
     state = module.state_dict(keep_vars=True)
@@ -157,6 +167,10 @@ def weight_files(folder: CheckpointFolder, name: str, module: nn.Module,
     # A tensor found in no file (a tied copy is found through its twin) would stay on the device.
     stray = sorted(k for k, t in state.items() if id(t) not in covered and not k.startswith(skip))
     if stray:
-        log.warning("tensors not in the checkpoint stay on the device while asleep",
-                    component=name, tensors=stray[:5], count=len(stray))
+        log.warning(
+            "tensors not in the checkpoint stay on the device while asleep",
+            component=name,
+            tensors=stray[:5],
+            count=len(stray),
+        )
     return out
