@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cache_service import evict
+from cache_service.metrics import cache_readings
 from stagemesh.core import auth, errors, logs, metrics, tls
 from stagemesh.core import serve as lifecycle
 from stagemesh.core.rpc import ServiceHost, servicer_method
@@ -212,7 +213,7 @@ async def serve(args: argparse.Namespace) -> None:
     )
     servicer = CacheServicer(store, max_bytes=getattr(args, "max_bytes", None))
     cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, host.server)
-    service_metrics.add_readings(metrics.cache_readings(store, servicer))
+    service_metrics.add_readings(cache_readings(store, servicer))
 
     async def load() -> None:
         await asyncio.to_thread(store.ensure_root)

@@ -6,10 +6,11 @@ import argparse
 import asyncio
 
 from gateway.control import Admission, ControlPlane
+from gateway.metrics import gateway_readings
 from gateway.pipeline import DenoisingStep, Pipeline, StageStarted
 from gateway.stages import StageClient
 from stagemesh.core import auth, errors, logs, serve, tls
-from stagemesh.core.metrics import ServiceMetrics, gateway_readings
+from stagemesh.core.metrics import ServiceMetrics
 from stagemesh.core.params import check_request_id
 from stagemesh.core.rpc import ServiceHost, servicer_method
 from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2

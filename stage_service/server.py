@@ -10,11 +10,12 @@ from typing import Any
 from stage_service.control import Ack, StageControl
 from stage_service.engine.engine import Engine, OutputsEvent, ProgressEvent
 from stage_service.executor.executor import Executor
+from stage_service.metrics import stage_readings
 from stage_service.models.diffusers_adapter import FolderError
 from stage_service.offload.config import DloOptions
 from stage_service.settings import StageSettings
 from stagemesh.core import auth, codec, converters, logs, serve, tls
-from stagemesh.core.metrics import ServiceMetrics, stage_readings
+from stagemesh.core.metrics import ServiceMetrics
 from stagemesh.core.params import Limits
 from stagemesh.core.rpc import ServiceHost, servicer_method
 from stagemesh.v1 import control_pb2, stage_pb2, stage_pb2_grpc
