@@ -18,10 +18,13 @@ from pathlib import Path
 import torch
 
 from stage_service.transport.shm_pool import SlotPool, SlotReader, copy_into, map_fd
+from stagemesh.core import logs
 from stagemesh.core.codec import dtype_name, host_bytes
 
 SHM_THRESHOLD_BYTES = 1_000_000
 WORKER_POOL_SLOTS = 16  # reusable segments per worker (see shm_pool): queued batches of four and outputs still read
+log = logs.get_logger("stagemesh.ipc")
+
 SHM_PREFIX = "stagemesh"
 _SHM_DIR = Path("/dev/shm")
 
@@ -214,11 +217,22 @@ def sweep_orphans() -> int:
 
 
 def _sweep(match) -> int:
+    """Unlink our own matching segments. /dev/shm is shared by every local user and sticky: a
+    name another uid created under our pattern is not ours to remove (and cannot be), so it is
+    skipped; a cleanup never raises, since its callers are a result pump and an exiting worker."""
     if not _SHM_DIR.is_dir():
         return 0
     removed = 0
+    uid = os.geteuid()
     for entry in _SHM_DIR.iterdir():
-        if match(entry.name):
+        if not match(entry.name):
+            continue
+        try:
+            if entry.lstat().st_uid != uid:
+                continue
             unlink_segment(entry.name)
-            removed += 1
+        except OSError as exc:
+            log.warning("could not remove a shared-memory segment", segment=entry.name, error=str(exc))
+            continue
+        removed += 1
     return removed

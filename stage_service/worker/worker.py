@@ -186,8 +186,10 @@ class Worker:
 
 
 def _exit_orphaned(spec: protocol.WorkerSpec) -> None:
-    ipc.sweep(spec.parent_pid, spec.rank)
-    os._exit(0)
+    try:
+        ipc.sweep(spec.parent_pid, spec.rank)
+    finally:
+        os._exit(0)  # whatever the sweep met: a worker never outlives its stage service
 
 
 def main(spec: protocol.WorkerSpec, requests, results) -> None:
