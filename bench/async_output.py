@@ -212,7 +212,7 @@ async def measure_point(model_dir: Path, args, size: int, batch: int) -> dict:
 
 
 def add_serving_args(parser: argparse.ArgumentParser, sizes: list[int], batches: list[int]) -> None:
-    """The options of a served point, shared with bench/async_timeline.py (start_paths reads them)."""
+    """The options of a served point, shared with bench/investigations/async_timeline.py (start_paths reads them)."""
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--sizes", type=int, nargs="+", default=sizes)
     parser.add_argument("--batches", type=int, nargs="+", default=batches)

@@ -4,7 +4,8 @@ For `--minutes`, at once:
   - `--clients` clients call GenerateUnary in a loop (`--size`, `--steps`; `--think-ms` between
     calls; a refused call is retried after a short pause);
   - every `--sleep-every-s` seconds a Sleep of stage 0, 1 or both at level 1 or 2, held for
-    `--sleep-hold-s`, then WakeUp and ResumeGeneration (the pipeline has an AR stage, DESIGN 4.4.3);
+    `--sleep-hold-s`, then WakeUp and ResumeGeneration (an AR stage keeps the pipeline paused
+    until ResumeGeneration);
   - every `--kill-every-s` seconds a SIGKILL to a worker process (stage 0 and 1 in turn), found
     as the stage service's child through /proc.
 Reports requests served, errors by status code, control outcomes, kills and restarts (workers

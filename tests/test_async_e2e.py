@@ -1,4 +1,4 @@
-"""DESIGN §4.1 end to end: a mesh with async output (the default) and a mesh with
+"""Async output (docs/ARCHITECTURE.md) end to end: a mesh with async output (the default) and a mesh with
 `step_execution = true` (the synchronous path) get the same 200 mixed-size requests, sent
 concurrently to both. Requests that cannot share a batch give byte-identical PNGs; requests that
 do get batched (differently in each mesh) each get their own picture, equal up to 8-bit rounding

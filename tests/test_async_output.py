@@ -1,4 +1,4 @@
-"""DESIGN §4.1 points 2, 3, 5 and 7, worker side: output ids, ResultWriter (one writer at a time),
+"""Async output rules 2, 3, 5, 7 (docs/ARCHITECTURE.md), worker side: output ids, ResultWriter (one writer at a time),
 AsyncOutputThread (copy, pack, drain, failures, the device-time report) and the order of stream
 and event operations.
 

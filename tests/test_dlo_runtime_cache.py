@@ -1,4 +1,4 @@
-"""The runtime-weight cache wired into DLO (DESIGN §4.3): engines whose weights went through
+"""The runtime-weight cache wired into DLO (docs/DLO.md): engines whose weights went through
 the ordinary loader share one published copy; a later start maps it without loading.
 
 Real worker processes (Executor) and real gloo TP ranks; the cache runs its local lock protocol

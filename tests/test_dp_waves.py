@@ -1,4 +1,4 @@
-"""DESIGN §4.2.7: DP waves of a DLO AllGather stage, on real worker processes that form a real
+"""DP waves (docs/DLO.md): DP waves of a DLO AllGather stage, on real worker processes that form a real
 gloo group on the CPU. Engine level (Executor + Engine + StageControl as the stage service wires
 them) with dp_size 2 and 3, and one `stagemesh up` whose diffusion stage runs with dp_size 2.
 """

@@ -1,4 +1,4 @@
-"""DESIGN §4.1 points 5 and 6, executor side: the result pump's dispatch of every message kind
+"""Async output rules 5 and 6 (docs/ARCHITECTURE.md), executor side: the result pump's dispatch of every message kind
 and cancelled-future races, on an executor and worker record as the pump sees them (the output
 registry has its own tests in test_outputs.py; real pump threads and processes are in
 test_executor_processes.py).

@@ -1,4 +1,4 @@
-"""DESIGN §4.1 points 5, 8 and 9 with real threads and processes: a result pump reading a real
+"""Async output rules 5, 8 and 9 (docs/ARCHITECTURE.md) with real threads and processes: a result pump reading a real
 result pipe while futures are cancelled, a dead worker process, shutdown with a broken request
 queue, and a real worker process on the real tiny model (death, restart, shutdown).
 

@@ -1,4 +1,4 @@
-"""DESIGN §4.1 point 4: packing for the worker -> executor queues (inline vs POSIX shared memory).
+"""Async output rule 4 (docs/ARCHITECTURE.md): packing for the worker -> executor queues (inline vs shared memory).
 
 Everything here is real: real tensors, real segments in /dev/shm, real processes where a pid is
 needed. No GPU is involved.

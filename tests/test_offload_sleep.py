@@ -1,4 +1,4 @@
-"""Sleep and wake of a DLO diffusion runner, on the CPU (DESIGN §4.4.4: DLO stages free their
+"""Sleep and wake of a DLO diffusion runner, on the CPU (sleep rule 4 in docs/ARCHITECTURE.md: DLO stages free their
 device slots and resident layers).
 
 Only the resident weights (everything but the streamed blocks, resident layers included) and the

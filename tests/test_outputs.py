@@ -1,4 +1,4 @@
-"""DESIGN §4.1 points 5, 6 and 8, the output registry (stage_service/outputs.py): outputs cached
+"""Async output rules 5, 6 and 8 (docs/ARCHITECTURE.md), the output registry (executor/outputs.py): outputs cached
 until someone waits, futures resolved by delivery, batch splits in either order, discards, the
 output timeout read from the environment at every wait, failures for one rank or all.
 

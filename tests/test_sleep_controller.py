@@ -1,6 +1,6 @@
 """SleepController on the real tiny model, on the CPU: what sleeping and waking do to the weights.
 
-No server here (DESIGN §1: domain logic is tested without one). The models come from the same
+No server here (docs/ARCHITECTURE.md: domain logic is tested without one). The models come from the same
 loaders the workers use, and the weight sources are the runners' own `weight_files()`.
 """
 

@@ -1,6 +1,6 @@
-"""DESIGN §4.1 points 1, 2 and 7 and §4.4, the worker's main loop: control ACKs bypass the async
-path, drain before sleep, step execution without an output thread, the worker's own packer,
-runner failures and cancellation between denoising steps.
+"""Async output rules 1, 2 and 7 and the sleep rules (docs/ARCHITECTURE.md), the worker's main
+loop: control ACKs bypass the async path, drain before sleep, step execution without an output
+thread, the worker's own packer, runner failures and cancellation between denoising steps.
 
 Real multiprocessing queues, real threads, real packing into /dev/shm; the runner is a tiny real
 class (tests/worker_harness.py).

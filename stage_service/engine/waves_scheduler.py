@@ -1,4 +1,4 @@
-"""DP waves in the stage engine (DESIGN §4.2.7): with DLO AllGather and dp_size > 1 the stage's
+"""DP waves in the stage engine (docs/DLO.md, "DP waves"): with DLO AllGather and dp_size > 1 the stage's
 ranks form one process group, and the engine runs requests as waves of up to dp_size, one per
 rank, instead of batches on free workers.
 

@@ -1,4 +1,4 @@
-"""The runtime-weight cache wired into DLO for the embedded DiT (DESIGN §4.3).
+"""The runtime-weight cache wired into DLO for the embedded DiT (docs/DLO.md, "Runtime-weight cache in DLO").
 
 Weights that went through the ordinary loader (TP > 1, or a checkpoint the direct mmap plan
 refused) are private to each engine. Here every engine hashes its final tensors (DiT and decoder,

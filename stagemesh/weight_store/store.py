@@ -1,6 +1,6 @@
 """The on-disk runtime-weight cache: layout and read-only inspection.
 
-Layout (DESIGN §4.3; docs/DLO.md "Runtime-weight cache")::
+Layout (docs/CACHE.md "On-disk layout"; docs/DLO.md "Runtime-weight cache in DLO")::
 
     root/v1/<key>/            one published entry: sharded *.safetensors + manifest.json
     root/v1/<key>/last_use    touch-file; its mtime records the last consumer

@@ -1,6 +1,6 @@
 """Where a forward pass of the default DiT spends its time (steps, guidance, decode) on a device.
 
-Run: python bench/profile_forward.py [--device cuda]
+Run: python bench/investigations/profile_forward.py [--device cuda]
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import print_table
 from stage_service.models.config import PipelineConfig

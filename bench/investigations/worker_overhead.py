@@ -24,7 +24,7 @@ adding one thing, and reports requests/s (device synchronized, async outputs dra
 Messages go to the worker's real result pipe (or a multiprocessing queue) that another process
 drains. The host's launch speed drifts by tens of percent between measurements minutes apart,
 so the variants run in short interleaved rounds and each is reported as the median over rounds of its rate over the
-bare forward rate of the same round. Run on a GPU: python bench/worker_overhead.py
+bare forward rate of the same round. Run on a GPU: python bench/investigations/worker_overhead.py
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import print_table, write_json
 from stage_service import platform

@@ -11,7 +11,7 @@ once / `--chunk-mb` pieces):
   - the process's anonymous and private-dirty memory before and after (a pin that copies the
     pages of a private mapping would show here as new private memory, losing the sharing).
 
-Run on a GPU:  python bench/host_register.py --gb 24 --dir /tmp
+Run on a GPU:  python bench/investigations/host_register.py --gb 24 --dir /tmp
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import RESULTS_DIR, print_table, write_json
 from stage_service.platform import REGISTER_READ_ONLY, clear_cuda_error

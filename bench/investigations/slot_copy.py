@@ -13,7 +13,7 @@ back (or idles) while a second thread copies the four slices into four mappings,
 
 from a pinned source (what the output path copies from) and a pageable one, and the torch copy
 once more with `torch.set_num_threads(1)`. Reports the median wall and CPU time of the four
-copies. Run on a GPU: python bench/slot_copy.py
+copies. Run on a GPU: python bench/investigations/slot_copy.py
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.async_output import Forward
 from bench.common import print_table, write_json

@@ -6,7 +6,7 @@ second batch of it, the benchmark reads the caching allocator: bytes allocated (
 graph buffers and pools included) and reserved, and the peak of each batch. The graphs'
 cost is the difference between the two runners after the same shapes; the first batch's
 extra time is the capture (warm-up runs plus one recorded step). Random conditioning, seeds
-per request. Run on a GPU: python bench/step_graphs_memory.py
+per request. Run on a GPU: python bench/investigations/step_graphs_memory.py
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import print_table, write_json
 from stage_service.models.config import PipelineConfig

@@ -7,7 +7,7 @@ multi-socket host that speed depends on where the thread runs (its distance to t
 root, its cache). This pins the launching thread to each allowed core in turn and measures the
 forward rate there, in several interleaved passes, next to the GPU's local cores as the kernel
 reports them (/sys/bus/pci/devices/<gpu>/local_cpulist). Run on a GPU:
-  python bench/launch_affinity.py
+  python bench/investigations/launch_affinity.py
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.async_output import Forward
 from bench.common import print_table, write_json

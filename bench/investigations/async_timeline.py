@@ -17,7 +17,7 @@ back. Per batch:
 
 The two modes run in alternating rounds on the same two stages (the host's launch speed
 drifts). Medians over all batches after the first round. Run on a GPU:
-  python bench/async_timeline.py --sizes 256 --batches 4
+  python bench/investigations/async_timeline.py --sizes 256 --batches 4
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.async_output import add_serving_args, serving_options, start_paths
 from bench.common import print_table, write_json

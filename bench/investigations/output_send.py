@@ -16,7 +16,7 @@ per batch — process CPU time, so a queue's feeder thread counts too — for on
 Batches go out one every `--interval-ms`, as forward passes end (the sleeps are not CPU). A
 reader process unpacks every message and keeps the last `--held` batches alive, as a stage whose
 consumers lag does; slots whose outputs are still held cannot be reused, so a pool smaller than
-what is held falls back to one-shot segments. Run: python bench/output_send.py
+what is held falls back to one-shot segments. Run: python bench/investigations/output_send.py
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import print_table, write_json
 from stage_service.transport import ipc, protocol
