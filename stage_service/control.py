@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from stage_service.engine.engine import Engine
 from stage_service.executor.executor import Executor
@@ -42,6 +44,13 @@ class StageControl:
         self._require_support()
         if level not in (1, 2):
             raise errors.InvalidArgument.field("level", f"{level} is not a sleep level; allowed: 1 or 2")
+        return await _finish_even_if_cancelled(self._sleep(level))
+
+    async def wake(self) -> list[Ack]:
+        self._require_support()
+        return await _finish_even_if_cancelled(self._wake())
+
+    async def _sleep(self, level: int) -> list[Ack]:
         async with self._lock:
             started = time.perf_counter()
             await self._engine.close_admission(f"{self._stage_name} is asleep (level {level}); call WakeUp first")
@@ -58,8 +67,7 @@ class StageControl:
             )
             return acks
 
-    async def wake(self) -> list[Ack]:
-        self._require_support()
+    async def _wake(self) -> list[Ack]:
         async with self._lock:
             if not self.level:
                 return []
@@ -108,3 +116,16 @@ class StageControl:
         """A worker restarted while the stage sleeps comes up with its weights loaded: put it back."""
         if self.level:
             await asyncio.wrap_future(self._executor.control(rank, "sleep", level=self.level))
+
+
+async def _finish_even_if_cancelled(change: Coroutine[Any, Any, list[Ack]]) -> list[Ack]:
+    """A sleep or wake that started runs to its end on its own: a caller whose deadline passes
+    (or who went away) while admission is closed and workers are freeing memory must not leave
+    the stage half-asleep. The stage's sleep level reports the outcome to whoever asks next."""
+    task = asyncio.ensure_future(change)
+    _UNAWAITED.add(task)
+    task.add_done_callback(_UNAWAITED.discard)
+    return await asyncio.shield(task)
+
+
+_UNAWAITED: set[asyncio.Future] = set()  # keeps shielded changes alive after their caller left

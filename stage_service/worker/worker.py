@@ -11,6 +11,7 @@ import collections
 import os
 import queue
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,10 @@ class _CancelledByCaller(Exception):
 class _Inbox:
     """The request queue, read so that a Cancel can be noticed between denoising steps."""
 
-    def __init__(self, requests):
+    def __init__(self, requests, on_dropped: Callable[[protocol.Execute], None]):
         self._requests = requests
         self._backlog: collections.deque = collections.deque()
+        self._on_dropped = on_dropped  # answers a queued batch cancelled before it started
 
     def next(self):
         return self._backlog.popleft() if self._backlog else self._requests.get()
@@ -49,12 +51,17 @@ class _Inbox:
                 if msg.rpc_id == rpc_id:
                     hit = True
                 else:
-                    # A queued batch cancelled before it started is simply dropped.
-                    self._backlog = collections.deque(
-                        m for m in self._backlog if getattr(m, "rpc_id", None) != msg.rpc_id
-                    )
+                    self._drop_queued(msg.rpc_id)
             else:
                 self._backlog.append(msg)
+
+    def _drop_queued(self, rpc_id: str) -> None:
+        """A queued batch cancelled before it started never runs, but it is answered: the
+        executor's future and the engine's dispatch slot wait for that answer."""
+        dropped = [m for m in self._backlog if isinstance(m, protocol.Execute) and m.rpc_id == rpc_id]
+        self._backlog = collections.deque(m for m in self._backlog if m not in dropped)
+        for msg in dropped:
+            self._on_dropped(msg)
 
 
 def resolve_device(device: str, rank: int) -> str:
@@ -70,7 +77,7 @@ class Worker:
         self.spec = spec
         self.runner = runner
         self.device = device
-        self.inbox = _Inbox(requests)
+        self.inbox = _Inbox(requests, self._answer_dropped)
         self.writer = ResultWriter(results)
         # A TP rank other than 0 runs every batch with rank 0 (same collectives, same order);
         # rank 0 alone reports progress and outputs.
@@ -131,6 +138,11 @@ class Worker:
                 # process so the stage restarts the group instead of running out of lockstep.
                 self.writer.close()
                 os._exit(1)
+
+    def _answer_dropped(self, msg: protocol.Execute) -> None:
+        for item in msg.items:
+            ipc.discard(item["inputs"])  # its input segments were packed for this rank alone
+        self.writer.put(protocol.Failure(msg.rpc_id, "cancelled by the caller", cancelled=True))
 
     def control(self, msg: protocol.Control) -> None:
         """Control calls answer with an Ack straight away; they never go through the output path."""
