@@ -152,7 +152,7 @@ class RuntimeCache:
             locks.require_key(key)
             self.store.ensure_root()
             lease, release, how = self._publication_lock(key)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - the cache never fails its caller
             return _io_error(key, exc)
         if lease is None:
             return _outcome(
