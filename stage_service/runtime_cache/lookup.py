@@ -73,7 +73,7 @@ def layout_key(
 
 def _bytes_digest(t: torch.Tensor) -> tuple[int, bytes]:
     flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-    return flat.numel(), hashlib.sha256(memoryview(flat.numpy()) if flat.numel() else b"").digest()
+    return flat.numel(), hashlib.sha256(flat.numpy().data if flat.numel() else b"").digest()
 
 
 def content_hash(tensors: dict[str, torch.Tensor]) -> str:
