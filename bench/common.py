@@ -108,7 +108,7 @@ def _gpu_name() -> str | None:
         import torch
 
         return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - no usable GPU: just not recorded
         return None
 
 

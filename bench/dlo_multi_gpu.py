@@ -25,6 +25,7 @@ Check on a CPU:    python bench/dlo_multi_gpu.py --model flux --tiny-flux --devi
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -122,9 +123,9 @@ class Rank:
 
         model, engine = models.build_offloaded(self.bm, self.device, 0)
         out["plain_h2d_bytes"] = engine.stats().h2d_bytes_per_iteration
-        alone = {s: self.alone(lambda s=s: dlo._timed(self.bm, model, self.device, a, s)) for s in sizes}
+        alone = {s: self.alone(functools.partial(dlo._timed, self.bm, model, self.device, a, s)) for s in sizes}
         out["plain_alone"] = {s: r[0] for s, r in alone.items() if r is not None}
-        out["plain_alone_wave_s"] = self.alone(lambda: self.wave(model))
+        out["plain_alone_wave_s"] = self.alone(functools.partial(self.wave, model))
         plain = {s: self.timed(model, s) for s in sizes}
         out["plain_all"] = {s: t for s, (t, _) in plain.items()}
         out["plain_wave_s"] = self.wave(model)

@@ -45,7 +45,7 @@ def measure(nbytes: int, repeats: int) -> dict[str, float]:
     for label, slots in (("pooled", ipc.WORKER_POOL_SLOTS), ("one_shot", 0)):
         packer = ipc.Packer(owner_pid=os.getpid(), rank=0, pool_slots=slots)
 
-        def round_trip() -> None:
+        def round_trip(packer: ipc.Packer = packer) -> None:
             result = ipc.unpack(packer.pack(src))
             assert result.numel() == nbytes
 

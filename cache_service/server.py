@@ -163,7 +163,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default: %(default)s)")
     parser.add_argument(
         "--root",
-        type=Path,
+        type=_root_path,
         default=default_root(),
         help="runtime-weight cache root; created 0700 if missing (default: %(default)s)",
     )
@@ -191,6 +191,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _root_path(text: str) -> Path:
+    # Expanded while parsing, so the async serve() does no home-directory lookup.
+    return Path(text).expanduser()
+
+
 def _byte_count(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -199,7 +204,7 @@ def _byte_count(text: str) -> int:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    store = CacheStore(Path(args.root).expanduser())
+    store = CacheStore(args.root)
     token = auth.load_token(getattr(args, "token_file", None))
     service_metrics = metrics.ServiceMetrics("cache", args.host, getattr(args, "metrics_port", None))
     # Metrics first: they also count the calls the auth interceptor refuses.

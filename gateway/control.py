@@ -68,7 +68,7 @@ class AdmissionTicket:
 
 @dataclass(frozen=True)
 class ControlResult:
-    status: int
+    status: control_pb2.ControlStatus
     acks: list[control_pb2.WorkerAck]
     reason: str = ""
 
@@ -165,6 +165,6 @@ def _log_failed(op: str, stage: StageClient, replicas: list[ReplicaAcks]) -> Non
         )
 
 
-def _overall(acks: list[control_pb2.WorkerAck]) -> int:
+def _overall(acks: list[control_pb2.WorkerAck]) -> control_pb2.ControlStatus:
     ok = all(a.status == control_pb2.ACK_STATUS_SUCCESS for a in acks)
     return control_pb2.CONTROL_STATUS_SUCCESS if ok else control_pb2.CONTROL_STATUS_ERROR

@@ -13,6 +13,7 @@ import json
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -172,8 +173,9 @@ class StageClient:
             await asyncio.gather(*(c.close() for c in gone))  # replicas no longer behind the name
         return {a: stub for a, (_, stub) in self._replicas.items()}
 
-    async def _each_replica(self, method: str, request, **kwargs) -> list[tuple[str, object]]:
-        """Call `method` on every replica at once: (address, reply or StagemeshError) per replica."""
+    async def _each_replica(self, method: str, request, **kwargs) -> list[tuple[str, Any]]:
+        """Call `method` on every replica at once: (address, reply or StagemeshError) per replica;
+        the reply's type is the one `method` returns."""
         stubs = await self._replica_stubs()
         multiple = len(stubs) > 1 or self._dns is not None
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv (once) with the pinned CPU torch wheel first, then stagemesh and its test extra.
+# Creates .venv (once) with the pinned CPU torch wheel first, then stagemesh with its test and
+# dev (lint, type-check) extras; again whenever pyproject.toml is newer than the last install.
 # Sourced by scripts/up and scripts/test, so each works on a fresh machine.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -10,7 +11,7 @@ if [[ ! -f "$STAMP" || "$ROOT/pyproject.toml" -nt "$STAMP" ]]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # An unpinned torch would pull a multi-GB CUDA build; the CPU wheel is enough here.
   "$VENV/bin/python" -m pip install -q "torch==${STAGEMESH_TORCH_VERSION:-2.13.0}"
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[test,dev]"
   touch "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

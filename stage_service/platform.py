@@ -11,7 +11,7 @@ import ctypes
 import mmap
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -41,6 +41,7 @@ class DeviceEvent:
         if self._event is None:
             return self._host_time - start._host_time
         self._event.synchronize()
+        assert start._event is not None, "both events must be timing events of one device"
         return start._event.elapsed_time(self._event) / 1e3
 
     def synchronize(self) -> None:
@@ -133,7 +134,7 @@ class HostBuffer:
 
     def __init__(self, nbytes: int, for_device: str | torch.device):
         self.pinned = False
-        self._finalizer = None
+        self._finalizer: weakref.finalize | None = None
         if nbytes and is_cuda(for_device):
             self.tensor = _page_backed(nbytes)
             self._pin()
@@ -172,7 +173,7 @@ def clear_cuda_error() -> None:
             continue
 
 
-def lock_pages_in_place(tensor: torch.Tensor, device: str | torch.device):
+def lock_pages_in_place(tensor: torch.Tensor, device: str | torch.device) -> Callable[[], object] | None:
     """Page-lock the memory under `tensor`'s storage where it is (e.g. a file mapping), so H2D
     copies from it are DMA with no staging copy. Returns a function that undoes it (call it
     before the memory goes away), or None when the target is not a CUDA device or the driver

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import cast
 
 import grpc
 from google.rpc import error_details_pb2
@@ -30,7 +31,8 @@ def _channel(args) -> grpc.Channel:
 def describe_error(exc: grpc.RpcError) -> str:
     """One readable line per problem, field violations included."""
     lines = [f"{exc.code().name}: {exc.details()}"]
-    status = rpc_status.from_call(exc)
+    # A sync call's RpcError is also its grpc.Call (code, details, trailing metadata).
+    status = rpc_status.from_call(cast(grpc.Call, exc))
     for detail in status.details if status else ():
         if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
             bad = error_details_pb2.BadRequest()

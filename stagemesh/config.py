@@ -119,7 +119,9 @@ def load(path: str | Path | None, model: str | Path | None = None) -> MeshConfig
         stages = tuple(
             StageSettings.from_mapping({**_with_model(t, model), "stage_id": i}) for i, t in enumerate(stage_tables)
         )
-    _check_stages(stages, path if path is not None else model)
+    where = path if path is not None else model
+    assert where is not None  # with neither, the default config was returned above
+    _check_stages(stages, where)
     host = config.host
     # Every stage serves and calls with the mesh's [security] settings.
     stage_security = {k: v for k, v in vars(security).items() if v}

@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 
 from stage_service.offload.config import DEFAULT_RUNTIME_CACHE_DIR
@@ -15,6 +16,16 @@ from stagemesh.core import auth, errors, logs, tls
 from stagemesh.supervisor import Child, StartFailed, Supervisor, service_argv
 
 log = logs.get_logger("stagemesh.up")
+
+
+def _stage_argv(
+    stage: StageSettings, config: MeshConfig, cache_address: list[str], level: list[str]
+) -> Callable[[int], list[str]]:
+    def argv(port: int) -> list[str]:
+        flags = replace(_with_cache(stage, config, cache_address), port=port, ready_file=None).to_flags()
+        return service_argv("stage", *flags, *level)
+
+    return argv
 
 
 def _with_cache(stage: StageSettings, config: MeshConfig, cache_address: list[str]) -> StageSettings:
@@ -73,9 +84,7 @@ def _children(
     stages = [
         Child(
             f"stage-{s.stage_id}",
-            lambda port, s=s: service_argv(
-                "stage", *replace(_with_cache(s, config, cache_address), port=port, ready_file=None).to_flags(), *level
-            ),
+            _stage_argv(s, config, cache_address, level),
             port=s.port,
         )
         for s in config.stages

@@ -54,7 +54,7 @@ def two_meshes(tmp_path_factory, model_dir):
         for name, fut in starting.items():
             try:
                 meshes[name] = fut.result()
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - the other mesh is stopped, then this re-raised
                 failures.append(exc)
     if failures:
         for m in meshes.values():

@@ -22,15 +22,15 @@ import grpc
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-diffusers = pytest.importorskip("diffusers")
-
 from gateway.images import encode_png
 from stage_service.models.diffusers_adapter import FolderError, check_stage_folder
 from stage_service.models.diffusers_adapter.synthetic import write_tiny
 from stagemesh.core import codec
 from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2
 from tests.meshproc import REPO, Mesh, parallel_meshes, start_mesh
+
+pytest.importorskip("transformers")
+diffusers = pytest.importorskip("diffusers")
 
 RPC_TIMEOUT_S = 60.0
 STAGE = """

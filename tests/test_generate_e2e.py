@@ -90,7 +90,7 @@ def test_request_id_from_metadata_reaches_every_stage_log(mesh):
         )
     assert result.request_id == request_id
     logs = [line for line in mesh.logs().splitlines() if request_id in line]
-    services = {s for s in ("gateway", "stage-0", "stage-1") if any(f'"service": "{s}"' in l for l in logs)}
+    services = {s for s in ("gateway", "stage-0", "stage-1") if any(f'"service": "{s}"' in line for line in logs)}
     assert services == {"gateway", "stage-0", "stage-1"}, logs
 
 

@@ -152,7 +152,7 @@ def test_gateway_control_calls_need_the_right_token(secure_mesh, pki):
             auth.bearer_metadata(TOKEN + "x"),
             (("authorization", f"Basic {TOKEN}"),),
         ):
-            assert code_of(lambda: stub.Sleep(sleep, timeout=30, metadata=metadata)) == (
+            assert code_of(lambda metadata=metadata: stub.Sleep(sleep, timeout=30, metadata=metadata)) == (
                 grpc.StatusCode.UNAUTHENTICATED,
                 "invalid bearer token",
             )

@@ -118,7 +118,10 @@ def summarize(batches: list[dict]) -> dict:
         lags.append(cur["output"] - cur["forward_done"])
         if "unpacked" in cur:
             unpacks.append(cur["unpacked"] - cur["output"])
-    ms = lambda xs: statistics.median(xs) * 1e3 if xs else float("nan")  # noqa: E731
+
+    def ms(xs: list[float]) -> float:
+        return statistics.median(xs) * 1e3 if xs else float("nan")
+
     return {
         "batches": len(done),
         "period_ms": ms(periods),
@@ -143,7 +146,7 @@ async def measure_point(model_dir: Path, args, size: int, batch: int) -> list[di
                 rates.append((await path.rate(args.requests))[0])
                 marks.extend(timeline.ordered(first))
     out = []
-    for (path, _, marks, rates), mode in zip(modes, ("sync", "async")):
+    for (_, _, marks, rates), mode in zip(modes, ("sync", "async")):
         out.append({"size": size, "batch": batch, "mode": mode, "qps": statistics.median(rates), **summarize(marks)})
     return out
 

@@ -30,7 +30,7 @@ def load_host_dit(model_dir: Path, tp: TpGroup | None = None, try_mmap: bool = T
 
     if not try_mmap:
         ordinary()
-        reason = "dlo_checkpoint_mmap is off"
+        reason: str | None = "dlo_checkpoint_mmap is off"
     else:
         reason = load_or_fallback(
             [model_dir / DIT_FILE], {DIT_PREFIX: dit, DECODER_PREFIX: decoder}, ordinary, 1 if tp is None else tp.size

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from stage_service import platform
-from stage_service.models.dit import velocity
+from stage_service.models.dit import DiT, velocity
 from stagemesh.core import logs
 
 log = logs.get_logger("stagemesh.step_graphs")
@@ -49,7 +49,7 @@ class _Step:
     cond: torch.Tensor
     mask: torch.Tensor
     run: Callable[[], None]
-    graph: object | None = None
+    graph: torch.cuda.CUDAGraph | None = field(default=None, init=False)  # set once captured
 
     def replay(self) -> None:
         if self.graph is not None:
@@ -59,7 +59,7 @@ class _Step:
 
 
 class StepGraphs:
-    def __init__(self, dit: torch.nn.Module, capture: bool = True, max_graphs: int = MAX_GRAPHS) -> None:
+    def __init__(self, dit: DiT, capture: bool = True, max_graphs: int = MAX_GRAPHS) -> None:
         self._dit = dit
         self._capture = capture
         self._max = max(1, max_graphs)
@@ -153,7 +153,7 @@ class StepGraphs:
         return step
 
 
-def _capture(run: Callable[[], None], device: torch.device):
+def _capture(run: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
     """Warm `run` up on a side stream, then capture it (dt is 0: the warm-up leaves x as is)."""
     side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream(device))

@@ -9,6 +9,8 @@ are the same at every TP size: each rank slices its shard out of the full tensor
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -86,14 +88,14 @@ def row(in_features: int, out_features: int, tp: TpGroup | None) -> nn.Linear:
     return RowParallelLinear(in_features, out_features, tp)
 
 
-def shard_functions(parts: dict[str, nn.Module]) -> dict[str, object]:
+def shard_functions(parts: dict[str, nn.Module]) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """Checkpoint key -> function(full tensor) -> this rank's shard, for every sharded tensor."""
-    out = {}
+    out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     for prefix, model in parts.items():
         for mod_name, module in model.named_modules():
             if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 continue
             for p_name, _ in module.named_parameters(recurse=False):
                 key = f"{prefix}{mod_name}.{p_name}"
-                out[key] = lambda full, m=module, n=p_name: m.shard(n, full)
+                out[key] = functools.partial(module.shard, p_name)
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,7 @@ def gather_into(out: torch.Tensor, shard: torch.Tensor, group) -> None:
 def join_group(address: str, rank: int, world_size: int, device: str, timeout_s: float):
     """Join the stage's DP group (NCCL on CUDA, gloo otherwise) and return it. Every rank
     blocks here until all `world_size` ranks have arrived at `address`."""
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     backend = "gloo"
     if platform.is_cuda(device):
         backend = "nccl"

@@ -278,6 +278,7 @@ class LayerwiseOffload:
         if self.world == 1:
             self._ready[s].record(self._copy)
             return
+        assert self._comm is not None  # made whenever world > 1
         self._comm.wait_event(self._copied[s])
         with self._comm.active():
             gather_into(self._slots[s][: self.store.slot_nbytes(i)], self._shards[s][:sent], self.group)

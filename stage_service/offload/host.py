@@ -169,7 +169,8 @@ def locked_mapping_store(layouts: list[BlockLayout], device: str | torch.device)
     locked, when that is not possible (a CPU target, or the driver refuses)."""
     sources = [layout.sources() for layout in layouts]
     storages = {src.untyped_storage().data_ptr(): src for block in sources for _, src in block}
-    started, unlock = time.perf_counter(), []
+    started = time.perf_counter()
+    unlock: list[Callable[[], object]] = []
     for src in storages.values():
         undo = platform.lock_pages_in_place(src, device)
         if undo is None:

@@ -32,7 +32,9 @@ class Entry:
 
     def current(self) -> torch.Tensor:
         store = self.module._parameters if self.is_param else self.module._buffers
-        return store[self.name]
+        tensor = store[self.name]
+        assert tensor is not None, "layouts hold only registered tensors"
+        return tensor
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -84,7 +86,9 @@ class BlockLayout:
         """Point every parameter and buffer of the block at `views` (no copy)."""
         for e, v in zip(self.entries, views):
             if e.is_param:
-                e.module._parameters[e.name].data = v
+                param = e.module._parameters[e.name]
+                assert param is not None, "layouts hold only registered tensors"
+                param.data = v
             else:
                 e.module._buffers[e.name] = v
 

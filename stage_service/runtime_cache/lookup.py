@@ -73,7 +73,7 @@ def layout_key(
 
 def _bytes_digest(t: torch.Tensor) -> tuple[int, bytes]:
     flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-    return flat.numel(), hashlib.sha256(memoryview(flat.numpy()) if flat.numel() else b"").digest()
+    return flat.numel(), hashlib.sha256(flat.numpy().data if flat.numel() else b"").digest()
 
 
 def content_hash(tensors: dict[str, torch.Tensor]) -> str:
@@ -152,7 +152,7 @@ class RuntimeCache:
             locks.require_key(key)
             self.store.ensure_root()
             lease, release, how = self._publication_lock(key)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - the cache never fails its caller
             return _io_error(key, exc)
         if lease is None:
             return _outcome(

@@ -107,7 +107,8 @@ class Packer:
         except BaseException:
             # A half-packed payload reaches no reader: free what it took.
             for packed in made:
-                if packed.pooled:
+                assert packed.shm_name is not None  # `made` notes segments only
+                if packed.pooled and self.pool is not None:  # a pooled slot came from the pool
                     self.pool.free(packed.shm_name)
                 else:
                     unlink_segment(packed.shm_name)

@@ -66,7 +66,7 @@ def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return ((HEADER, f"Bearer {token}"),) if token else ()
 
 
-def check_bearer(metadata: Iterable[tuple[str, object]] | None, token: str) -> None:
+def check_bearer(metadata: Iterable[tuple[str, str | bytes]] | None, token: str) -> None:
     """Raise Unauthenticated unless `metadata` carries `authorization: Bearer <token>`."""
     values = [v for k, v in metadata or () if k == HEADER]
     if not values:

@@ -40,7 +40,7 @@ def params_to_proto(p: gp.Params) -> generation_pb2.GenerationParams:
     )
 
 
-def output_format_enum(name: str) -> int:
+def output_format_enum(name: str) -> generation_pb2.OutputFormat:
     return _FORMAT_ENUMS[name]
 
 

@@ -151,7 +151,7 @@ class ServiceMetrics:
 
     def start(self) -> str:
         """Serve /metrics; returns the address ('' when off)."""
-        if not self.enabled:
+        if self.port is None:
             return ""
         from prometheus_client import start_http_server
 
@@ -165,7 +165,7 @@ class ServiceMetrics:
         return self.address
 
     def stop(self) -> None:
-        if self._http is not None:
+        if self._http is not None and self._thread is not None:  # started together
             self._http.shutdown()
             self._http.server_close()
             self._thread.join()
@@ -234,7 +234,8 @@ class _Call:
         self.ended: grpc.StatusCode | None = None
         self.started = time.perf_counter()
         metrics.rpc_started(method)
-        context.add_done_callback(self._done)
+        # The stub declares the callback as a class rather than a callable protocol.
+        context.add_done_callback(self._done)  # type: ignore[arg-type]
 
     def _done(self, context: grpc.aio.ServicerContext) -> None:
         code = final_code(context.code(), self.ended, context.time_remaining())
@@ -279,7 +280,8 @@ def _observe(handler: grpc.RpcMethodHandler, metrics: ServiceMetrics, method: st
         wrapped = _observe_unary(behavior, metrics, method)
     else:
         return handler  # a synchronous handler (none of ours): left as it is
-    return handler._replace(**{kind: wrapped})
+    # gRPC's handlers are namedtuples; the stub declares an abstract class without _replace.
+    return handler._replace(**{kind: wrapped})  # type: ignore[attr-defined]
 
 
 class _RpcInterceptor(grpc.aio.ServerInterceptor):

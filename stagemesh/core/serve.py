@@ -82,14 +82,16 @@ def main(
     incomplete model folder), exit 1 for other StagemeshErrors, OSError (a path that cannot be
     read or created; the message names it) and the service's `start_errors`. Any other exception
     is a bug: logged with its traceback, exit 1."""
+    bad_option: tuple[type[Exception], ...] = (errors.InvalidArgument, *option_errors)
+    failed_start: tuple[type[Exception], ...] = (errors.StagemeshError, OSError, *start_errors)
     try:
         asyncio.run(coroutine)
         # Stopped cleanly: a second stop signal during interpreter teardown must not turn exit 0 into -15.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    except (errors.InvalidArgument, *option_errors) as exc:
+    except bad_option as exc:
         _refused(service, exc, EXIT_BAD_OPTION)
-    except (errors.StagemeshError, OSError, *start_errors) as exc:
+    except failed_start as exc:
         _refused(service, exc, EXIT_START_FAILED)
     except Exception:
         log.exception(f"{service} failed")

@@ -56,6 +56,8 @@ def open_lock_file(path: Path) -> int:
 class FileLock:
     """One flock on one lock file. `release()` is idempotent; closing the fd drops the lock."""
 
+    _fd: int | None  # None once released
+
     def __init__(self, path: Path, fd: int, shared: bool):
         self.path, self._fd, self.shared = path, fd, shared
         self._mu = threading.Lock()

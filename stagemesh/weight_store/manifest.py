@@ -134,7 +134,8 @@ def _is_count(value: Any) -> bool:
 
 def _object(doc: dict, name: str) -> dict:
     value = doc.get(name)
-    _expect(isinstance(value, dict), f"{name} is not an object")
+    if not isinstance(value, dict):
+        raise ManifestError(f"{name} is not an object")
     return value
 
 

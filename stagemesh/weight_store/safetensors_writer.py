@@ -68,6 +68,6 @@ def write_streamed(
                 raise ValueError(f"{name}: got {tuple(t.shape)} {t.dtype}, expected {tuple(shape)} {dtype}")
             flat = t.detach().to("cpu").contiguous().reshape(-1)
             if flat.numel():
-                f.write(memoryview(flat.view(torch.uint8).numpy()))
+                f.write(flat.view(torch.uint8).numpy().data)
         f.flush()
         os.fsync(f.fileno())

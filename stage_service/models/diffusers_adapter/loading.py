@@ -16,6 +16,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import importlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,7 +63,7 @@ def checkpoint_dtype(folder: CheckpointFolder) -> torch.dtype:
         for record in read_index(file).values():
             if record.dtype.is_floating_point:
                 sizes[record.dtype] = sizes.get(record.dtype, 0) + record.nbytes
-    return max(sizes, key=sizes.get) if sizes else torch.float32
+    return max(sizes, key=sizes.__getitem__) if sizes else torch.float32
 
 
 def load_pipeline(folder: CheckpointFolder, keep: list[str], dtype: torch.dtype, **given):
@@ -103,7 +104,7 @@ def load_transformer(folder: CheckpointFolder, family: Family, device: str, dtyp
             model = cls.from_config(cls.load_config(where))
     finally:
         torch.set_default_dtype(saved)
-    loaded = {}
+    loaded: dict[str, Any] = {}
     if opts.dlo_checkpoint_mmap:
         reason = load_or_fallback(
             folder.weight_files("transformer"), {"": model}, lambda: loaded.setdefault("model", ordinary())
@@ -159,7 +160,8 @@ def weight_files(
     """What sleep level 2 reloads `module` (component `name`) from."""
     files = folder.weight_files(name)
     state = module.state_dict(keep_vars=True)
-    out, covered = [], set()
+    out: list[WeightFile] = []
+    covered: set[int] = set()
     for file in files:
         keys = frozenset(read_index(file)) & state.keys()
         covered |= {id(state[k]) for k in keys}

@@ -120,7 +120,6 @@ def _t5(d_model: int, vocab_size: int):
             d_ff=64,
             num_layers=2,
             num_heads=2,
-            decoder_start_token_id=0,
             pad_token_id=0,
             eos_token_id=1,
         )

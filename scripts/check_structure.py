@@ -1,0 +1,240 @@
+"""Check the import structure of stagemesh, gateway, stage_service and cache_service.
+
+Usage: python scripts/check_structure.py [ROOT]   (default: the repository root)
+
+Reads every module's imports from its syntax tree, so imports under `if TYPE_CHECKING:` and
+inside functions count as much as those at the top. Prints the layer picture (one line per
+package or stage_service room: what it imports) and exits 1 when any rule is broken:
+
+- no import cycle between modules;
+- the shared layers (stagemesh.core, stagemesh.v1, stagemesh.weight_store) import no service
+  and no application module (the rest of stagemesh: cli, launcher, supervisor, config, ...);
+- stagemesh.core does not import stagemesh.weight_store;
+- a service (gateway, stage_service, cache_service) imports no other service and no
+  application module;
+- inside stage_service, imports only go down the rooms in ROOMS; every module is in a room.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("stagemesh", "gateway", "stage_service", "cache_service")
+SERVICES = ("gateway", "stage_service", "cache_service")
+SHARED_TOP_DOWN = ("stagemesh.weight_store", "stagemesh.core", "stagemesh.v1")
+SHARED = frozenset(SHARED_TOP_DOWN)
+# stage_service's rooms, top first; one tuple is one tier (its rooms may import one another).
+ROOMS: tuple[tuple[str, ...], ...] = (
+    ("server", "control", "settings", "metrics"),
+    ("engine",),
+    ("executor",),
+    ("worker",),
+    ("models",),
+    ("runtime_cache",),
+    ("offload",),
+    ("transport",),
+    ("platform",),
+)
+TIER = {room: tier for tier, rooms in enumerate(ROOMS) for room in rooms}
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str
+    target: str
+    line: int
+
+
+def find_modules(root: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file of PACKAGES under `root`."""
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join(parts)] = path
+    return modules
+
+
+def _nearest_module(name: str, modules: dict[str, Path]) -> str | None:
+    """`name`, or the closest enclosing package that is one of ours (None: not ours)."""
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _imported_names(module: str, path: Path, tree: ast.AST) -> Iterable[tuple[str, int]]:
+    """Absolute names this module imports: `from X import y` gives X.y (a submodule, or an
+    attribute of X; the caller resolves which)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                origin = ".".join([*base, node.module] if node.module else base)
+            else:
+                origin = node.module or ""
+            for alias in node.names:
+                yield (origin if alias.name == "*" else f"{origin}.{alias.name}"), node.lineno
+
+
+def find_imports(root: Path) -> tuple[dict[str, Path], list[Import]]:
+    modules = find_modules(root)
+    imports = []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for name, line in _imported_names(module, path, tree):
+            target = _nearest_module(name, modules)
+            if target is not None and target != module:
+                imports.append(Import(module, target, line))
+    return modules, imports
+
+
+def cycles(modules: Iterable[str], imports: list[Import]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    edges: dict[str, set[str]] = defaultdict(set)
+    for imp in imports:
+        edges[imp.source].add(imp.target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for start in sorted(modules):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, successors = work[-1]
+            for succ in successors:
+                if succ not in index:
+                    index[succ] = low[succ] = len(index)
+                    stack.append(succ)
+                    on_stack.add(succ)
+                    work.append((succ, iter(sorted(edges[succ]))))
+                    break
+                if succ in on_stack:
+                    low[node] = min(low[node], index[succ])
+            else:
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def group(module: str) -> str:
+    """The unit of the layer picture: a shared layer, the application, a service, or a room."""
+    for shared in SHARED:
+        if _within(module, shared):
+            return shared
+    top, _, rest = module.partition(".")
+    if top == "stagemesh":
+        return "stagemesh (application)"
+    if top == "stage_service" and rest:
+        return f"stage_service.{rest.partition('.')[0]}"
+    return top
+
+
+def _service(module: str) -> str | None:
+    top = module.partition(".")[0]
+    return top if top in SERVICES else None
+
+
+def _is_application(module: str) -> bool:
+    return group(module) == "stagemesh (application)"
+
+
+def violations(root: Path, modules: dict[str, Path], imports: list[Import]) -> list[str]:
+    found = [f"import cycle: {' <-> '.join(c)}" for c in cycles(modules, imports)]
+    for module in sorted(modules):
+        room = module.split(".")[1] if _within(module, "stage_service") and module != "stage_service" else None
+        if room is not None and room not in TIER:
+            found.append(f"{module}: stage_service.{room} is in no room of ROOMS")
+    for imp in sorted(imports, key=lambda i: (i.source, i.line, i.target)):
+        where = f"{modules[imp.source].relative_to(root).as_posix()}:{imp.line}: {imp.source} imports {imp.target}"
+        source_group = group(imp.source)
+        target_service = _service(imp.target)
+        if source_group in SHARED and (target_service is not None or _is_application(imp.target)):
+            found.append(f"{where} (the shared layers import no service or application module)")
+        elif source_group == "stagemesh.core" and group(imp.target) == "stagemesh.weight_store":
+            found.append(f"{where} (stagemesh.core is below stagemesh.weight_store)")
+        source_service = _service(imp.source)
+        if source_service is not None:
+            if target_service is not None and target_service != source_service:
+                found.append(f"{where} (one service imports another)")
+            elif _is_application(imp.target):
+                found.append(f"{where} (a service imports the application above it)")
+        if source_service == "stage_service" == target_service:
+            source_tier = TIER.get(imp.source.split(".")[1], -1) if imp.source != "stage_service" else -1
+            target_tier = TIER.get(imp.target.split(".")[1], -1) if imp.target != "stage_service" else -1
+            if 0 <= target_tier < source_tier:
+                found.append(f"{where} (upward between stage_service rooms)")
+    return found
+
+
+def _group_order(name: str) -> tuple[int, int, str]:
+    """Top of the picture first: the application, the services (stage_service room by room),
+    then the shared layers."""
+    order = ["stagemesh (application)", "gateway", "cache_service", "stage_service", *SHARED_TOP_DOWN]
+    top = "stage_service" if name.startswith("stage_service.") else name
+    room = TIER.get(name.partition(".")[2], len(ROOMS)) if top == "stage_service" and top != name else -1
+    return (order.index(top) if top in order else len(order), room, name)
+
+
+def layer_picture(modules: dict[str, Path], imports: list[Import]) -> list[str]:
+    uses: dict[str, set[str]] = {group(m): set() for m in modules}
+    for imp in imports:
+        if group(imp.target) != group(imp.source):
+            uses[group(imp.source)].add(group(imp.target))
+    width = max(len(name) for name in uses)
+    return [
+        f"{name:<{width}} -> {', '.join(sorted(uses[name], key=_group_order)) or '(nothing of ours)'}"
+        for name in sorted(uses, key=_group_order)
+    ]
+
+
+def main(argv: list[str]) -> int:
+    root = Path(argv[0]) if argv else REPO
+    modules, imports = find_imports(root)
+    print("\n".join(layer_picture(modules, imports)))
+    found = violations(root, modules, imports)
+    if found:
+        print(f"\n{len(found)} structure violation(s):")
+        print("\n".join(f"  {line}" for line in found))
+        return 1
+    print(f"\n{len(modules)} modules, {len(imports)} imports between them: no violation")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,78 @@
+"""scripts/check_structure.py: the tree keeps its layers, and the check sees what breaks them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "check_structure.py"
+
+
+def check(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), str(root)], capture_output=True, text=True, timeout=120)
+
+
+def plant(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        for package in path.relative_to(root).parents:
+            if package != Path("."):
+                (root / package / "__init__.py").touch()
+    return root
+
+
+def test_the_tree_keeps_its_structure():
+    result = check(REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "stagemesh.core" in result.stdout and "stage_service.engine" in result.stdout
+
+
+def test_finds_a_cycle_and_an_upward_import(tmp_path):
+    root = plant(
+        tmp_path,
+        {
+            # The cycle runs through an import inside a function and one under TYPE_CHECKING.
+            "stagemesh/core/a.py": "def f():\n    from stagemesh.core import b\n",
+            "stagemesh/core/b.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from stagemesh.core.a import f\n"
+            ),
+            "stage_service/engine/run.py": "",
+            "stage_service/platform.py": "from .engine import run\n",
+        },
+    )
+    result = check(root)
+    assert result.returncode == 1, result.stdout
+    assert "import cycle: stagemesh.core.a <-> stagemesh.core.b" in result.stdout
+    assert "stage_service.platform imports stage_service.engine.run (upward between stage_service rooms)" in (
+        result.stdout
+    )
+
+
+def test_finds_imports_across_layers(tmp_path):
+    root = plant(
+        tmp_path,
+        {
+            "stagemesh/config.py": "",
+            "stagemesh/weight_store/store.py": "",
+            "stagemesh/core/auth.py": (
+                "import gateway.server\nimport stagemesh.config\nfrom stagemesh.weight_store import store\n"
+            ),
+            "gateway/server.py": "from cache_service.server import serve\n",
+            "cache_service/server.py": "def serve(): ...\n",
+            "stage_service/runner.py": "",
+        },
+    )
+    result = check(root)
+    assert result.returncode == 1, result.stdout
+    for expected in (
+        "stagemesh.core.auth imports gateway.server (the shared layers import no service or application module)",
+        "stagemesh.core.auth imports stagemesh.config (the shared layers",
+        "stagemesh.core.auth imports stagemesh.weight_store.store (stagemesh.core is below",
+        "gateway.server imports cache_service.server (one service imports another)",
+        "stage_service.runner: stage_service.runner is in no room",
+    ):
+        assert expected in result.stdout
