@@ -6,6 +6,7 @@ nobody can remove another user's file from a sticky directory."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -89,6 +90,9 @@ def test_another_users_segment_names_neither_stop_a_stage_nor_its_worker_restart
         assert stage.stop() == 0, stage.logs()[-3000:]
     assert "Traceback" not in stage.logs()
     assert all(path.is_dir() for path in squats), "another user's entries are left alone"
+    lifecycle = [e for e in map(json.loads, stage.logs().splitlines()) if e["event"].startswith("worker ")]
+    assert {e["event"] for e in lifecycle} >= {"worker died", "worker started", "worker ready", "worker restarted"}
+    assert {e.get("service") for e in lifecycle} == {"stage-0"}, "every line names its service"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")

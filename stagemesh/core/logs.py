@@ -21,6 +21,9 @@ def configure(service: str, level: str = "info") -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            # Process-wide, not a contextvar: lines from threads that did not inherit the context
+            # (result pumps, watchdogs) name their service too.
+            _add_service(service),
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
@@ -32,7 +35,14 @@ def configure(service: str, level: str = "info") -> None:
         logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
-    structlog.contextvars.bind_contextvars(service=service)
+
+
+def _add_service(service: str):
+    def add(logger, method: str, event: dict) -> dict:
+        event.setdefault("service", service)
+        return event
+
+    return add
 
 
 def get_logger(name: str):
