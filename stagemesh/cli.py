@@ -67,14 +67,11 @@ def _parser() -> argparse.ArgumentParser:
             )
         p.set_defaults(client_main=getattr(client, name))
         if name in ("sleep", "wakeup"):
-            p.add_argument(
-                "--stage",
-                type=int,
-                action="append",
-                default=[],
-                required=True,
-                help="stage id; repeat for several stages",
+            targets = p.add_mutually_exclusive_group(required=True)
+            targets.add_argument(
+                "--stage", type=int, action="append", default=[], help="stage id; repeat for several stages"
             )
+            targets.add_argument("--all", action="store_true", help="every stage the gateway lists")
         if name == "sleep":
             p.add_argument(
                 "--level",

@@ -116,6 +116,9 @@ def _control_call(args, method: str, request) -> int:
     with _channel(args) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         try:
+            if getattr(args, "all", False):  # sleep/wakeup --all: every stage the gateway lists
+                listing = stub.ListStages(gateway_pb2.ListStagesRequest(), timeout=args.timeout)
+                request.stage_ids.extend(s.stage_id for s in listing.stages)
             reply = getattr(stub, method)(request, timeout=args.timeout, metadata=metadata)
         except grpc.RpcError as exc:
             print(describe_error(exc), file=sys.stderr)

@@ -80,7 +80,12 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
         code, message, trailing = status_for(exc)
         log.info("rpc refused", method=method, code=code.name, reason=message)
     else:
-        code, message, trailing = grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}", ()
+        # Words only: an exception's class or text may name internals or other requests; the log has them.
+        code, message, trailing = (
+            grpc.StatusCode.INTERNAL,
+            f"internal error in {method}; the service log has details",
+            (),
+        )
         log.exception("rpc failed", method=method)
     await context.abort(code, message, trailing_metadata=trailing)
 
