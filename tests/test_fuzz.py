@@ -219,9 +219,9 @@ def test_malformed_bytes_are_refused_by_grpc_and_the_service_serves_on(
     address = fuzz_mesh.address if service == "gateway" else fuzz_mesh.child_addresses()[service]
     with grpc.insecure_channel(address) as raw, pytest.raises(grpc.RpcError) as info:
         _raw_call(raw, method, streaming, payload)
-    # grpc.aio's own answer, before any servicer code runs: UNKNOWN naming the parse failure.
-    assert info.value.code() == grpc.StatusCode.UNKNOWN, (info.value.code(), info.value.details())
-    assert "Error parsing message" in info.value.details(), info.value.details()
+    # Refused before any servicer code runs: INVALID_ARGUMENT naming the parse failure.
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (info.value.code(), info.value.details())
+    assert "does not parse" in info.value.details(), info.value.details()
     # The service that got the bytes still serves, and so does the whole pipeline.
     with grpc.insecure_channel(address) as again:
         health = health_pb2_grpc.HealthStub(again).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT_S)
@@ -240,5 +240,5 @@ def test_random_unparseable_bytes_are_refused_by_grpc(channel, payload):
         pass
     with pytest.raises(grpc.RpcError) as info:
         channel.unary_unary("/stagemesh.v1.GatewayService/Sleep")(payload, timeout=10)
-    assert info.value.code() == grpc.StatusCode.UNKNOWN, (info.value.code(), info.value.details())
-    assert "Error parsing message" in info.value.details()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (info.value.code(), info.value.details())
+    assert "does not parse" in info.value.details()
