@@ -185,7 +185,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level",
         default="info",
-        choices=["debug", "info", "warning", "error"],
+        choices=logs.LOG_LEVELS,
         help="log level (default: %(default)s)",
     )
 

@@ -44,7 +44,23 @@ def _progress_bar(step: int, total: int, width: int = 30) -> str:
     return f"\r  denoising [{'#' * filled}{'.' * (width - filled)}] {step}/{total}"
 
 
+def _output_problem(path: Path) -> str | None:
+    """Why the PNG could not be written there, asked before generating rather than after."""
+    folder = path.parent
+    if not folder.is_dir():
+        return f"-o {path}: the folder {folder} does not exist"
+    if path.is_dir():
+        return f"-o {path}: is a folder; give a file name"
+    if not os.access(folder, os.W_OK):
+        return f"-o {path}: the folder {folder} is not writable"
+    return None
+
+
 def generate(args) -> int:
+    problem = _output_problem(Path(args.output))
+    if problem:
+        print(f"stagemesh generate: {problem}", file=sys.stderr)
+        return 2
     params = generation_pb2.GenerationParams(prompt=args.prompt, output_format=generation_pb2.OUTPUT_FORMAT_PNG)
     for field, value in (
         ("width", args.width if args.width is not None else args.size),
