@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cache_service import evict
@@ -26,9 +24,8 @@ log = logs.get_logger("cache_service.server")
 
 DEFAULT_LOCK_TIMEOUT_S = 600.0
 
-# Lock waits may last the whole lock timeout; their own pool keeps them from starving the
-# default executor that ListEntries, GetStats and Evict use.
-_LOCK_WAITERS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="publication-lock")
+LOCK_POLL_MIN_S = 0.005  # waiting for a publication lock: first pause between tries, then doubling
+LOCK_POLL_MAX_S = 0.05
 
 
 def entry_to_proto(entry: EntryInfo) -> cache_pb2.CacheEntry:
@@ -130,23 +127,20 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
 
 async def _acquire_publication_lock(root: Path, key: str, timeout_s: float) -> locks.FileLock | None:
-    """Wait for the lock in a thread; if the session is cancelled meanwhile, a lock the thread
-    still obtains is released at once instead of leaking."""
-    cancelled = threading.Event()
-    future = asyncio.get_running_loop().run_in_executor(
-        _LOCK_WAITERS, locks.publication_lock, root, key, timeout_s, cancelled
-    )
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        cancelled.set()
-        future.add_done_callback(_release_result)
-        raise
-
-
-def _release_result(future: asyncio.Future) -> None:
-    if not future.cancelled() and future.exception() is None and future.result() is not None:
-        future.result().release()
+    """Poll the key's flock without blocking from the event loop: a waiter holds no thread, so
+    any number of sessions waiting on one key cannot starve a publication of another. A
+    cancelled session stops between polls and never ends up holding the lock."""
+    loop = asyncio.get_running_loop()
+    path = locks.lock_path(root, key, locks.PUBLISH_SUFFIX)
+    deadline = loop.time() + timeout_s
+    pause = LOCK_POLL_MIN_S
+    while (held := locks.try_lock(path)) is None:
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return None
+        await asyncio.sleep(min(pause, remaining))
+        pause = min(pause * 2, LOCK_POLL_MAX_S)
+    return held
 
 
 def evict_to_proto(result: evict.EvictResult) -> cache_pb2.EvictResponse:
@@ -186,7 +180,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level",
         default="info",
-        choices=["debug", "info", "warning", "error"],
+        choices=logs.LOG_LEVELS,
         help="log level (default: %(default)s)",
     )
 

@@ -17,6 +17,7 @@ from stagemesh.v1 import control_pb2
 log = logs.get_logger("stagemesh.control")
 
 DEFAULT_SLEEP_LEVEL = 2
+DESCRIBE_TIMEOUT_S = 2.0  # asking a stage whether it sleeps
 NOT_SLEEPING_REASON = "target stages are not sleeping"
 
 
@@ -91,6 +92,9 @@ class ControlPlane:
     def _validate(self, stage_ids: list[int], level: int | None = None) -> list[errors.FieldViolation]:
         violations = []
         valid = f"allowed: stage ids 0 to {len(self._stages) - 1}"
+        if not stage_ids:
+            # An empty list would answer SUCCESS having done nothing; `stagemesh sleep --all` names every stage.
+            violations.append(errors.FieldViolation("stage_ids", f"name at least one stage; {valid}"))
         unknown = sorted({i for i in stage_ids if not 0 <= i < len(self._stages)})
         if unknown:
             violations.append(errors.FieldViolation("stage_ids", f"unknown stage id(s) {unknown}; {valid}"))
@@ -107,8 +111,6 @@ class ControlPlane:
         for stage in targets:
             if not stage.supports_sleep:
                 raise errors.Unimplemented(f"{stage.name} cannot sleep (configured without sleep support)")
-        if not targets:
-            return ControlResult(control_pb2.CONTROL_STATUS_SUCCESS, [])
         async with self._lock:
             await self._admission.close()
             replies = await asyncio.gather(*(s.sleep(level, timeout) for s in targets))
@@ -128,11 +130,12 @@ class ControlPlane:
         if violations:
             raise errors.InvalidArgument(violations)
         async with self._lock:
-            targets = [self._stages[i] for i in dict.fromkeys(stage_ids) if i in self._admission.sleeping]
+            asleep = await self._asleep([self._stages[i] for i in dict.fromkeys(stage_ids)])
+            targets = [self._stages[i] for i in asleep]
             if not targets:
                 return ControlResult(control_pb2.CONTROL_STATUS_SKIPPED, [], NOT_SLEEPING_REASON)
             sleeping = self._admission.sleeping
-            replies = await asyncio.gather(*(s.wake(timeout, sleeping[s.stage_id]) for s in targets))
+            replies = await asyncio.gather(*(s.wake(timeout, asleep[s.stage_id]) for s in targets))
             for stage, replicas in zip(targets, replies):
                 if all(r.ok for r in replicas):  # awake only once no replica sleeps
                     sleeping.pop(stage.stage_id, None)
@@ -143,6 +146,17 @@ class ControlPlane:
         acks = _flat(replies)
         return ControlResult(_overall(acks), acks)
 
+    async def _asleep(self, stages: list[StageClient]) -> dict[int, int]:
+        """stage id -> sleep level of those of `stages` that sleep: by this gateway's record, or by
+        what the stage reports (one put to sleep by a direct SleepStage, or before a restart)."""
+        reported = await asyncio.gather(*(_reported_sleep_level(s) for s in stages))
+        recorded = self._admission.sleeping
+        return {
+            s.stage_id: max(level, recorded.get(s.stage_id, 0))
+            for s, level in zip(stages, reported)
+            if level or s.stage_id in recorded
+        }
+
     async def pause(self) -> None:
         await self._admission.close()
         log.info("generation paused")
@@ -150,6 +164,15 @@ class ControlPlane:
     def resume(self) -> None:
         self._admission.paused = False
         log.info("generation resumed")
+
+
+async def _reported_sleep_level(stage: StageClient) -> int:
+    """The deepest level any replica of `stage` reports; 0 when none answers (the record decides)."""
+    try:
+        return (await stage.describe(DESCRIBE_TIMEOUT_S)).sleep_level
+    except errors.StagemeshError as exc:
+        log.info("stage did not say whether it sleeps", stage_id=stage.stage_id, reason=str(exc))
+        return 0
 
 
 def _flat(replies: list[list[ReplicaAcks]]) -> list[control_pb2.WorkerAck]:

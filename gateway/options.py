@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from stagemesh.core import auth, metrics, tls
+from stagemesh.core import auth, logs, metrics, tls
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
@@ -34,4 +34,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="write {'address', 'pid'} (and 'metrics' with a metrics port) as JSON here once bound",
     )
-    parser.add_argument("--log-level", default="info", help="log level (default: 'info')")
+    parser.add_argument("--log-level", default="info", choices=logs.LOG_LEVELS, help="log level (default: 'info')")

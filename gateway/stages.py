@@ -109,6 +109,14 @@ def aggregate(replies: list[stage_pb2.DescribeStageResponse]) -> stage_pb2.Descr
     return total
 
 
+@dataclass(frozen=True)
+class ReplicaFailure:
+    """A replica that did not answer: the error naming it, and the same error without its address."""
+
+    error: errors.StagemeshError
+    unnamed: errors.StagemeshError
+
+
 @dataclass
 class StageClient:
     stage_id: int
@@ -174,7 +182,7 @@ class StageClient:
         return {a: stub for a, (_, stub) in self._replicas.items()}
 
     async def _each_replica(self, method: str, request, **kwargs) -> list[tuple[str, Any]]:
-        """Call `method` on every replica at once: (address, reply or StagemeshError) per replica;
+        """Call `method` on every replica at once: (address, reply or ReplicaFailure) per replica;
         the reply's type is the one `method` returns."""
         stubs = await self._replica_stubs()
         multiple = len(stubs) > 1 or self._dns is not None
@@ -183,16 +191,16 @@ class StageClient:
             try:
                 return await getattr(stub, method)(request, **kwargs)
             except grpc.aio.AioRpcError as exc:
-                return self._domain_error(exc, address if multiple else None)
+                return ReplicaFailure(self._domain_error(exc, address if multiple else None), self._domain_error(exc))
 
         replies = await asyncio.gather(*(one(a, s) for a, s in stubs.items()))
         return list(zip(stubs, replies))
 
     @staticmethod
     def _first_error_if_none_answered(results: list[tuple[str, object]]) -> None:
-        failures = [r for _, r in results if isinstance(r, errors.StagemeshError)]
+        failures = [r for _, r in results if isinstance(r, ReplicaFailure)]
         if failures and len(failures) == len(results):
-            raise failures[0]
+            raise failures[0].error
 
     async def describe(self, timeout: float, wait_for_ready: bool = False) -> stage_pb2.DescribeStageResponse:
         """Describe every replica and aggregate (see `aggregate`); replicas that do not answer are
@@ -201,10 +209,10 @@ class StageClient:
             "DescribeStage", stage_pb2.DescribeStageRequest(), timeout=timeout, wait_for_ready=wait_for_ready
         )
         self._first_error_if_none_answered(results)
-        replies = [r for _, r in results if not isinstance(r, errors.StagemeshError)]
+        replies = [r for _, r in results if not isinstance(r, ReplicaFailure)]
         for address, result in results:
-            if isinstance(result, errors.StagemeshError):
-                log.info("replica did not answer", stage_id=self.stage_id, replica=address, reason=str(result))
+            if isinstance(result, ReplicaFailure):
+                log.info("replica did not answer", stage_id=self.stage_id, replica=address, reason=str(result.error))
             elif result.kind != replies[0].kind:
                 log.warning(
                     "replicas of one stage run different kinds",
@@ -237,14 +245,15 @@ class StageClient:
         named = len(results) > 1 or self._dns is not None
         out = []
         for address, result in results:
-            if isinstance(result, errors.StagemeshError):
+            if isinstance(result, ReplicaFailure):
+                # Every failed ACK of a replica starts with `replica ADDRESS:` (docs/API.md).
                 acks = [
                     control_pb2.WorkerAck(
                         stage_id=self.stage_id,
                         rank=NO_WORKER_RANK,
                         level=level,
                         status=control_pb2.ACK_STATUS_ERROR,
-                        error=str(result),
+                        error=f"replica {address}: {result.unnamed}",
                     )
                 ]
             else:
@@ -280,6 +289,11 @@ class StageClient:
             return errors.Unavailable(f"{name} is unavailable: {exc.details()}")
         if code == grpc.StatusCode.CANCELLED:
             return errors.Cancelled(f"{name}: {exc.details()}")
+        if code == grpc.StatusCode.INTERNAL:
+            # A stage's bug: its own words may name exception classes or the other requests of its
+            # batch. The caller learns which stage failed; the details stay in the logs.
+            log.error("stage failed internally", stage_id=self.stage_id, replica=replica, details=exc.details())
+            return errors.UpstreamError(code, f"{name} failed internally; its log has the details")
         # Pass the stage's status through unchanged, rich details included.
         trailing = [(k, v) for k, v in (exc.trailing_metadata() or ()) if k == _STATUS_DETAILS_KEY]
         details = exc.details() or ""

@@ -10,7 +10,7 @@ from typing import Any
 
 from stage_service.offload.config import HELP as DLO_HELP
 from stage_service.offload.config import DloOptions
-from stagemesh.core import metrics
+from stagemesh.core import logs, metrics
 from stagemesh.core.params import Limits
 
 # encoder / denoise / decode: stages of a diffusers-format folder (docs/MODELS.md)
@@ -91,6 +91,9 @@ class StageSettings(DloOptions):
     }
 
     def __post_init__(self) -> None:
+        _check_kind(self.kind)  # first: the other checks' advice assumes a known kind
+        _check_counts(self)
+        _check_defaults_within_limits(self)
         super().__post_init__()  # refused DLO combinations fail at start, saying what to change
         if self.dp_group_size() > 1 and self.workers not in (1, self.dp_size):
             raise ValueError(
@@ -167,7 +170,7 @@ class StageSettings(DloOptions):
             default=argparse.SUPPRESS,
             help="same as --no-dlo-use-allgather",
         )
-        parser.add_argument("--log-level", default="info", help="log level (default: 'info')")
+        parser.add_argument("--log-level", default="info", choices=logs.LOG_LEVELS, help="log level (default: 'info')")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> StageSettings:
@@ -231,3 +234,33 @@ class StageSettings(DloOptions):
             default_guidance_scale=self.default_guidance,
             max_guidance_scale=self.max_guidance,
         )
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind = {kind!r}: not a stage kind; allowed: {', '.join(KINDS)}")
+
+
+# Options that count something and mean nothing below 1.
+_AT_LEAST_ONE = ("workers", "max_batch_size", "max_size", "max_steps", "default_size", "default_steps")
+
+
+def _check_counts(settings: StageSettings) -> None:
+    for name in _AT_LEAST_ONE:
+        value = getattr(settings, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} = {value!r}: must be a whole number of at least 1")
+
+
+def _check_defaults_within_limits(settings: StageSettings) -> None:
+    """A default above its limit would refuse every request that leaves the field unset."""
+    for default, limit in (
+        ("default_size", "max_size"),
+        ("default_steps", "max_steps"),
+        ("default_guidance", "max_guidance"),
+    ):
+        if getattr(settings, default) > getattr(settings, limit):
+            raise ValueError(
+                f"{default} = {getattr(settings, default)!r} is above {limit} = {getattr(settings, limit)!r}: "
+                f"every request leaving it unset would be refused; lower {default} or raise {limit}"
+            )

@@ -13,13 +13,15 @@ def _parser() -> argparse.ArgumentParser:
     from gateway import options as gateway_options
     from stage_service.settings import StageSettings
     from stagemesh import client
+    from stagemesh.core import logs
 
     parser = argparse.ArgumentParser(prog="stagemesh", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"stagemesh {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start cache, stages and gateway on this machine and supervise them")
     up.add_argument("--config", default=None, help="mesh.toml (default: the embedded two-stage pipeline)")
-    up.add_argument("--log-level", default=None, help="overrides [mesh] log_level")
+    up.add_argument("--log-level", default=None, choices=logs.LOG_LEVELS, help="overrides [mesh] log_level")
     up.add_argument(
         "--model",
         default=None,
@@ -67,14 +69,11 @@ def _parser() -> argparse.ArgumentParser:
             )
         p.set_defaults(client_main=getattr(client, name))
         if name in ("sleep", "wakeup"):
-            p.add_argument(
-                "--stage",
-                type=int,
-                action="append",
-                default=[],
-                required=True,
-                help="stage id; repeat for several stages",
+            targets = p.add_mutually_exclusive_group(required=True)
+            targets.add_argument(
+                "--stage", type=int, action="append", default=[], help="stage id; repeat for several stages"
             )
+            targets.add_argument("--all", action="store_true", help="every stage the gateway lists")
         if name == "sleep":
             p.add_argument(
                 "--level",
@@ -89,9 +88,31 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--height", type=int, default=None, help="overrides --size for the height")
             p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the stage's)")
             p.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the stage's)")
-            p.add_argument("--seed", type=int, default=None, help="seed (default: random, printed)")
+            p.add_argument("--seed", type=_seed, default=None, help=f"seed, 0 to {MAX_SEED} (default: random, printed)")
             p.add_argument("-o", "--output", default="out.png", help="PNG file to write (default: out.png)")
     return parser
+
+
+MAX_SEED = 2**64 - 1  # GenerationParams.seed is a uint64
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a seed; allowed: whole numbers from 0 to {MAX_SEED}")
+    return value
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("stagemesh")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,7 +46,23 @@ def _progress_bar(step: int, total: int, width: int = 30) -> str:
     return f"\r  denoising [{'#' * filled}{'.' * (width - filled)}] {step}/{total}"
 
 
+def _output_problem(path: Path) -> str | None:
+    """Why the PNG could not be written there, asked before generating rather than after."""
+    folder = path.parent
+    if not folder.is_dir():
+        return f"-o {path}: the folder {folder} does not exist"
+    if path.is_dir():
+        return f"-o {path}: is a folder; give a file name"
+    if not os.access(folder, os.W_OK):
+        return f"-o {path}: the folder {folder} is not writable"
+    return None
+
+
 def generate(args) -> int:
+    problem = _output_problem(Path(args.output))
+    if problem:
+        print(f"stagemesh generate: {problem}", file=sys.stderr)
+        return 2
     params = generation_pb2.GenerationParams(prompt=args.prompt, output_format=generation_pb2.OUTPUT_FORMAT_PNG)
     for field, value in (
         ("width", args.width if args.width is not None else args.size),
@@ -118,6 +134,9 @@ def _control_call(args, method: str, request) -> int:
     with _channel(args) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         try:
+            if getattr(args, "all", False):  # sleep/wakeup --all: every stage the gateway lists
+                listing = stub.ListStages(gateway_pb2.ListStagesRequest(), timeout=args.timeout)
+                request.stage_ids.extend(s.stage_id for s in listing.stages)
             reply = getattr(stub, method)(request, timeout=args.timeout, metadata=metadata)
         except grpc.RpcError as exc:
             print(describe_error(exc), file=sys.stderr)

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from stage_service.settings import StageSettings
-from stagemesh.core import metrics
+from stagemesh.core import logs, metrics
 
 DEFAULT_GATEWAY_PORT = 50051
+PROMPT_ENCODERS = ("ar", "encoder")  # kinds whose outputs a diffusion or denoise stage draws from
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,9 @@ class MeshConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     stages: tuple[StageSettings, ...] = ()
 
+    def __post_init__(self) -> None:
+        logs.check_level(self.log_level, "[mesh] log_level")
+
     @classmethod
     def default(cls) -> MeshConfig:
         """The embedded pipeline: the byte-level LM feeding the tiny DiT, one CPU worker each."""
@@ -116,9 +120,7 @@ def load(path: str | Path | None, model: str | Path | None = None) -> MeshConfig
     if stage_tables is None:
         stages = model_stages(model) if model is not None else MeshConfig.default().stages
     else:
-        stages = tuple(
-            StageSettings.from_mapping({**_with_model(t, model), "stage_id": i}) for i, t in enumerate(stage_tables)
-        )
+        stages = tuple(_stage(t, i, model) for i, t in enumerate(stage_tables))
     where = path if path is not None else model
     assert where is not None  # with neither, the default config was returned above
     _check_stages(stages, where)
@@ -137,6 +139,17 @@ def model_stages(model: str) -> tuple[StageSettings, ...]:
     )
 
 
+def _stage(table: Any, stage_id: int, model: str | None) -> StageSettings:
+    """One [[stages]] table; a refusal names the stage and the key."""
+    where = f"[[stages]] {stage_id}"
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: must be a table of stage options")
+    try:
+        return StageSettings.from_mapping({**_with_model(table, model), "stage_id": stage_id})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
 def _with_model(table: dict[str, Any], model: str | None) -> dict[str, Any]:
     return {**table, "model_dir": table.get("model_dir") or model} if model else table
 
@@ -150,6 +163,12 @@ def _check_stages(stages: tuple[StageSettings, ...], where: str | Path) -> None:
         raise ValueError(f"{where}: the last stage must be of kind 'diffusion' or 'decode' (it draws the image)")
     for s in stages:
         before = stages[s.stage_id - 1].kind if s.stage_id else None
+        if s.kind in ("diffusion", "denoise") and before not in PROMPT_ENCODERS:
+            raise ValueError(
+                f"{where}: stage {s.stage_id} ({s.kind}) draws from an encoded prompt, so the stage right "
+                f"before it must be of kind 'ar' (the embedded model) or 'encoder' (a diffusers-format "
+                f"folder); it is {'none: add one first' if before is None else repr(before)}"
+            )
         if (s.kind == "decode") != (before == "denoise"):
             raise ValueError(
                 f"{where}: stage {s.stage_id} ({s.kind}): a 'decode' stage comes "

@@ -154,10 +154,12 @@ async def up(config: MeshConfig) -> int:
         print(banner(address, config.security, env_token=bool(os.environ.get(auth.TOKEN_ENV))), flush=True)
         return await supervisor.watch(stop)
     except StartFailed as exc:
-        print(f"stagemesh: {exc}", file=sys.stderr, flush=True)
-        return 1
+        failed = exc
     finally:
         await asyncio.to_thread(supervisor.stop_all)
+    # After the children's stop lines, so the reason is the last thing `up` says.
+    print(f"stagemesh: {failed}", file=sys.stderr, flush=True)
+    return 1
 
 
 async def _start_all(
@@ -188,12 +190,12 @@ def main(config_path: str | None, log_level: str | None, model: str | None = Non
 
     try:
         config = mesh_config.load(config_path, model)
+        if log_level:
+            config = replace(config, log_level=log_level)
     except (OSError, ValueError) as exc:  # unreadable file, bad TOML (a ValueError), unknown or bad keys
         # (an incomplete --model folder too)
         print(f"stagemesh: invalid config {config_path or model}: {exc}", file=sys.stderr, flush=True)
         return 2
-    if log_level:
-        config = replace(config, log_level=log_level)
     try:
         _check_security_files(config.security)
     except errors.StagemeshError as exc:

@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stagemesh.config import SupervisionConfig
-from stagemesh.core import logs, procutil, readyfile, tls
+from stagemesh.core import logs, procutil, readyfile, serve, tls
 
 log = logs.get_logger("stagemesh.supervisor")
 
@@ -60,7 +60,10 @@ class Supervisor:
         ready = self._run_dir / f"{child.name}.ready"
         ready.unlink(missing_ok=True)
         argv = [*child.argv(child.port), "--ready-file", str(ready)]
-        child.process = subprocess.Popen(argv, env=procutil.child_env(), stdin=subprocess.DEVNULL)
+        failure = self._failure_file(child)
+        failure.unlink(missing_ok=True)
+        env = procutil.child_env({serve.FAILURE_FILE_ENV: str(failure)})
+        child.process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
         log.info("started", child=child.name, pid=child.process.pid)
         deadline = time.monotonic() + self._settings.ready_timeout_s
         while (info := readyfile.read(ready)) is None:
@@ -84,10 +87,16 @@ class Supervisor:
                 await asyncio.sleep(POLL_S)
         log.info("serving", child=child.name, address=child.address)
 
+    def _failure_file(self, child: Child) -> Path:
+        return self._run_dir / f"{child.name}.failure"
+
     def _check_alive(self, child: Child, deadline: float) -> None:
         code = child.process.poll()
         if code is not None:
-            raise StartFailed(f"{child.name} exited with code {code} before it was serving")
+            failure = self._failure_file(child)
+            reason = failure.read_text(errors="replace").strip() if failure.is_file() else ""
+            because = f": {reason}" if reason else " (its log above says why)"
+            raise StartFailed(f"{child.name} exited with code {code} before it was serving{because}")
         if time.monotonic() > deadline:
             raise StartFailed(f"{child.name} not serving after {self._settings.ready_timeout_s:.0f} s")
 

@@ -57,4 +57,6 @@ def populated_root(root: Path) -> dict:
     store.new_temp_dir_path(KEY_A).mkdir(parents=True)
     store.new_temp_dir_path(KEY_B).mkdir(parents=True)
     (store.temp_root / "not-a-dir").write_text("")
+    for directory in (root, store.layout_dir, store.temp_root):
+        directory.chmod(0o700)  # a cache root others can change is refused
     return {"root": root, "store": store, "manifest": manifest}

@@ -7,6 +7,7 @@ process dies the stream breaks and the service releases it.
 from __future__ import annotations
 
 import queue
+import threading
 
 import grpc
 
@@ -20,6 +21,10 @@ class ServiceUnreachable(Exception):
 
 class LeaseTimeout(Exception):
     """The service did not grant the lock within the lock timeout."""
+
+
+class LeaseLost(Exception):
+    """The session broke while we held the lock (the service died): someone else may hold it now."""
 
 
 class PublishLease:
@@ -36,6 +41,9 @@ class PublishLease:
         )
         self.existing_valid = False
         self._open = True
+        self._ended = threading.Event()  # the response stream ended (the watcher saw it)
+        self._broken = ""
+        self._watching = False
 
     @classmethod
     def open(cls, address: str, key: str, lock_timeout_s: float, connect_timeout_s: float = 1.0) -> PublishLease:
@@ -62,7 +70,25 @@ class PublishLease:
             lease.release(False)
             raise LeaseTimeout("cache service did not grant the lock")
         lease.existing_valid = first.existing_valid
+        lease._watching = True
+        threading.Thread(target=lease._watch, name="publish-lease-watch", daemon=True).start()
         return lease
+
+    def _watch(self) -> None:
+        """Read the stream while we hold the lock: it ends early only if the session broke."""
+        try:
+            for _ in self._responses:
+                pass
+        except grpc.RpcError as exc:
+            self._broken = exc.details() or exc.code().name
+        else:
+            self._broken = "the cache service ended the session"
+        self._ended.set()
+
+    def check_held(self) -> None:
+        """Raise LeaseLost unless the service still holds the lock for us."""
+        if self._open and self._ended.is_set():
+            raise LeaseLost(f"publication lock lost: {self._broken}")
 
     def _requests(self):
         while (message := self._outbox.get()) is not None:
@@ -74,11 +100,14 @@ class PublishLease:
         self._open = False
         self._outbox.put(cache_pb2.PublishSessionRequest(done=True, published=published))
         self._outbox.put(None)
-        try:
-            for _ in self._responses:
-                pass  # the stream ends when the service has released the lock
-        except grpc.RpcError:
-            pass  # service gone: its lock went with it
+        if self._watching:
+            self._ended.wait()  # the watcher sees the stream end once the service released the lock
+        else:
+            try:
+                for _ in self._responses:
+                    pass  # the stream ends when the service has released the lock
+            except grpc.RpcError:
+                pass  # service gone: its lock went with it
         self._close_channel()
 
     def _close_channel(self) -> None:

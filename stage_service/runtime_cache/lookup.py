@@ -160,7 +160,7 @@ class RuntimeCache:
             )
         published = False
         try:
-            outcome = self._under_lock(key, produce)
+            outcome = self._under_lock(key, produce, getattr(lease, "check_held", None))
             published = outcome.reason == "published"
             outcome.detail = f"{how}; {outcome.detail}" if outcome.detail else how
             return _outcome(key, outcome)
@@ -186,7 +186,11 @@ class RuntimeCache:
             return None, None, how
         return held, lambda _published: held.release(), how
 
-    def _under_lock(self, key: str, produce: Callable[[], dict[str, torch.Tensor]]) -> CacheOutcome:
+    def _under_lock(
+        self, key: str, produce: Callable[[], dict[str, torch.Tensor]], still_held: Callable[[], None] | None = None
+    ) -> CacheOutcome:
+        """`still_held` raises if the publication lock was lost meanwhile (a lease whose cache
+        service died); it runs right before the entry would appear."""
         existing = self._map_if_valid(key, absent=MISS)
         if existing.reason == "hit":
             return existing
@@ -206,7 +210,7 @@ class RuntimeCache:
         temp = self.store.new_temp_dir_path(key)
         temp.mkdir(mode=0o700, parents=True)
         try:
-            publish.write_entry(self.store, key, tensors, temp, self.shard_max_bytes)
+            publish.write_entry(self.store, key, tensors, temp, self.shard_max_bytes, before_commit=still_held)
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
             raise

@@ -14,6 +14,13 @@ from contextlib import contextmanager
 import structlog
 
 REQUEST_ID_HEADER = "x-request-id"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def check_level(level: str, where: str = "--log-level") -> str:
+    if not isinstance(level, str) or level.lower() not in LOG_LEVELS:
+        raise ValueError(f"{where}: {level!r} is not a log level; allowed: {', '.join(LOG_LEVELS)}")
+    return level.lower()
 
 
 def configure(service: str, level: str = "info") -> None:

@@ -3,6 +3,7 @@ from domain errors to status codes (with google.rpc details)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import time
@@ -11,6 +12,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -80,7 +82,12 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
         code, message, trailing = status_for(exc)
         log.info("rpc refused", method=method, code=code.name, reason=message)
     else:
-        code, message, trailing = grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}", ()
+        # Words only: an exception's class or text may name internals or other requests; the log has them.
+        code, message, trailing = (
+            grpc.StatusCode.INTERNAL,
+            f"internal error in {method}; the service log has details",
+            (),
+        )
         log.exception("rpc failed", method=method)
     await context.abort(code, message, trailing_metadata=trailing)
 
@@ -125,6 +132,92 @@ def servicer_method(func: Callable) -> Callable:
     return unary_wrapper
 
 
+@dataclasses.dataclass(frozen=True)
+class _Undecodable:
+    """Stands in for a request message whose bytes do not parse."""
+
+    reason: str
+
+
+def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except DecodeError as exc:  # truncated bytes, a wrong wire type, a string field that is not UTF-8
+            return _Undecodable(str(exc) or "the bytes are no such message")
+
+    return parse
+
+
+async def _refuse_undecodable(context, request: _Undecodable) -> None:
+    log.info("rpc refused", code="INVALID_ARGUMENT", reason=f"request does not parse: {request.reason}")
+    await context.abort(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"the request message does not parse ({request.reason}); string fields must be UTF-8",
+    )
+
+
+def _checking_unary(behaviour: Callable) -> Callable:
+    if inspect.isasyncgenfunction(behaviour):
+
+        async def stream(request, context):
+            if isinstance(request, _Undecodable):
+                await _refuse_undecodable(context, request)
+            async for reply in behaviour(request, context):
+                yield reply
+
+        return stream
+
+    async def unary(request, context):
+        if isinstance(request, _Undecodable):
+            await _refuse_undecodable(context, request)
+        reply = behaviour(request, context)
+        return await reply if inspect.isawaitable(reply) else reply
+
+    return unary
+
+
+def _checking_stream(behaviour: Callable) -> Callable:
+    async def checked(requests, context):
+        async for request in requests:
+            if isinstance(request, _Undecodable):
+                await _refuse_undecodable(context, request)
+            yield request
+
+    if inspect.isasyncgenfunction(behaviour):
+
+        async def stream(requests, context):
+            async for reply in behaviour(checked(requests, context), context):
+                yield reply
+
+        return stream
+
+    async def unary(requests, context):
+        return await behaviour(checked(requests, context), context)
+
+    return unary
+
+
+class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Bytes that are no request message get INVALID_ARGUMENT. grpc's own answer to a request
+    deserializer that raises is UNKNOWN, which tells the caller nothing about whose fault it is."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        changes: dict[str, Any] = {"request_deserializer": _tolerant(handler.request_deserializer)}
+        for kind, wrap in (
+            ("unary_unary", _checking_unary),
+            ("unary_stream", _checking_unary),
+            ("stream_unary", _checking_stream),
+            ("stream_stream", _checking_stream),
+        ):
+            if getattr(handler, kind) is not None:
+                changes[kind] = wrap(getattr(handler, kind))
+        return handler._replace(**changes)
+
+
 class ServiceHost:
     """A grpc.aio server with health (NOT_SERVING until marked ready) and reflection."""
 
@@ -139,7 +232,9 @@ class ServiceHost:
         credentials: grpc.ServerCredentials | None = None,
     ):
         # credentials: TLS for the port (stagemesh.core.tls); None serves plaintext.
-        self.server = grpc.aio.server(options=channel_options(max_receive_bytes), interceptors=list(interceptors))
+        # Innermost, so the other interceptors (metrics) see its refusals like any other status.
+        interceptors = [*interceptors, DecodeErrorInterceptor()]
+        self.server = grpc.aio.server(options=channel_options(max_receive_bytes), interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)

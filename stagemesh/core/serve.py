@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -68,6 +69,19 @@ async def run(
 # config; 1 when the options are fine but the start failed (port taken, a worker that cannot load).
 EXIT_BAD_OPTION = 2
 EXIT_START_FAILED = 1
+# Set by `stagemesh up` for each child: where a refused start writes its one-line reason, so the
+# supervisor's own last line can say why the child exited.
+FAILURE_FILE_ENV = "STAGEMESH_FAILURE_FILE"
+
+
+def record_failure(reason: str) -> None:
+    path = os.environ.get(FAILURE_FILE_ENV)
+    if path:
+        try:
+            with open(path, "w") as out:
+                out.write(reason)
+        except OSError:
+            pass  # the log line has the reason too
 
 
 def main(
@@ -95,9 +109,11 @@ def main(
         _refused(service, exc, EXIT_START_FAILED)
     except Exception:
         log.exception(f"{service} failed")
+        record_failure(f"{service} failed unexpectedly; its log has the traceback")
         raise SystemExit(EXIT_START_FAILED) from None
 
 
 def _refused(service: str, exc: Exception, code: int) -> None:
     log.error(f"{service} failed to start", reason=str(exc))
+    record_failure(str(exc))
     raise SystemExit(code) from None

@@ -12,6 +12,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -98,9 +99,16 @@ def discard_entry(store: CacheStore, key: str) -> None:
 
 
 def write_entry(
-    store: CacheStore, key: str, tensors: dict[str, torch.Tensor], temp: Path, shard_max_bytes: int = SHARD_MAX_BYTES
+    store: CacheStore,
+    key: str,
+    tensors: dict[str, torch.Tensor],
+    temp: Path,
+    shard_max_bytes: int = SHARD_MAX_BYTES,
+    before_commit: Callable[[], None] | None = None,
 ) -> Path:
-    """Write `tensors` into the (existing, empty) temp dir `temp` and publish it as the entry."""
+    """Write `tensors` into the (existing, empty) temp dir `temp` and publish it as the entry.
+    `before_commit` runs right before the rename and may raise to abandon the publication (the
+    publication lock was lost)."""
     groups = _shard_groups(tensors, shard_max_bytes)
     records: dict[str, TensorRecord] = {}
     paths = {}
@@ -121,6 +129,8 @@ def write_entry(
     _write_synced(temp / LAST_USE_FILE, b"")
     _fsync_dir(temp)
     target = store.entry_dir(key)
+    if before_commit is not None:
+        before_commit()
     os.rename(temp, target)  # atomic on one filesystem; fails if a directory is already there
     _fsync_dir(store.layout_dir)
     return target

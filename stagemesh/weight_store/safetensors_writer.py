@@ -60,7 +60,9 @@ def write_streamed(
     if sys.byteorder != "little":
         raise RuntimeError("safetensors data is little-endian; big-endian hosts are unsupported")
     header = _header(specs, metadata)
-    with open(path, "wb") as f:
+    # 0600 like every other file of the cache: weights are private data.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as f:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
         for (name, shape, dtype), t in zip(specs, tensors, strict=True):

@@ -15,6 +15,7 @@ evict.py. Plain Python, no gRPC: the server wraps it, tests use it directly.
 from __future__ import annotations
 
 import os
+import stat
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,11 +107,14 @@ class CacheStore:
             raise errors.FailedPrecondition(f"cache root {self.root} is not a directory")
         if not os.access(self.root, os.R_OK | os.W_OK | os.X_OK):
             raise errors.FailedPrecondition(f"cache root {self.root} is not readable and writable")
+        _check_private(self.root, "cache root", follow=True)  # the root itself may be a link to another disk
         try:
             for sub in (self.layout_dir, self.temp_root, self.root / LOCK_DIR):
                 _make_private_dir(sub)
         except OSError as exc:
             raise errors.FailedPrecondition(f"cache root {self.root}: cannot create {exc.filename}: {exc}") from exc
+        for sub in (self.layout_dir, self.temp_root, self.root / LOCK_DIR):
+            _check_private(sub, "cache directory")
 
     def entry_problems(self, key: str, *, deep: bool = True) -> list[str] | None:
         """None when no entry of `key` exists; else its problems ([] means valid). `deep` also
@@ -174,6 +178,27 @@ class CacheStore:
             last_used_unix=max(dir_mtime, scan.last_use_mtime or 0.0),
             live_consumers=locks.live_consumers(self.root, path.name) if is_valid_key(path.name) else 0,
             valid=valid,
+        )
+
+
+def _check_private(path: Path, what: str, follow: bool = False) -> None:
+    """Refuse a directory another user could have filled or can change: entries found there would
+    be mapped as weights. A symlink is refused too (it may point anywhere)."""
+    st = os.stat(path, follow_symlinks=follow)
+    if stat.S_ISLNK(st.st_mode):
+        raise errors.FailedPrecondition(
+            f"{what} {path} is a symlink; replace it with a directory (mkdir -m 700 {path})"
+        )
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        raise errors.FailedPrecondition(
+            f"{what} {path} is owned by uid {st.st_uid}, not this user (uid {uid}); "
+            f"use a root of your own, or `chown -R {uid} {path}` if its content is trusted"
+        )
+    if st.st_mode & 0o077:
+        raise errors.FailedPrecondition(
+            f"{what} {path} has mode {stat.S_IMODE(st.st_mode):04o}: others may change or read it; "
+            f"`chmod 700 {path}` if its content is trusted, or use a fresh root"
         )
 
 

@@ -1,0 +1,175 @@
+"""Control calls at their edges, through a real mesh (`stagemesh up`) and the real CLI: an empty
+stage list is refused, `--all` names every stage, a stage put to sleep behind the gateway's back
+is woken, a replica that does not answer is named first in its ACK, and a stage's internal error
+reaches the caller in words, without another request's id or an exception class."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+
+from stagemesh import cli
+from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2, stage_pb2, stage_pb2_grpc
+from tests.meshproc import spawn_service, start_mesh, write_config
+
+RPC_TIMEOUT_S = 60.0
+SUCCESS = control_pb2.CONTROL_STATUS_SUCCESS
+SERVING = health_pb2.HealthCheckResponse.SERVING
+SMALL = generation_pb2.GenerationParams(prompt="a boat", width=32, height=32, num_inference_steps=1, seed=3)
+
+
+@pytest.fixture(scope="module")
+def control_mesh(tmp_path_factory, model_dir):
+    root = tmp_path_factory.mktemp("robust-control")
+    mesh = start_mesh(write_config(root / "mesh.toml", model_dir), root / "mesh.log")
+    yield mesh
+    assert mesh.stop() == 0, mesh.logs()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def gateway(control_mesh):
+    with control_mesh.channel() as channel:
+        yield control_mesh.gateway(channel)
+
+
+@pytest.fixture(autouse=True)
+def awake_and_open(gateway):
+    yield
+    gateway.WakeUp(gateway_pb2.WakeUpRequest(stage_ids=[0, 1]), timeout=RPC_TIMEOUT_S)
+    gateway.ResumeGeneration(gateway_pb2.ResumeGenerationRequest(), timeout=RPC_TIMEOUT_S)
+
+
+def _sleep_levels(gateway) -> list[int]:
+    listing = gateway.ListStages(gateway_pb2.ListStagesRequest(), timeout=RPC_TIMEOUT_S)
+    return [s.sleep_level for s in listing.stages]
+
+
+def _violations(exc: grpc.RpcError) -> dict[str, str]:
+    detail = rpc_status.from_call(exc).details[0]
+    bad = error_details_pb2.BadRequest()
+    detail.Unpack(bad)
+    return {v.field: v.description for v in bad.field_violations}
+
+
+@pytest.mark.parametrize("method", ["Sleep", "WakeUp"])
+def test_an_empty_stage_list_is_invalid_argument_naming_stage_ids(gateway, method):
+    request = gateway_pb2.SleepRequest() if method == "Sleep" else gateway_pb2.WakeUpRequest()
+    with pytest.raises(grpc.RpcError) as info:
+        getattr(gateway, method)(request, timeout=RPC_TIMEOUT_S)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert "stage ids 0 to 1" in _violations(info.value)["stage_ids"]
+    assert _sleep_levels(gateway) == [0, 0]
+    assert not gateway.ListStages(gateway_pb2.ListStagesRequest(), timeout=RPC_TIMEOUT_S).generation_paused
+
+
+def test_cli_sleep_and_wakeup_all_reach_every_stage(gateway, control_mesh, capsys):
+    address = ("--address", control_mesh.address)
+    capsys.readouterr()
+    assert cli.main(["sleep", *address, "--all", "--level", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "SUCCESS", out
+    assert "stage 0 rank 0: SUCCESS" in out and "stage 1 rank 0: SUCCESS" in out, out
+    assert _sleep_levels(gateway) == [1, 1]
+    assert cli.main(["wakeup", *address, "--all"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "SUCCESS"
+    assert _sleep_levels(gateway) == [0, 0]
+
+
+@pytest.mark.parametrize("targets", [[], ["--all", "--stage", "1"]], ids=["neither", "both"])
+def test_cli_sleep_needs_exactly_one_of_all_and_stage(control_mesh, capsys, targets):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["sleep", "--address", control_mesh.address, *targets])
+    assert info.value.code == 2
+    assert "--all" in capsys.readouterr().err
+
+
+def test_wakeup_wakes_a_stage_put_to_sleep_by_its_own_sleep_stage(gateway, control_mesh):
+    stage_address = control_mesh.child_addresses()["stage-1"]
+    with grpc.insecure_channel(stage_address) as channel:
+        stage = stage_pb2_grpc.StageServiceStub(channel)
+        slept = stage.SleepStage(stage_pb2.SleepStageRequest(level=1), timeout=RPC_TIMEOUT_S)
+        assert all(a.status == control_pb2.ACK_STATUS_SUCCESS for a in slept.acks)
+        assert _sleep_levels(gateway) == [0, 1]
+        reply = gateway.WakeUp(gateway_pb2.WakeUpRequest(stage_ids=[1]), timeout=RPC_TIMEOUT_S)
+        assert reply.status == SUCCESS, reply
+        assert [(a.stage_id, a.level) for a in reply.acks] == [(1, 1)]
+        assert stage.DescribeStage(stage_pb2.DescribeStageRequest(), timeout=RPC_TIMEOUT_S).sleep_level == 0
+    assert gateway.GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=SMALL), timeout=RPC_TIMEOUT_S).result.png
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _second_gateway(control_mesh, tmp_path, name: str, stage_specs: list[str]):
+    flags = [flag for spec in stage_specs for flag in ("--stage", spec)]
+    service = spawn_service(name, ["gateway", *flags], tmp_path)
+    address = service.wait_bound()
+    channel = grpc.insecure_channel(address)
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + RPC_TIMEOUT_S
+    # SERVING once every stage described itself to this gateway.
+    while health.Check(health_pb2.HealthCheckRequest(), wait_for_ready=True, timeout=RPC_TIMEOUT_S).status != SERVING:
+        assert time.monotonic() < deadline, service.logs()[-3000:]
+        time.sleep(0.1)
+    return service, channel
+
+
+def test_the_ack_of_a_replica_that_does_not_answer_starts_with_replica_address(control_mesh, tmp_path):
+    stages = control_mesh.child_addresses()
+    gone = f"127.0.0.1:{_free_port()}"
+    service, channel = _second_gateway(
+        control_mesh, tmp_path, "gateway-2", [stages["stage-0"], f"{stages['stage-1']},{gone}"]
+    )
+    try:
+        second = gateway_pb2_grpc.GatewayServiceStub(channel)
+        reply = second.Sleep(gateway_pb2.SleepRequest(stage_ids=[1], level=1), timeout=RPC_TIMEOUT_S)
+        failed = [a for a in reply.acks if a.status != control_pb2.ACK_STATUS_SUCCESS]
+        assert reply.status == control_pb2.CONTROL_STATUS_ERROR and len(failed) == 1, reply
+        assert failed[0].error.startswith(f"replica {gone}: "), failed[0].error
+        assert failed[0].rank == -1
+        reply = second.WakeUp(gateway_pb2.WakeUpRequest(stage_ids=[1]), timeout=RPC_TIMEOUT_S)
+        assert [a.error for a in reply.acks if a.error][0].startswith(f"replica {gone}: "), reply
+    finally:
+        channel.close()
+        assert service.stop() == 0, service.logs()[-3000:]
+
+
+def test_a_stage_internal_error_names_no_request_id_nor_exception_class(control_mesh, tmp_path):
+    """A gateway in front of the diffusion stage alone: the stage lacks its encoder's inputs, fails
+    every batch, and its own message names a request of the batch."""
+    service, channel = _second_gateway(control_mesh, tmp_path, "gateway-3", [control_mesh.child_addresses()["stage-1"]])
+    ids = [f"batch-mate-{i}" for i in range(4)]
+    failures: dict[str, grpc.RpcError] = {}
+
+    def call(request_id: str) -> None:
+        request = gateway_pb2.GenerateUnaryRequest(params=SMALL, request_id=request_id)
+        try:
+            gateway_pb2_grpc.GatewayServiceStub(channel).GenerateUnary(request, timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            failures[request_id] = exc
+
+    try:
+        callers = [threading.Thread(target=call, args=(i,)) for i in ids]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(RPC_TIMEOUT_S)
+        assert sorted(failures) == ids
+        for exc in failures.values():
+            assert exc.code() == grpc.StatusCode.INTERNAL, exc.details()
+            assert exc.details().startswith("stage 0 (diffusion) failed internally"), exc.details()
+            assert not any(i in exc.details() for i in ids), exc.details()
+            assert "Error" not in exc.details(), exc.details()
+    finally:
+        channel.close()
+        assert service.stop() == 0, service.logs()[-3000:]
