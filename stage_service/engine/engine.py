@@ -19,11 +19,12 @@ from stage_service.engine.waves_scheduler import WaveScheduler
 from stage_service.executor.executor import Executor, ProgressFn
 from stage_service.executor.outputs import output_timeout
 from stagemesh.core import errors, logs
+from stagemesh.core.backoff import Backoff
 from stagemesh.core.params import Params
 
 log = logs.get_logger("stagemesh.engine")
 
-RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+RESTART_BACKOFF = Backoff((0.5, 1.0, 2.0, 5.0, 10.0))
 DISPATCH_DEPTH = 2
 
 
@@ -310,7 +311,7 @@ class Engine:
             self._on_health(True)
 
     async def _restart(self, rank: int) -> None:
-        for attempt, delay in enumerate(RESTART_BACKOFF_S, start=1):
+        for attempt, delay in RESTART_BACKOFF.schedule():
             try:
                 await asyncio.to_thread(self._executor.restart, rank)
             except errors.StagemeshError as exc:
