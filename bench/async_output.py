@@ -66,7 +66,7 @@ class Forward:
     def __init__(self, model_dir: Path, device: str, size: int, batch: int, steps: int, cuda_graphs: bool = True):
         self.runner = DiffusionRunner(model_dir, device, cuda_graphs=cuda_graphs)
         self.items = [
-            WorkItem(f"r{i}", "p", size, size, steps, 4.0, i, {"hidden_states": _cond(i).to(device)})
+            WorkItem(f"r{i}", Params("p", size, size, steps, 4.0, i, "tensor"), {"hidden_states": _cond(i).to(device)})
             for i in range(batch)
         ]
         self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)

@@ -35,7 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS_DIR, print_table, usable_cpus, write_json
 from stage_service.executor.executor import Executor
 from stage_service.models.config import PipelineConfig
+from stage_service.models.contract import WorkItem
 from stage_service.models.weights import ensure_model_dir
+from stagemesh.core.params import Params
 
 MODES = ("private", "cache")
 ENGINES = 2
@@ -172,18 +174,10 @@ def stop_engines(engines: list[dict[str, Any]]) -> None:
 
 
 # ---- load --------------------------------------------------------------------------------------
-def _item(request_id: str, args, cond_dim: int, seed: int) -> dict[str, Any]:
+def _item(request_id: str, args, cond_dim: int, seed: int) -> WorkItem:
     cond = torch.randn(12, cond_dim, generator=torch.Generator().manual_seed(seed))
-    return {
-        "request_id": request_id,
-        "prompt": "p",
-        "width": args.size,
-        "height": args.size,
-        "num_inference_steps": args.steps,
-        "guidance_scale": 4.0,
-        "seed": seed,
-        "inputs": {"hidden_states": cond},
-    }
+    params = Params("p", args.size, args.size, args.steps, 4.0, seed, "tensor")
+    return WorkItem(request_id, params, {"hidden_states": cond})
 
 
 def _finish(executor: Executor, future, request_id: str, size: int, timeout_s: float) -> None:

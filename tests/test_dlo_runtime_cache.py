@@ -7,7 +7,6 @@ Real worker processes (Executor) and real gloo TP ranks; the cache runs its loca
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from stage_service.models.runners import DiffusionRunner, WorkItem, build_runner
 from stage_service.models.runtime_weights import DitWeightCache, final_tensors, swap_storage
 from stage_service.models.weights import load_dit
 from stage_service.offload import DloOptions
+from stagemesh.core.params import Params
 from stagemesh.weight_store import locks
 
 TOLERANCE = 1e-6  # TP=2 vs TP=1 rounding, see tests/test_tensor_parallel.py
@@ -38,7 +38,7 @@ def _opts(root: Path, **kw) -> dict:
 
 def _items() -> list[WorkItem]:
     cond = torch.randn(6, 64, generator=torch.Generator().manual_seed(3))
-    return [WorkItem("r", "p", 64, 48, 3, 4.0, 11, {"hidden_states": cond})]
+    return [WorkItem("r", Params("p", 64, 48, 3, 4.0, 11, "tensor"), {"hidden_states": cond})]
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +157,7 @@ def _maps(pid: int, entry: Path) -> bool:
 
 
 def _image(ex: Executor) -> torch.Tensor:
-    _, fut = ex.submit(0, [dataclasses.asdict(_items()[0])])
+    _, fut = ex.submit(0, _items())
     return fut.result(120)[0]["image"]
 
 

@@ -60,17 +60,7 @@ def reference(tiny_model):
     def image(seed: int, **kw) -> torch.Tensor:
         key = (seed, tuple(sorted(kw.items())))
         if key not in cache:
-            p = _params(seed, **kw)
-            item = WorkItem(
-                f"ref-{seed}",
-                p.prompt,
-                p.width,
-                p.height,
-                p.num_inference_steps,
-                p.guidance_scale,
-                p.seed,
-                _inputs(seed),
-            )
+            item = WorkItem(f"ref-{seed}", _params(seed, **kw), _inputs(seed))
             cache[key] = runner.run([item])[0]["image"].clone()
         return cache[key]
 
@@ -226,7 +216,7 @@ def test_a_failing_rank_ends_the_wave_without_waiting_for_the_timeout():
 
     started = time.monotonic()
     with pytest.raises(WaveFailed, match=r"rank\(s\) \[1\] failed: rank 1 broke"):
-        run_wave([WaveRequest("a", "p", 64, 64, 3, 4.0)], 2, dispatch, timeout_s=60)
+        run_wave([WaveRequest("a", _params(1))], 2, dispatch, timeout_s=60)
     assert time.monotonic() - started < 5
 
 

@@ -18,9 +18,11 @@ import torch
 
 from stage_service.executor import executor as executor_mod
 from stage_service.executor.executor import Executor, _Worker
+from stage_service.models.contract import WorkItem
 from stage_service.transport import ipc, protocol
 from stage_service.transport.result_pipe import result_pipe
 from stagemesh.core import errors
+from stagemesh.core.params import Params
 from tests.executor_parts import WAIT_S, oid, packed_outputs, pend
 from tests.shm_guard import no_segment_left_behind, our_segments  # noqa: F401 - autouse fixture
 
@@ -87,21 +89,7 @@ def test_real_pump_notices_a_dead_process_and_fails_everything_it_owed():
     pump = threading.Thread(target=ex._pump, args=(w,), daemon=True)
     pump.start()
     try:
-        _, fut = ex.submit(
-            0,
-            [
-                {
-                    "request_id": "r",
-                    "prompt": "p",
-                    "width": 16,
-                    "height": 16,
-                    "num_inference_steps": 1,
-                    "guidance_scale": 1.0,
-                    "seed": 1,
-                    "inputs": {},
-                }
-            ],
-        )
+        _, fut = ex.submit(0, [WorkItem("r", Params("p", 16, 16, 1, 1.0, 1, "tensor"))])
         ctl = ex.control(0, "ping")
         sender.put(protocol.ComputeDone("other", oid(1)))  # an output this worker still owes
         ex.outputs.expect(oid(2), 0)
@@ -193,25 +181,17 @@ def test_shutdown_closes_queues_and_fails_pending_even_when_the_request_queue_is
 # ---- points 8 and 9 with a real worker process on the real tiny model ---------------------------------
 
 
-def diffusion_item(seed: int, size: int, steps: int, cond_dim: int) -> dict:
+def diffusion_item(seed: int, size: int, steps: int, cond_dim: int) -> WorkItem:
     g = torch.Generator().manual_seed(seed)
-    return {
-        "request_id": f"req-{seed}",
-        "prompt": "a lighthouse",
-        "width": size,
-        "height": size,
-        "num_inference_steps": steps,
-        "guidance_scale": 4.0,
-        "seed": seed,
-        "inputs": {"hidden_states": torch.randn(5, cond_dim, generator=g)},
-    }
+    params = Params("a lighthouse", size, size, steps, 4.0, seed, "tensor")
+    return WorkItem(f"req-{seed}", params, {"hidden_states": torch.randn(5, cond_dim, generator=g)})
 
 
-def run_one(ex: Executor, item: dict) -> torch.Tensor:
+def run_one(ex: Executor, item: WorkItem) -> torch.Tensor:
     _, fut = ex.submit(0, [item])
     done = fut.result(60)
     assert isinstance(done, protocol.ComputeDone) and len(done.async_output_id) == 32
-    [sub] = ex.outputs.split(done.async_output_id, [item["request_id"]])
+    [sub] = ex.outputs.split(done.async_output_id, [item.request_id])
     return ex.outputs.wait_output_ready(sub, timeout_s=60)["image"]
 
 

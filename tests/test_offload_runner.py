@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from stage_service.offload import DloOptions
 from stage_service.settings import StageSettings
 from stage_service.transport import protocol
 from stagemesh import config as mesh_config
+from stagemesh.core.params import Params
 
 # ---- options -----------------------------------------------------------------------------
 
@@ -113,7 +113,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _batch() -> list[WorkItem]:
     g = torch.Generator().manual_seed(0)
     return [
-        WorkItem(f"r{i}", "p", 32, 48, 3, 4.0, seed=i, inputs={"hidden_states": torch.randn(5 + i, 64, generator=g)})
+        WorkItem(
+            f"r{i}", Params("p", 32, 48, 3, 4.0, i, "tensor"), {"hidden_states": torch.randn(5 + i, 64, generator=g)}
+        )
         for i in range(2)
     ]
 
@@ -155,7 +157,7 @@ def test_runner_refuses_allgather_without_a_group(model_dir: Path):
 
 def test_worker_processes_get_the_options_through_the_executor(model_dir: Path, capfd):
     """Real worker processes: the stage's DLO options reach the runner; same image either way."""
-    item = dataclasses.asdict(_batch()[0])
+    item = _batch()[0]
     images, mapped = [], []
     for dlo in ({}, DloOptions(enable_dlo=True).to_dict()):
         ex = Executor(1, "diffusion", str(model_dir), "cpu", 1, threads=1, step_execution=True, dlo=dlo)

@@ -7,7 +7,6 @@ here). The tests hold the difference to 1e-6 and the 8-bit image to ±1 level.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import multiprocessing as mp
 import threading
@@ -21,6 +20,7 @@ from PIL import Image
 from stage_service.executor.executor import Executor
 from stage_service.models.runners import WorkItem, build_runner
 from stage_service.settings import StageSettings
+from stagemesh.core.params import Params
 from stagemesh.core.procutil import free_port
 from stagemesh.v1 import gateway_pb2, generation_pb2
 from tests.meshproc import Mesh, segments_of, shm_entries, start_mesh, write_config
@@ -31,7 +31,7 @@ CASES = [(64, 48, 3, 1, "a lighthouse at dusk"), (128, 64, 2, 2, "a red fox")]
 
 def _items() -> list[WorkItem]:
     cond = torch.randn(6, 64, generator=torch.Generator().manual_seed(3))
-    return [WorkItem("r", "p", 64, 48, 3, 4.0, 11, {"hidden_states": cond})]
+    return [WorkItem("r", Params("p", 64, 48, 3, 4.0, 11, "tensor"), {"hidden_states": cond})]
 
 
 def _levels(images: torch.Tensor) -> torch.Tensor:
@@ -130,8 +130,7 @@ def test_tp2_equals_tp1_on_gloo_ranks(tiny_model, dlo):
 
 
 def _submit(ex: Executor) -> torch.Tensor:
-    item = dataclasses.asdict(_items()[0])
-    _, fut = ex.submit(0, [item])
+    _, fut = ex.submit(0, _items())
     return fut.result(120)[0]["image"]
 
 

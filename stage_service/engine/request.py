@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from stage_service.models.contract import WorkItem
 from stagemesh.core.params import Params
 
 
@@ -37,18 +37,8 @@ class StageRequest:
     # Unique inside the engine (client request ids may repeat): names this request's share of a batch output.
     key: str = field(default_factory=lambda: uuid.uuid4().hex)
 
-    def work_item(self) -> dict[str, Any]:
-        p = self.params
-        return dict(
-            request_id=self.request_id,
-            prompt=p.prompt,
-            width=p.width,
-            height=p.height,
-            num_inference_steps=p.num_inference_steps,
-            guidance_scale=p.guidance_scale,
-            seed=p.seed,
-            inputs=self.inputs,
-        )
+    def work_item(self) -> WorkItem:
+        return WorkItem(self.request_id, self.params, self.inputs)
 
 
 @dataclass(eq=False)

@@ -56,15 +56,7 @@ RECOVERY_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
 
 
 def wave_request(req: StageRequest) -> WaveRequest:
-    p = req.params
-    return WaveRequest(
-        req.request_id,
-        p.prompt,
-        p.width,
-        p.height,
-        p.num_inference_steps if req.explicit_steps else None,
-        p.guidance_scale,
-    )
+    return WaveRequest(req.request_id, req.params, req.explicit_steps)
 
 
 def _fits(wave: list[StageRequest], req: StageRequest, size: int) -> bool:

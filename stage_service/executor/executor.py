@@ -15,6 +15,7 @@ from typing import Any
 
 from stage_service.executor import worker_startup
 from stage_service.executor.outputs import OutputRegistry, resolve_future
+from stage_service.models.contract import WorkItem
 from stage_service.offload.config import DloOptions
 from stage_service.transport import ipc, protocol
 from stagemesh.core import errors, logs
@@ -158,9 +159,7 @@ class Executor:
         )
 
     # requests -------------------------------------------------------------------------------
-    def submit(
-        self, rank: int, items: list[dict[str, Any]], on_progress: ProgressFn | None = None
-    ) -> tuple[str, cf.Future]:
+    def submit(self, rank: int, items: list[WorkItem], on_progress: ProgressFn | None = None) -> tuple[str, cf.Future]:
         rpc_id = uuid.uuid4().hex
         fut: cf.Future = cf.Future()
         w = self._workers.get(rank)
@@ -171,7 +170,7 @@ class Executor:
             w.pending[rpc_id] = _Pending(fut, on_progress)
         for target in self._group_of(w):
             # Packed per rank: each reader unlinks the shared-memory segments it unpacks.
-            packed = [{**item, "inputs": ipc.pack(item["inputs"])} for item in items]
+            packed = [dataclasses.replace(item, inputs=ipc.pack(item.inputs)) for item in items]
             target.requests.put(protocol.Execute(rpc_id, packed))
         return rpc_id, fut
 

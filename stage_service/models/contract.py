@@ -15,6 +15,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from stagemesh.core.params import Params
+
 # progress(step, total); may raise to abort the batch between steps.
 Progress = Callable[[int, int], None]
 
@@ -22,22 +24,16 @@ Progress = Callable[[int, int], None]
 @dataclass
 class WorkItem:
     request_id: str
-    prompt: str
-    width: int
-    height: int
-    num_inference_steps: int
-    guidance_scale: float
-    seed: int
+    params: Params
     # diffusion: {"hidden_states": Tensor[L, cond_dim]} from the AR stage
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def check_batch(batch: list[WorkItem]) -> None:
     """A batch is sampled as one: every item must share size, steps and guidance."""
-    head = batch[0]
-    shared = (head.width, head.height, head.num_inference_steps, head.guidance_scale)
+    shared = batch[0].params.batch_key()
     for item in batch[1:]:
-        mine = (item.width, item.height, item.num_inference_steps, item.guidance_scale)
+        mine = item.params.batch_key()
         if mine != shared:
             raise ValueError(
                 f"{item.request_id}: (width, height, steps, guidance) {mine} differs from the batch's {shared}"

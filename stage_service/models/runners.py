@@ -46,7 +46,7 @@ class ArRunner:
         raise to abort the rest of the batch."""
         outputs = []
         for i, item in enumerate(batch):
-            outputs.append({"hidden_states": _output(self.lm.encode_prompt(item.prompt))})
+            outputs.append({"hidden_states": _output(self.lm.encode_prompt(item.params.prompt))})
             if progress is not None:
                 progress(i + 1, len(batch))
         return outputs
@@ -131,11 +131,11 @@ class DiffusionRunner:
             self.dit,
             self.decoder,
             [self._cond(i) for i in batch],
-            width=head.width,
-            height=head.height,
-            num_inference_steps=head.num_inference_steps,
-            guidance_scale=head.guidance_scale,
-            seeds=[i.seed for i in batch],
+            width=head.params.width,
+            height=head.params.height,
+            num_inference_steps=head.params.num_inference_steps,
+            guidance_scale=head.params.guidance_scale,
+            seeds=[i.params.seed for i in batch],
             progress=progress,
             graphs=self.graphs,
         )

@@ -41,7 +41,7 @@ class WorkerSpec:
 @dataclass(frozen=True)
 class Execute:
     rpc_id: str
-    items: list[dict[str, Any]]  # WorkItem fields; tensors packed by ipc.pack
+    items: list[Any]  # models.contract.WorkItems, their inputs packed by ipc.pack
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ COMPUTE_DONE at once and hands the outputs to the async output thread. Step mode
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import queue
 import signal
@@ -96,8 +97,6 @@ class Worker:
             self.async_output.close()
 
     def execute(self, msg: protocol.Execute) -> None:
-        from stage_service.models.runners import WorkItem
-
         def progress(step: int, total: int) -> None:
             if self.inbox.cancelled(msg.rpc_id):
                 raise _CancelledByCaller()
@@ -107,7 +106,7 @@ class Worker:
             self.writer.put(protocol.Failure(msg.rpc_id, f"asleep at level {self.sleep.level}"))
             return
         try:
-            items = [WorkItem(**{**item, "inputs": ipc.unpack(item["inputs"])}) for item in msg.items]
+            items = [dataclasses.replace(item, inputs=ipc.unpack(item.inputs)) for item in msg.items]
             started = platform.DeviceEvent(self.device, timing=True).record()
             outputs = self.runner.run(items, None if self.follower else progress)
             if self.follower:

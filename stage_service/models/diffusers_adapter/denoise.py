@@ -69,7 +69,7 @@ class DenoiseRunner:
     def _inputs(self, batch) -> dict[str, torch.Tensor]:
         names = [n for n in REQUIRED_INPUTS + OPTIONAL_INPUTS if n in batch[0].inputs]
         for item in batch:
-            needed = REQUIRED_INPUTS + (self.family.guided_inputs if item.guidance_scale > 1 else ())
+            needed = REQUIRED_INPUTS + (self.family.guided_inputs if item.params.guidance_scale > 1 else ())
             missing = [n for n in needed if n not in item.inputs]
             if missing:
                 raise ValueError(
@@ -87,7 +87,7 @@ class DenoiseRunner:
             return []
         check_batch(batch)
         head = batch[0]
-        steps = head.num_inference_steps
+        steps = head.params.num_inference_steps
 
         def on_step(pipe, i, t, tensors):
             progress(i + 1, steps)
@@ -95,11 +95,11 @@ class DenoiseRunner:
 
         out = self.pipe(
             **self._inputs(batch),
-            height=head.height,
-            width=head.width,
+            height=head.params.height,
+            width=head.params.width,
             num_inference_steps=steps,
-            guidance_scale=head.guidance_scale,
-            generator=[torch.Generator("cpu").manual_seed(item.seed) for item in batch],
+            guidance_scale=head.params.guidance_scale,
+            generator=[torch.Generator("cpu").manual_seed(item.params.seed) for item in batch],
             output_type="pt" if self.decodes else "latent",
             callback_on_step_end=on_step if progress is not None else None,
             return_dict=False,
@@ -145,7 +145,7 @@ class DecodeRunner:
                 )
             latents = latents[None].to(self.device)
             if self.family.unpack is not None:
-                latents = self.family.unpack(self.pipe, latents, item.height, item.width)
+                latents = self.family.unpack(self.pipe, latents, item.params.height, item.params.width)
             latents = latents / config.scaling_factor + (config.shift_factor or 0.0)
             image = self.vae.decode(latents, return_dict=False)[0]
             image = self.pipe.image_processor.postprocess(image, output_type="pt")

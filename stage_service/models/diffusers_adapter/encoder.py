@@ -38,7 +38,7 @@ class EncoderRunner:
         equal, but a batched encoder could round differently from the unsplit pipeline)."""
         outputs = []
         for i, item in enumerate(batch):
-            named = self.family.encode(self.pipe, item.prompt, item.guidance_scale, self.device)
+            named = self.family.encode(self.pipe, item.params.prompt, item.params.guidance_scale, self.device)
             outputs.append({k: v[0].detach() for k, v in named.items()})
             if progress is not None:
                 progress(i + 1, len(batch))
