@@ -37,6 +37,7 @@ from stage_service.executor.executor import Executor
 from stage_service.models.config import PipelineConfig
 from stage_service.models.contract import WorkItem
 from stage_service.models.weights import ensure_model_dir
+from stage_service.settings import StageSettings
 from stagemesh.core.params import Params
 
 MODES = ("private", "cache")
@@ -134,9 +135,15 @@ def start_engine(
     index: int, mode: str, args, model_dir: Path, cache_dir: Path, log_dir: Path, engines: list[dict[str, Any]]
 ) -> dict[str, Any]:
     """Start one engine; it joins `engines` before it is started so cleanup always reaches it."""
-    executor = Executor(
-        index, "diffusion", str(model_dir), args.device, 1, threads=args.threads, dlo=dlo_options(mode, cache_dir)
+    settings = StageSettings(
+        stage_id=index,
+        kind="diffusion",
+        model_dir=str(model_dir),
+        device=args.device,
+        threads=args.threads,
+        **dlo_options(mode, cache_dir),
     )
+    executor = Executor(settings)
     log_path = log_dir / f"{mode}-engine{index}.log"
     engine = {"index": index, "executor": executor, "log": log_path}
     engines.append(engine)

@@ -19,6 +19,7 @@ from stage_service.models.runners import DiffusionRunner, WorkItem, build_runner
 from stage_service.models.runtime_weights import DitWeightCache, final_tensors, swap_storage
 from stage_service.models.weights import load_dit
 from stage_service.offload import DloOptions
+from stage_service.settings import StageSettings
 from stagemesh.core.params import Params
 from stagemesh.weight_store import locks
 
@@ -34,6 +35,12 @@ def _opts(root: Path, **kw) -> dict:
         "dlo_runtime_cache_dir": str(root),
         **kw,
     }
+
+
+def _stage(stage_id: int, model: Path, dlo: dict) -> StageSettings:
+    return StageSettings(
+        stage_id=stage_id, kind="diffusion", model_dir=str(model), threads=1, step_execution=True, **dlo
+    )
 
 
 def _items() -> list[WorkItem]:
@@ -162,10 +169,7 @@ def _image(ex: Executor) -> torch.Tensor:
 
 
 def test_two_stages_with_one_layout_share_one_entry(tiny_model, want, tmp_path):
-    stages = [
-        Executor(i, "diffusion", str(tiny_model), "cpu", 1, threads=1, step_execution=True, dlo=_opts(tmp_path))
-        for i in (1, 2)
-    ]
+    stages = [Executor(_stage(i, tiny_model, _opts(tmp_path))) for i in (1, 2)]
     try:
         # Started from this thread: a worker dies with the thread that spawned it (PDEATHSIG).
         for ex in stages:
@@ -180,16 +184,7 @@ def test_two_stages_with_one_layout_share_one_entry(tiny_model, want, tmp_path):
 
 
 def test_tp_ranks_get_distinct_entries(tiny_model, want, tmp_path):
-    ex = Executor(
-        1,
-        "diffusion",
-        str(tiny_model),
-        "cpu",
-        2,
-        threads=1,
-        step_execution=True,
-        dlo=_opts(tmp_path, tensor_parallel_size=2),
-    )
+    ex = Executor(_stage(1, tiny_model, _opts(tmp_path, tensor_parallel_size=2)))
     try:
         ex.start(120)
         entries = _layout_entries(tmp_path)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from stage_service.models.contract import WorkItem
+from stage_service.models.contract import RunnerBase, WorkItem
 from stage_service.transport import ipc, protocol
 from stage_service.transport.result_pipe import result_pipe
 from stage_service.worker import async_output
@@ -27,7 +27,7 @@ CTX = mp.get_context("spawn")
 WAIT_S = 10.0
 
 
-class StubRunner:
+class StubRunner(RunnerBase):
     """Each item becomes {"image": a tensor filled with its seed} of `numel` float32 values."""
 
     def __init__(self, numel: int = 6, fail_on_seed: int | None = None):

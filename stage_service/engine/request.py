@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import uuid
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -43,6 +45,19 @@ class StageRequest:
 
 @dataclass(eq=False)
 class Batch:
-    rank: int
+    group: int  # the executor's worker group it runs on
     requests: list[StageRequest]
     rpc_id: str = ""
+
+
+class Dispatcher(Protocol):
+    """How the engine hands admitted requests to a free worker group: batches of compatible
+    requests, or DP waves (waves_scheduler.py)."""
+
+    depth: int  # dispatches a group may hold at once
+
+    def admit(self, req: StageRequest) -> None: ...  # raise for a request no dispatch can run
+
+    def take(self, waiting: collections.deque[StageRequest]) -> list[StageRequest]: ...  # in place
+
+    async def run(self, group: int, requests: list[StageRequest]) -> None: ...  # releases the group

@@ -2,7 +2,7 @@
 
 A runner turns a batch of `WorkItem`s into one output dict per item. The worker calls only what
 `Runner` declares; a runner without an offload engine reports zero streamed bytes and no DLO
-stats rather than lacking the attribute.
+stats rather than lacking the attribute (`RunnerBase` gives those answers).
 """
 
 from __future__ import annotations
@@ -73,3 +73,31 @@ class Runner(Protocol):
     def weight_files(self) -> list[WeightFile]: ...
 
     def device_holders(self) -> list[DeviceHolder]: ...
+
+    def offload_bytes(self) -> int: ...  # copied host -> device by the DLO engine since load; 0 without DLO
+
+    def dlo_stats(self) -> dict[str, Any] | None: ...  # {"world", "host_mode", "host_bytes"}; None without DLO
+
+    def sleep_refusal(self, level: int) -> str | None: ...  # why it cannot sleep at `level`; None: it can
+
+
+class RunnerBase:
+    """What a runner without extra device memory, DLO or TP answers; a runner with a DLO engine
+    sets `offload`."""
+
+    offload: Any = None  # offload.engine.LayerwiseOffload when enable_dlo is set
+
+    def device_holders(self) -> list[DeviceHolder]:
+        return []
+
+    def offload_bytes(self) -> int:
+        return self.offload.h2d_bytes if self.offload is not None else 0
+
+    def dlo_stats(self) -> dict[str, Any] | None:
+        if self.offload is None:
+            return None
+        stats = self.offload.stats()
+        return {"world": stats.world, "host_mode": stats.host_mode, "host_bytes": stats.host_bytes}
+
+    def sleep_refusal(self, level: int) -> str | None:
+        return None

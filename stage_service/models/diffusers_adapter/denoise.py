@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from stage_service.models.contract import WeightFile, check_batch
+from stage_service.models.contract import RunnerBase, WeightFile, check_batch
 from stage_service.models.diffusers_adapter.families import family_of, pixel_multiple, vae_scale_factor
 from stage_service.models.diffusers_adapter.folder import check_stage_folder
 from stage_service.models.diffusers_adapter.loading import (
@@ -33,11 +33,13 @@ def _image(t: torch.Tensor) -> torch.Tensor:
     return t.permute(1, 2, 0).float().detach()
 
 
-class DenoiseRunner:
+class DenoiseRunner(RunnerBase):
     """kind "diffusion" decodes with the VAE; kind "denoise" hands latents to a "decode" stage."""
 
-    def __init__(self, model_dir: Path, device: str = "cpu", dlo: dict | None = None, kind: str = "diffusion") -> None:
-        opts = DloOptions.from_mapping(dlo)
+    def __init__(
+        self, model_dir: Path, device: str = "cpu", dlo: DloOptions | None = None, kind: str = "diffusion"
+    ) -> None:
+        opts = dlo or DloOptions()
         refuse_unsupported(opts)
         self.kind = kind
         self.decodes = kind == "diffusion"
@@ -112,7 +114,7 @@ class DenoiseRunner:
         return {"pixel_multiple": pixel_multiple(self.folder)}
 
 
-class DecodeRunner:
+class DecodeRunner(RunnerBase):
     """kind "decode": the VAE as its own stage, after a "denoise" stage."""
 
     kind = "decode"
@@ -126,9 +128,6 @@ class DecodeRunner:
 
     def weight_files(self) -> list[WeightFile]:
         return weight_files(self.folder, "vae", self.vae)
-
-    def device_holders(self) -> list:
-        return []
 
     @torch.inference_mode()
     def run(self, batch, progress=None) -> list[dict[str, torch.Tensor]]:

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import torch
 
-from stage_service.models.contract import WeightFile
+from stage_service.models.contract import RunnerBase, WeightFile
 from stage_service.models.diffusers_adapter.families import family_of
 from stage_service.models.diffusers_adapter.folder import check_stage_folder
 from stage_service.models.diffusers_adapter.loading import checkpoint_dtype, load_pipeline, weight_files
 
 
-class EncoderRunner:
+class EncoderRunner(RunnerBase):
     kind = "encoder"
 
     def __init__(self, model_dir: Path, device: str = "cpu") -> None:
@@ -28,9 +28,6 @@ class EncoderRunner:
 
     def weight_files(self) -> list[WeightFile]:
         return [f for name, module in self.encoders.items() for f in weight_files(self.folder, name, module)]
-
-    def device_holders(self) -> list:
-        return []
 
     @torch.inference_mode()
     def run(self, batch, progress=None) -> list[dict[str, torch.Tensor]]:
