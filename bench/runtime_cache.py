@@ -160,7 +160,7 @@ def start_engine(
     engine["pid"] = executor._workers[0].process.pid
     engine["outcome"] = cache_outcome(log_path) or ("private" if mode == "private" else "none")
     engine["maps_cache"] = maps_cache_entry(engine["pid"], cache_dir) if cache_dir.exists() else False
-    ping = executor.control(0, "ping").result(timeout=60)
+    ping = executor.control(0, "ping").result(timeout=60)[0]  # the answer of rank 0
     engine["host_mode"] = (ping.get("dlo") or {}).get("host_mode")
     engine["host_bytes"] = (ping.get("dlo") or {}).get("host_bytes")
     print(

@@ -82,7 +82,7 @@ def _in_entry(t: torch.Tensor, entry: Path) -> bool:
 def test_publish_then_skip_load_hit(tiny_model, want, tmp_path):
     torch.set_num_threads(1)
     started = time.perf_counter()
-    first = DiffusionRunner(tiny_model, "cpu", _opts(tmp_path))
+    first = DiffusionRunner(tiny_model, "cpu", DloOptions(**_opts(tmp_path)))
     miss_s = time.perf_counter() - started
     assert first.runtime_cache.reason == "published"
     [entry] = _layout_entries(tmp_path)
@@ -92,7 +92,7 @@ def test_publish_then_skip_load_hit(tiny_model, want, tmp_path):
     assert torch.equal(first.run(_items())[0]["image"], want)
 
     started = time.perf_counter()
-    second = DiffusionRunner(tiny_model, "cpu", _opts(tmp_path))
+    second = DiffusionRunner(tiny_model, "cpu", DloOptions(**_opts(tmp_path)))
     hit_s = time.perf_counter() - started
     assert second.runtime_cache.reason == "skip_load_hit"
     assert second.runtime_cache.key == first.runtime_cache.key
@@ -143,7 +143,7 @@ def test_cache_not_usable_keeps_private_tensors(tiny_model, want, tmp_path):
     cache.cache.store.ensure_root()
     held = locks.publication_lock(root, key, 5.0)  # another publisher that never finishes
     try:
-        runner = DiffusionRunner(tiny_model, "cpu", _opts(root, dlo_runtime_cache_lock_timeout=0.3))
+        runner = DiffusionRunner(tiny_model, "cpu", DloOptions(**_opts(root, dlo_runtime_cache_lock_timeout=0.3)))
     finally:
         held.release()
     assert runner.runtime_cache.reason == "lock_timeout" and runner.runtime_cache.entry is None
@@ -151,7 +151,7 @@ def test_cache_not_usable_keeps_private_tensors(tiny_model, want, tmp_path):
     assert torch.equal(runner.run(_items())[0]["image"], want)
     # A root that cannot exist (under a regular file): io_error, same fallback.
     (tmp_path / "file").write_text("x")
-    broken = DiffusionRunner(tiny_model, "cpu", _opts(tmp_path / "file" / "root"))
+    broken = DiffusionRunner(tiny_model, "cpu", DloOptions(**_opts(tmp_path / "file" / "root")))
     assert broken.runtime_cache.reason == "io_error"
     assert torch.equal(broken.run(_items())[0]["image"], want)
 

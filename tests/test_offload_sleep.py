@@ -15,6 +15,7 @@ import torch
 
 from stage_service.models.runners import DiffusionRunner, WorkItem
 from stage_service.models.weights import DIT_PREFIX
+from stage_service.offload.config import DloOptions
 from stage_service.worker.sleep import SleepController
 from stagemesh.core.params import Params
 
@@ -25,7 +26,7 @@ OPTIONS = {"staged": STAGED, "resident-1": RESIDENT, "packed": PACKED}
 
 
 def _runner(tiny_model: Path, name: str) -> DiffusionRunner:
-    return DiffusionRunner(tiny_model, "cpu", OPTIONS[name])
+    return DiffusionRunner(tiny_model, "cpu", DloOptions(**OPTIONS[name]))
 
 
 def _image(runner: DiffusionRunner, seed: int = 11) -> torch.Tensor:
