@@ -28,8 +28,6 @@ from stage_service.models.contract import WorkItem
 from stage_service.transport import ipc, protocol
 from stagemesh.core import errors, logs
 
-__all__ = ["DeathFn", "Executor", "ProgressFn", "_Pending", "_Worker"]
-
 log = logs.get_logger("stagemesh.executor")
 
 PUMP_POLL_S = 0.1
@@ -107,15 +105,15 @@ class Executor:
 
     def control(self, group: int, op: str, **args: Any) -> cf.Future:
         """A control call to every process of a group; resolves with {output rank: its Ack's result}."""
-        g = self.groups[group]
-        return self._call(g, uuid.uuid4().hex, [op] * g.size, [None] * g.size, execute=False, args=args).future
+        return self._control(group, op, args).future
 
     def control_each(self, group: int, op: str, **args: Any) -> dict[int, cf.Future]:
         """A control call to every process of a group; output rank -> its Ack's result."""
+        return self._control(group, op, args).by_output_rank()
+
+    def _control(self, group: int, op: str, args: dict[str, Any]) -> GroupCall:
         g = self.groups[group]
-        return self._call(
-            g, uuid.uuid4().hex, [op] * g.size, [None] * g.size, execute=False, args=args
-        ).by_output_rank()
+        return self._call(g, uuid.uuid4().hex, [op] * g.size, [None] * g.size, execute=False, args=args)
 
     def cancel(self, group: int, rpc_id: str) -> None:
         g = self.groups[group]
