@@ -41,6 +41,7 @@ from stage_service.executor.executor import Executor
 from stage_service.models.config import PipelineConfig
 from stage_service.models.runners import DiffusionRunner, WorkItem
 from stage_service.models.weights import ensure_model_dir
+from stage_service.settings import StageSettings
 from stagemesh.core.params import Params
 
 
@@ -66,7 +67,7 @@ class Forward:
     def __init__(self, model_dir: Path, device: str, size: int, batch: int, steps: int, cuda_graphs: bool = True):
         self.runner = DiffusionRunner(model_dir, device, cuda_graphs=cuda_graphs)
         self.items = [
-            WorkItem(f"r{i}", "p", size, size, steps, 4.0, i, {"hidden_states": _cond(i).to(device)})
+            WorkItem(f"r{i}", Params("p", size, size, steps, 4.0, i, "tensor"), {"hidden_states": _cond(i).to(device)})
             for i in range(batch)
         ]
         self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -109,11 +110,17 @@ class Served:
         concurrency: int = 0,
     ):
         self.size, self.steps = size, steps
-        self.executor = Executor(
-            1, "diffusion", str(model_dir), device, 1, step_execution=step_execution, cuda_graphs=cuda_graphs
+        settings = StageSettings(
+            stage_id=1,
+            kind="diffusion",
+            model_dir=str(model_dir),
+            device=device,
+            step_execution=step_execution,
+            cuda_graphs=cuda_graphs,
         )
+        self.executor = Executor(settings)
         self.executor.start()
-        self.engine = Engine(self.executor, "diffusion", 1, max_batch_size=batch, max_queue=10_000)
+        self.engine = Engine(self.executor, "diffusion", max_batch_size=batch, max_queue=10_000)
         # Enough requests in flight that full batches are always waiting (a saturated stage). With
         # captured steps the worker launches several batches ahead of the GPU, and a request is
         # in flight until its output is back: the engine's next batch, the worker's queue, the

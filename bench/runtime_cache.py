@@ -35,7 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS_DIR, print_table, usable_cpus, write_json
 from stage_service.executor.executor import Executor
 from stage_service.models.config import PipelineConfig
+from stage_service.models.contract import WorkItem
 from stage_service.models.weights import ensure_model_dir
+from stage_service.settings import StageSettings
+from stagemesh.core.params import Params
 
 MODES = ("private", "cache")
 ENGINES = 2
@@ -132,9 +135,15 @@ def start_engine(
     index: int, mode: str, args, model_dir: Path, cache_dir: Path, log_dir: Path, engines: list[dict[str, Any]]
 ) -> dict[str, Any]:
     """Start one engine; it joins `engines` before it is started so cleanup always reaches it."""
-    executor = Executor(
-        index, "diffusion", str(model_dir), args.device, 1, threads=args.threads, dlo=dlo_options(mode, cache_dir)
+    settings = StageSettings(
+        stage_id=index,
+        kind="diffusion",
+        model_dir=str(model_dir),
+        device=args.device,
+        threads=args.threads,
+        **dlo_options(mode, cache_dir),
     )
+    executor = Executor(settings)
     log_path = log_dir / f"{mode}-engine{index}.log"
     engine = {"index": index, "executor": executor, "log": log_path}
     engines.append(engine)
@@ -151,7 +160,7 @@ def start_engine(
     engine["pid"] = executor._workers[0].process.pid
     engine["outcome"] = cache_outcome(log_path) or ("private" if mode == "private" else "none")
     engine["maps_cache"] = maps_cache_entry(engine["pid"], cache_dir) if cache_dir.exists() else False
-    ping = executor.control(0, "ping").result(timeout=60)
+    ping = executor.control(0, "ping").result(timeout=60)[0]  # the answer of rank 0
     engine["host_mode"] = (ping.get("dlo") or {}).get("host_mode")
     engine["host_bytes"] = (ping.get("dlo") or {}).get("host_bytes")
     print(
@@ -172,18 +181,10 @@ def stop_engines(engines: list[dict[str, Any]]) -> None:
 
 
 # ---- load --------------------------------------------------------------------------------------
-def _item(request_id: str, args, cond_dim: int, seed: int) -> dict[str, Any]:
+def _item(request_id: str, args, cond_dim: int, seed: int) -> WorkItem:
     cond = torch.randn(12, cond_dim, generator=torch.Generator().manual_seed(seed))
-    return {
-        "request_id": request_id,
-        "prompt": "p",
-        "width": args.size,
-        "height": args.size,
-        "num_inference_steps": args.steps,
-        "guidance_scale": 4.0,
-        "seed": seed,
-        "inputs": {"hidden_states": cond},
-    }
+    params = Params("p", args.size, args.size, args.steps, 4.0, seed, "tensor")
+    return WorkItem(request_id, params, {"hidden_states": cond})
 
 
 def _finish(executor: Executor, future, request_id: str, size: int, timeout_s: float) -> None:

@@ -79,22 +79,27 @@ class StageControl:
 
     async def _undo_partial_sleep(self, acks: list[Ack]) -> None:
         """Some worker could not sleep: wake the ones that did and serve again, as before the call."""
-        # DLO AllGather ranks wake through a collective that a rank still awake never joins: the
-        # group restarts instead, and comes up awake.
-        if not self._engine.restart_dp_group("a rank of the DP group could not sleep"):
-            for ack in acks:
-                if ack.ok:
-                    await asyncio.wrap_future(self._executor.control(ack.rank, "wake"))
+        for group in self._engine.live_groups():
+            ranks = set(self._executor.groups[group].output_ranks)
+            slept = {a.ok for a in acks if a.rank in ranks}
+            if slept == {True, False}:
+                # Part of a group slept: its ranks wake through a collective that a rank still
+                # awake never joins. The group restarts instead, and comes up awake.
+                self._engine.restart_group(group, "a rank of the group could not sleep")
+            elif slept == {True}:
+                await asyncio.wrap_future(self._executor.control(group, "wake"))
         self._engine.open_admission()
         log.error("sleep failed; stage stays awake", errors=[a.error for a in acks if not a.ok])
 
     async def _fan_out(self, op: str, level: int, args: dict) -> list[Ack]:
-        ranks = self._engine.live_ranks()
-        results = await asyncio.gather(
-            *(asyncio.wrap_future(self._executor.control(rank, op, **args)) for rank in ranks), return_exceptions=True
-        )
+        calls = {
+            rank: fut
+            for g in self._engine.live_groups()
+            for rank, fut in self._executor.control_each(g, op, **args).items()
+        }
+        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in calls.values()), return_exceptions=True)
         acks = []
-        for rank, result in zip(ranks, results):
+        for rank, result in zip(calls, results):
             if isinstance(result, BaseException):
                 acks.append(Ack(rank, False, level, error=str(result)))
             else:
@@ -108,14 +113,15 @@ class StageControl:
                 level,
                 error=f"worker {rank} died and is being restarted; retry once the stage serves again",
             )
-            for rank in self._engine.restarting_ranks()
+            for group in self._engine.restarting_groups()
+            for rank in self._executor.groups[group].output_ranks
         ]
         return sorted(acks, key=lambda a: a.rank)
 
-    async def _resleep(self, rank: int) -> None:
-        """A worker restarted while the stage sleeps comes up with its weights loaded: put it back."""
+    async def _resleep(self, group: int) -> None:
+        """A group restarted while the stage sleeps comes up with its weights loaded: put it back."""
         if self.level:
-            await asyncio.wrap_future(self._executor.control(rank, "sleep", level=self.level))
+            await asyncio.wrap_future(self._executor.control(group, "sleep", level=self.level))
 
 
 async def _finish_even_if_cancelled(change: Coroutine[Any, Any, list[Ack]]) -> list[Ack]:

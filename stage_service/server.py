@@ -12,7 +12,6 @@ from stage_service.engine.engine import Engine, OutputsEvent, ProgressEvent
 from stage_service.executor.executor import Executor
 from stage_service.metrics import stage_readings
 from stage_service.models.diffusers_adapter import FolderError
-from stage_service.offload.config import DloOptions
 from stage_service.settings import StageSettings
 from stagemesh.core import auth, codec, converters, logs, serve, tls
 from stagemesh.core.metrics import ServiceMetrics
@@ -127,22 +126,8 @@ async def serve_stage(settings: StageSettings) -> None:
     def on_health(serving: bool) -> None:
         loop.create_task(host.set_serving(serving))
 
-    workers = settings.worker_processes()  # dp_size when the ranks form a DLO AllGather group
-    executor = Executor(
-        settings.stage_id,
-        settings.kind,
-        str(settings.resolved_model_dir()),
-        settings.device,
-        workers,
-        settings.threads,
-        on_death=lambda r, why: engine.worker_died(r, why),
-        step_execution=settings.step_execution,
-        dlo=DloOptions.from_settings(settings).to_dict(),
-        cuda_graphs=settings.cuda_graphs,
-    )
-    engine = Engine(
-        executor, settings.kind, executor.engine_workers, settings.max_batch_size, settings.max_queue, on_health
-    )
+    executor = Executor(settings, on_death=lambda group, why: engine.worker_died(group, why))
+    engine = Engine(executor, settings.kind, settings.max_batch_size, settings.max_queue, on_health)
     control = StageControl(executor.stage_name, engine, executor, settings.enable_sleep)
     servicer = StageServicer(settings, engine, executor, control)
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, host.server)

@@ -19,11 +19,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stagemesh.config import SupervisionConfig
 from stagemesh.core import logs, procutil, readyfile, serve, tls
+from stagemesh.core.backoff import Backoff
 
 log = logs.get_logger("stagemesh.supervisor")
 
 POLL_S = 0.2
-BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+BACKOFF = Backoff((0.5, 1.0, 2.0, 4.0, 8.0))
 
 
 class StartFailed(RuntimeError):
@@ -122,7 +123,7 @@ class Supervisor:
         if len(child.restarts) >= self._settings.max_restarts:
             log.error("giving up", child=child.name, restarts=len(child.restarts), window_s=window)
             return False
-        delay = BACKOFF_S[min(len(child.restarts), len(BACKOFF_S) - 1)]
+        delay = BACKOFF.delay(len(child.restarts))
         child.restarts.append(now)
         log.warning("child exited; restarting", child=child.name, exit_code=code, delay_s=delay)
         await asyncio.sleep(delay)

@@ -26,6 +26,7 @@ from gateway.images import encode_png
 from stage_service.models.diffusers_adapter import FolderError, check_stage_folder
 from stage_service.models.diffusers_adapter.synthetic import write_tiny
 from stagemesh.core import codec
+from stagemesh.core.params import Params
 from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2
 from tests.meshproc import REPO, Mesh, parallel_meshes, start_mesh
 
@@ -144,7 +145,7 @@ def test_runners_in_process_equal_diffusers_own_pipeline(folders, reference):
         diffusion = build_runner("diffusion", folders["sd3"])
         for case in CASES:
             width, height, steps, guidance, seed, prompt = case
-            item = WorkItem("r", prompt, width, height, steps, guidance, seed)
+            item = WorkItem("r", Params(prompt, width, height, steps, guidance, seed, "tensor"))
             [item.inputs] = encoder.run([item])
             [out] = diffusion.run([item])
             assert torch.equal(out["image"], reference["sd3", case]), case

@@ -7,7 +7,6 @@ Real worker processes (Executor) and real gloo TP ranks; the cache runs its loca
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -20,6 +19,8 @@ from stage_service.models.runners import DiffusionRunner, WorkItem, build_runner
 from stage_service.models.runtime_weights import DitWeightCache, final_tensors, swap_storage
 from stage_service.models.weights import load_dit
 from stage_service.offload import DloOptions
+from stage_service.settings import StageSettings
+from stagemesh.core.params import Params
 from stagemesh.weight_store import locks
 
 TOLERANCE = 1e-6  # TP=2 vs TP=1 rounding, see tests/test_tensor_parallel.py
@@ -36,9 +37,15 @@ def _opts(root: Path, **kw) -> dict:
     }
 
 
+def _stage(stage_id: int, model: Path, dlo: dict) -> StageSettings:
+    return StageSettings(
+        stage_id=stage_id, kind="diffusion", model_dir=str(model), threads=1, step_execution=True, **dlo
+    )
+
+
 def _items() -> list[WorkItem]:
     cond = torch.randn(6, 64, generator=torch.Generator().manual_seed(3))
-    return [WorkItem("r", "p", 64, 48, 3, 4.0, 11, {"hidden_states": cond})]
+    return [WorkItem("r", Params("p", 64, 48, 3, 4.0, 11, "tensor"), {"hidden_states": cond})]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +82,7 @@ def _in_entry(t: torch.Tensor, entry: Path) -> bool:
 def test_publish_then_skip_load_hit(tiny_model, want, tmp_path):
     torch.set_num_threads(1)
     started = time.perf_counter()
-    first = DiffusionRunner(tiny_model, "cpu", _opts(tmp_path))
+    first = DiffusionRunner(tiny_model, "cpu", DloOptions(**_opts(tmp_path)))
     miss_s = time.perf_counter() - started
     assert first.runtime_cache.reason == "published"
     [entry] = _layout_entries(tmp_path)
@@ -85,7 +92,7 @@ def test_publish_then_skip_load_hit(tiny_model, want, tmp_path):
     assert torch.equal(first.run(_items())[0]["image"], want)
 
     started = time.perf_counter()
-    second = DiffusionRunner(tiny_model, "cpu", _opts(tmp_path))
+    second = DiffusionRunner(tiny_model, "cpu", DloOptions(**_opts(tmp_path)))
     hit_s = time.perf_counter() - started
     assert second.runtime_cache.reason == "skip_load_hit"
     assert second.runtime_cache.key == first.runtime_cache.key
@@ -136,7 +143,7 @@ def test_cache_not_usable_keeps_private_tensors(tiny_model, want, tmp_path):
     cache.cache.store.ensure_root()
     held = locks.publication_lock(root, key, 5.0)  # another publisher that never finishes
     try:
-        runner = DiffusionRunner(tiny_model, "cpu", _opts(root, dlo_runtime_cache_lock_timeout=0.3))
+        runner = DiffusionRunner(tiny_model, "cpu", DloOptions(**_opts(root, dlo_runtime_cache_lock_timeout=0.3)))
     finally:
         held.release()
     assert runner.runtime_cache.reason == "lock_timeout" and runner.runtime_cache.entry is None
@@ -144,7 +151,7 @@ def test_cache_not_usable_keeps_private_tensors(tiny_model, want, tmp_path):
     assert torch.equal(runner.run(_items())[0]["image"], want)
     # A root that cannot exist (under a regular file): io_error, same fallback.
     (tmp_path / "file").write_text("x")
-    broken = DiffusionRunner(tiny_model, "cpu", _opts(tmp_path / "file" / "root"))
+    broken = DiffusionRunner(tiny_model, "cpu", DloOptions(**_opts(tmp_path / "file" / "root")))
     assert broken.runtime_cache.reason == "io_error"
     assert torch.equal(broken.run(_items())[0]["image"], want)
 
@@ -157,15 +164,12 @@ def _maps(pid: int, entry: Path) -> bool:
 
 
 def _image(ex: Executor) -> torch.Tensor:
-    _, fut = ex.submit(0, [dataclasses.asdict(_items()[0])])
+    _, fut = ex.submit(0, _items())
     return fut.result(120)[0]["image"]
 
 
 def test_two_stages_with_one_layout_share_one_entry(tiny_model, want, tmp_path):
-    stages = [
-        Executor(i, "diffusion", str(tiny_model), "cpu", 1, threads=1, step_execution=True, dlo=_opts(tmp_path))
-        for i in (1, 2)
-    ]
+    stages = [Executor(_stage(i, tiny_model, _opts(tmp_path))) for i in (1, 2)]
     try:
         # Started from this thread: a worker dies with the thread that spawned it (PDEATHSIG).
         for ex in stages:
@@ -180,16 +184,7 @@ def test_two_stages_with_one_layout_share_one_entry(tiny_model, want, tmp_path):
 
 
 def test_tp_ranks_get_distinct_entries(tiny_model, want, tmp_path):
-    ex = Executor(
-        1,
-        "diffusion",
-        str(tiny_model),
-        "cpu",
-        2,
-        threads=1,
-        step_execution=True,
-        dlo=_opts(tmp_path, tensor_parallel_size=2),
-    )
+    ex = Executor(_stage(1, tiny_model, _opts(tmp_path, tensor_parallel_size=2)))
     try:
         ex.start(120)
         entries = _layout_entries(tmp_path)

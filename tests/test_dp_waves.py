@@ -21,6 +21,7 @@ from stage_service.engine.engine import Engine, OutputsEvent, ProgressEvent
 from stage_service.engine.wave_rules import WAVE_TIMEOUT_ENV, WaveFailed, WaveRequest, run_wave
 from stage_service.executor.executor import Executor
 from stage_service.models.runners import WorkItem, build_runner
+from stage_service.offload.config import DloOptions
 from stage_service.settings import StageSettings
 from stagemesh.core import errors
 from stagemesh.core.params import Params
@@ -52,7 +53,7 @@ def _inputs(seed: int) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def reference(tiny_model):
     """seed -> the image a dp_size 1 DLO runner draws for that request alone."""
-    runner = build_runner("diffusion", tiny_model, dlo={"enable_dlo": True})
+    runner = build_runner("diffusion", tiny_model, dlo=DloOptions(enable_dlo=True))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers run
     cache: dict = {}
@@ -60,17 +61,7 @@ def reference(tiny_model):
     def image(seed: int, **kw) -> torch.Tensor:
         key = (seed, tuple(sorted(kw.items())))
         if key not in cache:
-            p = _params(seed, **kw)
-            item = WorkItem(
-                f"ref-{seed}",
-                p.prompt,
-                p.width,
-                p.height,
-                p.num_inference_steps,
-                p.guidance_scale,
-                p.seed,
-                _inputs(seed),
-            )
+            item = WorkItem(f"ref-{seed}", _params(seed, **kw), _inputs(seed))
             cache[key] = runner.run([item])[0]["image"].clone()
         return cache[key]
 
@@ -82,17 +73,11 @@ class Stage:
     """What serve_stage wires, without the gRPC server."""
 
     def __init__(self, model: Path, dp: int) -> None:
-        self.executor = Executor(
-            1,
-            "diffusion",
-            str(model),
-            "cpu",
-            dp,
-            threads=1,
-            on_death=lambda r, why: self.engine.worker_died(r, why),
-            dlo={"enable_dlo": True, "dp_size": dp},
+        settings = StageSettings(
+            stage_id=1, kind="diffusion", model_dir=str(model), threads=1, enable_dlo=True, dp_size=dp
         )
-        self.engine = Engine(self.executor, "diffusion", dp, max_batch_size=4, max_queue=64)
+        self.executor = Executor(settings, on_death=lambda group, why: self.engine.worker_died(group, why))
+        self.engine = Engine(self.executor, "diffusion", max_batch_size=4, max_queue=64)
         self.control = StageControl(self.executor.stage_name, self.engine, self.executor, True)
 
     async def generate(
@@ -109,7 +94,9 @@ class Stage:
         return self.executor._workers[rank].process.pid
 
     async def ping(self) -> list[dict]:
-        return [await asyncio.wrap_future(self.executor.control(r, "ping")) for r in range(self.executor.wave_size)]
+        [group] = self.executor.groups  # the DP ranks are one group; each rank answers
+        answers = await asyncio.wrap_future(self.executor.control(group.index, "ping"))
+        return [answers[rank] for rank in group.ranks]
 
 
 @contextlib.asynccontextmanager
@@ -141,9 +128,9 @@ async def _check_waves(stage: Stage, dp: int, reference) -> None:
     images = await asyncio.gather(*(stage.generate(s) for s in seeds))
     for s, image in zip(seeds, images):
         assert torch.equal(image, reference(s)), f"seed {s} differs from dp_size 1"
-    assert stage.engine._waves.counts == {"waves": 2, "requests": dp + 1, "fillers": dp - 1}
+    assert stage.engine.dispatcher.counts == {"waves": 2, "requests": dp + 1, "fillers": dp - 1}
     assert torch.equal(await stage.generate(7), reference(7))  # alone: every other rank fills
-    assert stage.engine._waves.counts["fillers"] == 2 * (dp - 1)
+    assert stage.engine.dispatcher.counts["fillers"] == 2 * (dp - 1)
 
     # Invalid members are refused before dispatch, naming the field; the others still run.
     # A request with other steps waits for a wave of its own.
@@ -195,7 +182,7 @@ async def _check_fail_closed(stage: Stage, dp: int, fault: str, reference) -> No
     assert time.monotonic() - started < 10, "the wave did not fail closed in seconds"
 
     # Recovery: every rank is a new process in a new group, and the next wave runs.
-    await _until(lambda: stage.engine.serving and stage.engine._waves.ready())
+    await _until(lambda: stage.engine.serving and not stage.engine._in_flight[0])
     assert all(stage.pid(r) != old for r, old in enumerate(old_pids))
     images = await asyncio.gather(*(stage.generate(s) for s in (40, 41)))
     assert torch.equal(images[0], reference(40)) and torch.equal(images[1], reference(41))
@@ -213,8 +200,6 @@ def test_the_dp_ranks_are_the_workers():
         StageSettings(kind="diffusion", enable_dlo=True, dp_size=3, workers=2)
     with pytest.raises(ValueError, match="every DP rank needs its own GPU"):
         StageSettings(kind="diffusion", device="cuda:1", enable_dlo=True, dp_size=2)
-    with pytest.raises(ValueError, match="runs 3 worker processes, got workers = 2"):
-        Executor(1, "diffusion", "unused", "cpu", 2, dlo={"enable_dlo": True, "dp_size": 3})
 
 
 def test_a_failing_rank_ends_the_wave_without_waiting_for_the_timeout():
@@ -226,7 +211,7 @@ def test_a_failing_rank_ends_the_wave_without_waiting_for_the_timeout():
 
     started = time.monotonic()
     with pytest.raises(WaveFailed, match=r"rank\(s\) \[1\] failed: rank 1 broke"):
-        run_wave([WaveRequest("a", "p", 64, 64, 3, 4.0)], 2, dispatch, timeout_s=60)
+        run_wave([WaveRequest("a", _params(1))], 2, dispatch, timeout_s=60)
     assert time.monotonic() - started < 5
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from stage_service.executor.executor import Executor, _Worker
+from stage_service.settings import StageSettings
 from stage_service.transport import ipc, protocol
 from stagemesh.core import errors
 from tests.executor_parts import oid, packed_outputs, pend
@@ -23,8 +24,8 @@ from tests.shm_guard import no_segment_left_behind, our_segments  # noqa: F401 -
 @pytest.fixture
 def ex_worker():
     """An executor (not started) and a worker record, as the pump sees them."""
-    ex = Executor(1, "diffusion", "unused", "cpu", workers=1)
-    w = _Worker(ex._specs[0], process=None, requests=None, results=None)
+    ex = Executor(StageSettings(stage_id=1, kind="diffusion", model_dir="unused"))
+    w = _Worker(ex.groups[0].specs[0], process=None, requests=None, results=None)
     return ex, w
 
 

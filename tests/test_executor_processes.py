@@ -18,21 +18,28 @@ import torch
 
 from stage_service.executor import executor as executor_mod
 from stage_service.executor.executor import Executor, _Worker
+from stage_service.models.contract import WorkItem
+from stage_service.settings import StageSettings
 from stage_service.transport import ipc, protocol
 from stage_service.transport.result_pipe import result_pipe
 from stagemesh.core import errors
+from stagemesh.core.params import Params
 from tests.executor_parts import WAIT_S, oid, packed_outputs, pend
 from tests.shm_guard import no_segment_left_behind, our_segments  # noqa: F401 - autouse fixture
 
 
+def _settings(**values) -> StageSettings:
+    return StageSettings(**{"stage_id": 1, "kind": "diffusion", "model_dir": "unused", **values})
+
+
 def test_race_cancel_storm_against_a_real_pump_thread():
     """A real pump thread reads a real result pipe while the test cancels RPC and output futures."""
-    ex = Executor(1, "diffusion", "unused", "cpu", workers=1)
+    ex = Executor(_settings())
     ctx = mp.get_context("spawn")
     proc = ctx.Process(target=time.sleep, args=(120,), daemon=True)
     proc.start()
     receiver, results = result_pipe(ctx)  # the test writes what a worker would
-    w = _Worker(ex._specs[0], proc, ctx.Queue(), receiver)
+    w = _Worker(ex.groups[0].specs[0], proc, ctx.Queue(), receiver)
     n = 60
     rpc_futs = [pend(w, f"r{i}") for i in range(n)]
     pump = threading.Thread(target=ex._pump, args=(w,), daemon=True)
@@ -77,31 +84,17 @@ def test_real_pump_notices_a_dead_process_and_fails_everything_it_owed():
         deaths.append((rank, why))
         died.set()
 
-    ex = Executor(1, "diffusion", "unused", "cpu", workers=1, on_death=on_death)
+    ex = Executor(_settings(), on_death=on_death)
     ctx = mp.get_context("spawn")
     proc = ctx.Process(target=time.sleep, args=(120,), daemon=True)
     proc.start()
     receiver, sender = result_pipe(ctx)  # we keep a sender: the death shows by the process alone
-    w = _Worker(ex._specs[0], proc, ctx.Queue(), receiver)
-    ex._workers[0] = w
+    w = _Worker(ex.groups[0].specs[0], proc, ctx.Queue(), receiver)
+    ex.groups[0].workers = [w]
     pump = threading.Thread(target=ex._pump, args=(w,), daemon=True)
     pump.start()
     try:
-        _, fut = ex.submit(
-            0,
-            [
-                {
-                    "request_id": "r",
-                    "prompt": "p",
-                    "width": 16,
-                    "height": 16,
-                    "num_inference_steps": 1,
-                    "guidance_scale": 1.0,
-                    "seed": 1,
-                    "inputs": {},
-                }
-            ],
-        )
+        _, fut = ex.submit(0, [WorkItem("r", Params("p", 16, 16, 1, 1.0, 1, "tensor"))])
         ctl = ex.control(0, "ping")
         sender.put(protocol.ComputeDone("other", oid(1)))  # an output this worker still owes
         ex.outputs.expect(oid(2), 0)
@@ -139,14 +132,14 @@ def test_a_dead_worker_ends_its_result_pipe_and_the_pump_fails_pending_without_p
     # A poll interval far above the 5 s budget: only the pipe's end of stream can be in time.
     monkeypatch.setattr(executor_mod, "PUMP_POLL_S", 60.0)
     died = threading.Event()
-    ex = Executor(1, "diffusion", "unused", "cpu", workers=1, on_death=lambda *_: died.set())
+    ex = Executor(_settings(), on_death=lambda *_: died.set())
     ctx = mp.get_context("spawn")
     receiver, sender = result_pipe(ctx)
     proc = ctx.Process(target=_hold_and_sleep, args=(sender, 120), daemon=True)
     proc.start()
     sender.close()  # as worker_startup.spawn does
-    w = _Worker(ex._specs[0], proc, ctx.Queue(), receiver)
-    ex._workers[0] = w
+    w = _Worker(ex.groups[0].specs[0], proc, ctx.Queue(), receiver)
+    ex.groups[0].workers = [w]
     pump = threading.Thread(target=ex._pump, args=(w,), daemon=True)
     pump.start()
     try:
@@ -164,13 +157,13 @@ def test_a_dead_worker_ends_its_result_pipe_and_the_pump_fails_pending_without_p
 
 def test_shutdown_closes_queues_and_fails_pending_even_when_the_request_queue_is_broken(monkeypatch):
     monkeypatch.setattr(executor_mod, "JOIN_TIMEOUT_S", 1.0)
-    ex = Executor(1, "diffusion", "unused", "cpu", workers=1)
+    ex = Executor(_settings())
     ctx = mp.get_context("spawn")
     proc = ctx.Process(target=time.sleep, args=(120,), daemon=True)  # ignores Shutdown
     proc.start()
     receiver, sender = result_pipe(ctx)
-    w = _Worker(ex._specs[0], proc, ctx.Queue(), receiver)
-    ex._workers[0] = w
+    w = _Worker(ex.groups[0].specs[0], proc, ctx.Queue(), receiver)
+    ex.groups[0].workers = [w]
     w.pump = threading.Thread(target=ex._pump, args=(w,), daemon=True)
     w.pump.start()
     ctl = ex.control(0, "ping")
@@ -193,25 +186,17 @@ def test_shutdown_closes_queues_and_fails_pending_even_when_the_request_queue_is
 # ---- points 8 and 9 with a real worker process on the real tiny model ---------------------------------
 
 
-def diffusion_item(seed: int, size: int, steps: int, cond_dim: int) -> dict:
+def diffusion_item(seed: int, size: int, steps: int, cond_dim: int) -> WorkItem:
     g = torch.Generator().manual_seed(seed)
-    return {
-        "request_id": f"req-{seed}",
-        "prompt": "a lighthouse",
-        "width": size,
-        "height": size,
-        "num_inference_steps": steps,
-        "guidance_scale": 4.0,
-        "seed": seed,
-        "inputs": {"hidden_states": torch.randn(5, cond_dim, generator=g)},
-    }
+    params = Params("a lighthouse", size, size, steps, 4.0, seed, "tensor")
+    return WorkItem(f"req-{seed}", params, {"hidden_states": torch.randn(5, cond_dim, generator=g)})
 
 
-def run_one(ex: Executor, item: dict) -> torch.Tensor:
+def run_one(ex: Executor, item: WorkItem) -> torch.Tensor:
     _, fut = ex.submit(0, [item])
     done = fut.result(60)
     assert isinstance(done, protocol.ComputeDone) and len(done.async_output_id) == 32
-    [sub] = ex.outputs.split(done.async_output_id, [item["request_id"]])
+    [sub] = ex.outputs.split(done.async_output_id, [item.request_id])
     return ex.outputs.wait_output_ready(sub, timeout_s=60)["image"]
 
 
@@ -223,7 +208,7 @@ def test_real_worker_death_restart_and_shutdown(tiny_model, monkeypatch):
         deaths.append(why)
         died.set()
 
-    ex = Executor(1, "diffusion", str(tiny_model), "cpu", workers=1, threads=1, on_death=on_death)
+    ex = Executor(_settings(model_dir=str(tiny_model), threads=1), on_death=on_death)
     try:
         [ready] = ex.start(timeout_s=120)
         cond_dim = ready.limits["cond_dim"]
@@ -250,8 +235,8 @@ def test_real_worker_death_restart_and_shutdown(tiny_model, monkeypatch):
         image = run_one(ex, diffusion_item(2, 32, 2, cond_dim))
         assert image.shape == (32, 32, 3) and image.dtype == torch.float32
         assert torch.equal(image, run_one(ex, diffusion_item(2, 32, 2, cond_dim)))  # deterministic
-        assert ex.control(0, "ping").result(30)["rank"] == 0
-        assert ex.control(0, "drain").result(30) == {"drained": True}
+        assert ex.control(0, "ping").result(30)[0]["rank"] == 0
+        assert ex.control(0, "drain").result(30) == {0: {"drained": True}}
 
         # Restarting a live worker fails what it still owed at once (nobody waits 600 s).
         ex.outputs.expect(oid(78), 0)

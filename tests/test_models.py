@@ -28,6 +28,7 @@ from stage_service.models import (
 from stage_service.models.config import BOS_ID, DiTConfig, LMConfig
 from stage_service.models.dit import pad_conds
 from stage_service.models.weights import DIT_FILE, LM_FILE, build_dit, build_lm
+from stagemesh.core.params import Params
 
 FILES = (LM_FILE, DIT_FILE, Path("config.json"))
 
@@ -260,9 +261,9 @@ def test_dit_structure_and_flux_sized_on_meta() -> None:
 # ---- runners ----------------------------------------------------------------------------
 
 
-def _item(rid: str, prompt: str, seed: int = 0, **kw) -> WorkItem:
+def _item(rid: str, prompt: str, seed: int = 0, inputs: dict | None = None, **kw) -> WorkItem:
     fields = {"width": 32, "height": 32, "num_inference_steps": 2, "guidance_scale": 3.0, "seed": seed, **kw}
-    return WorkItem(request_id=rid, prompt=prompt, **fields)
+    return WorkItem(rid, Params(prompt=prompt, output_format="tensor", **fields), inputs or {})
 
 
 def test_runners_end_to_end(model_dir: Path) -> None:

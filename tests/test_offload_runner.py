@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 from pathlib import Path
 
@@ -16,8 +15,8 @@ from stage_service.models.runners import WorkItem, build_runner
 from stage_service.models.weights import ensure_model_dir
 from stage_service.offload import DloOptions
 from stage_service.settings import StageSettings
-from stage_service.transport import protocol
 from stagemesh import config as mesh_config
+from stagemesh.core.params import Params
 
 # ---- options -----------------------------------------------------------------------------
 
@@ -97,9 +96,9 @@ def test_mesh_toml_keys(tmp_path: Path):
 
 
 def test_worker_spec_carries_the_options():
-    spec = protocol.WorkerSpec(0, 1, "diffusion", "/m", "cpu", 1, dlo={"enable_dlo": True})
-    assert spec.dlo == {"enable_dlo": True}
-    assert protocol.WorkerSpec(0, 1, "diffusion", "/m", "cpu", 1).dlo == {}
+    [group] = Executor(StageSettings(stage_id=1, kind="diffusion", model_dir="/m", enable_dlo=True)).groups
+    assert group.specs[0].dlo == DloOptions(enable_dlo=True)
+    assert Executor(StageSettings(kind="ar", model_dir="/m")).groups[0].specs[0].dlo == DloOptions()
 
 
 # ---- runner ------------------------------------------------------------------------------
@@ -113,7 +112,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _batch() -> list[WorkItem]:
     g = torch.Generator().manual_seed(0)
     return [
-        WorkItem(f"r{i}", "p", 32, 48, 3, 4.0, seed=i, inputs={"hidden_states": torch.randn(5 + i, 64, generator=g)})
+        WorkItem(
+            f"r{i}", Params("p", 32, 48, 3, 4.0, i, "tensor"), {"hidden_states": torch.randn(5 + i, 64, generator=g)}
+        )
         for i in range(2)
     ]
 
@@ -128,13 +129,13 @@ def _equal(a, b) -> bool:
 
 def test_runner_with_dlo_equals_the_resident_runner(model_dir: Path):
     want = _images(build_runner("diffusion", model_dir))
-    runner = build_runner("diffusion", model_dir, dlo={"enable_dlo": True})
+    runner = build_runner("diffusion", model_dir, dlo=DloOptions(enable_dlo=True))
     stats = runner.offload.stats()
     # The checkpoint mapping stays open; blocks go through two staging buffers.
     assert stats.host_mode == "staged" and stats.streamed_blocks == runner.config.dit.depth
     assert _equal(_images(runner), want)
     resident = build_runner(
-        "diffusion", model_dir, dlo={"enable_dlo": True, "dlo_use_allgather": False, "dlo_resident_layers": 1}
+        "diffusion", model_dir, dlo=DloOptions(enable_dlo=True, dlo_use_allgather=False, dlo_resident_layers=1)
     )
     assert resident.offload.stats().resident_blocks == 1
     assert _equal(_images(resident), want)
@@ -143,22 +144,25 @@ def test_runner_with_dlo_equals_the_resident_runner(model_dir: Path):
 def test_runner_falls_back_to_the_ordinary_loader(model_dir: Path):
     want = _images(build_runner("diffusion", model_dir))
     # Without the direct mmap plan: private host copies, packed once.
-    runner = build_runner("diffusion", model_dir, dlo={"enable_dlo": True, "dlo_checkpoint_mmap": False})
+    runner = build_runner("diffusion", model_dir, dlo=DloOptions(enable_dlo=True, dlo_checkpoint_mmap=False))
     assert runner.offload.stats().host_mode == "packed"
     assert _equal(_images(runner), want)
 
 
 def test_runner_refuses_allgather_without_a_group(model_dir: Path):
     with pytest.raises(ValueError, match="dp_size = 2 with AllGather"):
-        build_runner("diffusion", model_dir, dlo={"enable_dlo": True, "dp_size": 2})
+        build_runner("diffusion", model_dir, dlo=DloOptions(enable_dlo=True, dp_size=2))
 
 
 def test_worker_processes_get_the_options_through_the_executor(model_dir: Path, capfd):
     """Real worker processes: the stage's DLO options reach the runner; same image either way."""
-    item = dataclasses.asdict(_batch()[0])
+    item = _batch()[0]
     images, mapped = [], []
-    for dlo in ({}, DloOptions(enable_dlo=True).to_dict()):
-        ex = Executor(1, "diffusion", str(model_dir), "cpu", 1, threads=1, step_execution=True, dlo=dlo)
+    for dlo in ({}, {"enable_dlo": True}):
+        settings = StageSettings(
+            stage_id=1, kind="diffusion", model_dir=str(model_dir), threads=1, step_execution=True, **dlo
+        )
+        ex = Executor(settings)
         try:
             ex.start(120)
             _, fut = ex.submit(0, [item])

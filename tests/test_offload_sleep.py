@@ -15,7 +15,9 @@ import torch
 
 from stage_service.models.runners import DiffusionRunner, WorkItem
 from stage_service.models.weights import DIT_PREFIX
+from stage_service.offload.config import DloOptions
 from stage_service.worker.sleep import SleepController
+from stagemesh.core.params import Params
 
 STAGED = {"enable_dlo": True}
 RESIDENT = {"enable_dlo": True, "dlo_use_allgather": False, "dlo_resident_layers": 1}
@@ -24,12 +26,12 @@ OPTIONS = {"staged": STAGED, "resident-1": RESIDENT, "packed": PACKED}
 
 
 def _runner(tiny_model: Path, name: str) -> DiffusionRunner:
-    return DiffusionRunner(tiny_model, "cpu", OPTIONS[name])
+    return DiffusionRunner(tiny_model, "cpu", DloOptions(**OPTIONS[name]))
 
 
 def _image(runner: DiffusionRunner, seed: int = 11) -> torch.Tensor:
     cond = torch.randn(6, runner.config.dit.cond_dim, generator=torch.Generator().manual_seed(3))
-    item = WorkItem("r", "p", 64, 48, 3, 4.0, seed, {"hidden_states": cond})
+    item = WorkItem("r", Params("p", 64, 48, 3, 4.0, seed, "tensor"), {"hidden_states": cond})
     return runner.run([item])[0]["image"]
 
 

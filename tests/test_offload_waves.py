@@ -16,11 +16,16 @@ from stage_service.engine.wave_rules import (
     run_wave,
     wave_timeout,
 )
+from stagemesh.core.params import Params
 
 
 def _req(rid: str, **kw) -> WaveRequest:
-    base = dict(prompt="a cat", width=256, height=256, num_inference_steps=8, guidance_scale=4.0)
-    return WaveRequest(rid, **{**base, **kw})
+    base = dict(prompt="a cat", width=256, height=256, num_inference_steps=8, guidance_scale=4.0, seed=1)
+    fields = {**base, **kw}
+    explicit = fields["num_inference_steps"] is not None  # None: left to the stage's default
+    if not explicit:
+        fields["num_inference_steps"] = base["num_inference_steps"]
+    return WaveRequest(rid, Params(output_format="png", **fields), explicit)
 
 
 def _answering(calls: list):

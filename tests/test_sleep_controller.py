@@ -16,6 +16,7 @@ from stage_service.models.contract import WeightFile
 from stage_service.models.runners import ArRunner, DiffusionRunner, WorkItem
 from stage_service.models.weights import DIT_FILE
 from stage_service.worker.sleep import SleepController
+from stagemesh.core.params import Params
 
 ALIGN = 64
 
@@ -67,11 +68,11 @@ def _expected_host_bytes(files: list[WeightFile]) -> int:
 
 
 def _ar_output(ar: ArRunner) -> torch.Tensor:
-    return ar.run([WorkItem("r", "a red fox in snow", 0, 0, 0, 0.0, 0)])[0]["hidden_states"]
+    return ar.run([WorkItem("r", Params("a red fox in snow", 0, 0, 0, 0.0, 0, "tensor"))])[0]["hidden_states"]
 
 
 def _image(diffusion: DiffusionRunner, cond: torch.Tensor, seed: int = 11) -> torch.Tensor:
-    item = WorkItem("r", "p", 64, 48, 3, 4.0, seed, {"hidden_states": cond})
+    item = WorkItem("r", Params("p", 64, 48, 3, 4.0, seed, "tensor"), {"hidden_states": cond})
     return diffusion.run([item])[0]["image"]
 
 

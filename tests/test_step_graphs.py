@@ -108,8 +108,8 @@ def test_graphs_only_where_they_apply_and_the_flag_reaches_the_worker(tiny_model
     off = StageSettings.from_args(parser.parse_args(["--kind", "diffusion", "--no-cuda-graphs"]))
     assert not off.cuda_graphs and StageSettings.from_args(parser.parse_args([])).cuda_graphs
     assert not StageSettings.from_args(parser.parse_args(off.to_flags())).cuda_graphs
-    executor = Executor(1, "diffusion", str(tiny_model), "cpu", 1, cuda_graphs=False)
-    assert [spec.cuda_graphs for spec in executor._specs] == [False]
+    executor = Executor(StageSettings(stage_id=1, kind="diffusion", model_dir=str(tiny_model), cuda_graphs=False))
+    assert [spec.cuda_graphs for g in executor.groups for spec in g.specs] == [False]
 
 
 def test_a_step_that_cannot_be_captured_runs_eagerly_from_then_on(dit_pair, monkeypatch):

@@ -7,7 +7,6 @@ here). The tests hold the difference to 1e-6 and the 8-bit image to ±1 level.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import multiprocessing as mp
 import threading
@@ -20,7 +19,9 @@ from PIL import Image
 
 from stage_service.executor.executor import Executor
 from stage_service.models.runners import WorkItem, build_runner
+from stage_service.offload.config import DloOptions
 from stage_service.settings import StageSettings
+from stagemesh.core.params import Params
 from stagemesh.core.procutil import free_port
 from stagemesh.v1 import gateway_pb2, generation_pb2
 from tests.meshproc import Mesh, segments_of, shm_entries, start_mesh, write_config
@@ -31,7 +32,7 @@ CASES = [(64, 48, 3, 1, "a lighthouse at dusk"), (128, 64, 2, 2, "a red fox")]
 
 def _items() -> list[WorkItem]:
     cond = torch.randn(6, 64, generator=torch.Generator().manual_seed(3))
-    return [WorkItem("r", "p", 64, 48, 3, 4.0, 11, {"hidden_states": cond})]
+    return [WorkItem("r", Params("p", 64, 48, 3, 4.0, 11, "tensor"), {"hidden_states": cond})]
 
 
 def _levels(images: torch.Tensor) -> torch.Tensor:
@@ -46,7 +47,7 @@ def _rank_main(rank: int, address: str, model: str, dlo: dict, out) -> None:
     torch.set_num_threads(1)
     group = join_group(address, rank, 2, "cpu", 60)
     runner = build_runner(
-        "diffusion", Path(model), "cpu", dlo={**dlo, "tensor_parallel_size": 2}, tp=TpGroup(2, rank, group)
+        "diffusion", Path(model), "cpu", dlo=DloOptions(**dlo, tensor_parallel_size=2), tp=TpGroup(2, rank, group)
     )
     image = runner.run(_items())[0]["image"]
     q = runner.dit.blocks[0].attn.q.weight
@@ -103,7 +104,7 @@ def test_the_tp_ranks_are_the_workers():
 
 def test_runner_outside_a_stage_needs_the_group(tiny_model):
     with pytest.raises(ValueError, match="process group of the stage's TP ranks"):
-        build_runner("diffusion", tiny_model, dlo={"tensor_parallel_size": 2})
+        build_runner("diffusion", tiny_model, dlo=DloOptions(tensor_parallel_size=2))
 
 
 # ---- runner ------------------------------------------------------------------------------
@@ -130,8 +131,7 @@ def test_tp2_equals_tp1_on_gloo_ranks(tiny_model, dlo):
 
 
 def _submit(ex: Executor) -> torch.Tensor:
-    item = dataclasses.asdict(_items()[0])
-    _, fut = ex.submit(0, [item])
+    _, fut = ex.submit(0, _items())
     return fut.result(120)[0]["image"]
 
 
@@ -139,22 +139,15 @@ def test_executor_runs_every_batch_on_all_tp_ranks(tiny_model):
     torch.set_num_threads(1)
     want = build_runner("diffusion", tiny_model).run(_items())[0]["image"]
     died = threading.Event()
-    ex = Executor(
-        1,
-        "diffusion",
-        str(tiny_model),
-        "cpu",
-        2,
-        threads=1,
-        step_execution=True,
-        dlo={"tensor_parallel_size": 2},
-        on_death=lambda rank, why: died.set(),
+    settings = StageSettings(
+        stage_id=1, kind="diffusion", model_dir=str(tiny_model), threads=1, step_execution=True, tensor_parallel_size=2
     )
+    ex = Executor(settings, on_death=lambda group, why: died.set())
     try:
         ex.start(120)
-        assert ex.engine_workers == 1
+        assert [g.ranks for g in ex.groups] == [[0, 1]]  # one group: the engine sees one worker
         assert (_submit(ex) - want).abs().max().item() <= TOLERANCE
-        assert ex.control(0, "ping").result(60)["rank"] == 0
+        assert ex.control(0, "ping").result(60)[0]["rank"] == 0
         with pytest.raises(Exception, match="sleep level 2 is not available"):
             ex.control(0, "sleep", level=2).result(60)
         # A follower's death takes the group down; the stage restarts all ranks.

@@ -14,18 +14,20 @@ from pathlib import Path
 
 import torch
 
+from stage_service.models.contract import RunnerBase, WorkItem
 from stage_service.transport import ipc, protocol
 from stage_service.transport.result_pipe import result_pipe
 from stage_service.worker import async_output
 from stage_service.worker.async_output import AsyncOutputThread
 from stage_service.worker.worker import Worker
+from stagemesh.core.params import Params
 
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 CTX = mp.get_context("spawn")
 WAIT_S = 10.0
 
 
-class StubRunner:
+class StubRunner(RunnerBase):
     """Each item becomes {"image": a tensor filled with its seed} of `numel` float32 values."""
 
     def __init__(self, numel: int = 6, fail_on_seed: int | None = None):
@@ -42,9 +44,9 @@ class StubRunner:
     def run(self, items, progress):
         out = []
         for i, item in enumerate(items):
-            if item.seed == self.fail_on_seed:
-                raise ValueError(f"seed {item.seed} is cursed")
-            out.append({"image": torch.full((self.numel,), float(item.seed)), "seed": item.seed})
+            if item.params.seed == self.fail_on_seed:
+                raise ValueError(f"seed {item.params.seed} is cursed")
+            out.append({"image": torch.full((self.numel,), float(item.params.seed)), "seed": item.params.seed})
             progress(i + 1, len(items))
         if self.log is not None:
             self.log.append(f"forward@{threading.current_thread().name}")
@@ -85,17 +87,8 @@ class ObservedOutputThread(AsyncOutputThread):
         return super().drain(timeout_s)
 
 
-def item(seed: int) -> dict:
-    return {
-        "request_id": f"req-{seed}",
-        "prompt": "p",
-        "width": 16,
-        "height": 16,
-        "num_inference_steps": 1,
-        "guidance_scale": 1.0,
-        "seed": seed,
-        "inputs": {},
-    }
+def item(seed: int) -> WorkItem:
+    return WorkItem(f"req-{seed}", Params("p", 16, 16, 1, 1.0, seed, "tensor"))
 
 
 class Harness:

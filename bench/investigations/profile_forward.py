@@ -19,6 +19,7 @@ from bench.common import print_table
 from stage_service.models.config import PipelineConfig
 from stage_service.models.runners import DiffusionRunner, WorkItem
 from stage_service.models.weights import ensure_model_dir
+from stagemesh.core.params import Params
 
 
 def main() -> None:
@@ -31,7 +32,7 @@ def main() -> None:
     rows = []
     for size, steps, guidance in [(256, 1, 1.0), (256, 8, 1.0), (256, 8, 4.0), (1024, 1, 1.0), (1024, 8, 4.0)]:
         cond = torch.randn(12, 64, generator=torch.Generator().manual_seed(0)).to(args.device)
-        items = [WorkItem("r", "p", size, size, steps, guidance, 1, {"hidden_states": cond})]
+        items = [WorkItem("r", Params("p", size, size, steps, guidance, 1, "tensor"), {"hidden_states": cond})]
         for _ in range(3):
             runner.run(items)
         sync()

@@ -25,6 +25,7 @@ from bench.common import print_table, write_json
 from stage_service.models.config import PipelineConfig
 from stage_service.models.runners import DiffusionRunner, WorkItem
 from stage_service.models.weights import ensure_model_dir
+from stagemesh.core.params import Params
 
 MiB = 1 << 20
 
@@ -32,7 +33,11 @@ MiB = 1 << 20
 def _items(size: int, batch: int, steps: int, seed: int) -> list[WorkItem]:
     g = torch.Generator().manual_seed(seed)
     return [
-        WorkItem(f"r{i}", "p", size, size, steps, 4.0, seed + i, {"hidden_states": torch.randn(12, 64, generator=g)})
+        WorkItem(
+            f"r{i}",
+            Params("p", size, size, steps, 4.0, seed + i, "tensor"),
+            {"hidden_states": torch.randn(12, 64, generator=g)},
+        )
         for i in range(batch)
     ]
 

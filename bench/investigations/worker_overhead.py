@@ -52,6 +52,7 @@ from stage_service.transport.result_pipe import result_pipe
 from stage_service.worker import async_output
 from stage_service.worker.async_output import AsyncOutputThread, copy_to_host
 from stage_service.worker.worker import Worker
+from stagemesh.core.params import Params
 
 BUSY_PROCESSES = 3  # the serving stack's busy threads outside the worker, roughly
 
@@ -124,7 +125,9 @@ def _items(batch: int, size: int, steps: int, device: str) -> list[WorkItem]:
     g = torch.Generator().manual_seed(0)
     return [
         WorkItem(
-            f"r{i}", "p", size, size, steps, 4.0, i, {"hidden_states": torch.randn(12, 64, generator=g).to(device)}
+            f"r{i}",
+            Params("p", size, size, steps, 4.0, i, "tensor"),
+            {"hidden_states": torch.randn(12, 64, generator=g).to(device)},
         )
         for i in range(batch)
     ]

@@ -1,5 +1,8 @@
-"""Admission, batching of compatible requests, dispatch to free workers, restart of dead ones.
-A stage whose ranks form a DLO AllGather group runs DP waves instead (waves_scheduler.py).
+"""Admission, dispatch to free worker groups, restart of dead ones.
+
+A worker group (executor/group.py) is the unit of dispatch: one process, the TP ranks of one
+model, or a DLO AllGather group that runs DP waves. A dispatcher forms what a group runs: a
+batch of compatible requests (BatchDispatcher below) or a wave (waves_scheduler.py).
 
 Runs on the service's event loop; all blocking work happens in the executor's processes or
 in threads.
@@ -9,22 +12,57 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import torch
 
-from stage_service.engine.request import Batch, OutputsEvent, ProgressEvent, StageRequest
+from stage_service.engine.request import Batch, Dispatcher, OutputsEvent, ProgressEvent, StageRequest
 from stage_service.engine.waves_scheduler import WaveScheduler
 from stage_service.executor.executor import Executor, ProgressFn
 from stage_service.executor.outputs import output_timeout
 from stagemesh.core import errors, logs
+from stagemesh.core.backoff import Backoff
 from stagemesh.core.params import Params
 
 log = logs.get_logger("stagemesh.engine")
 
-RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+RESTART_BACKOFF = Backoff((0.5, 1.0, 2.0, 5.0, 10.0))
 DISPATCH_DEPTH = 2
+
+
+class BatchDispatcher:
+    """Batches of compatible requests, up to DISPATCH_DEPTH per group, so the next batch already
+    waits in the worker's queue when a forward pass ends."""
+
+    depth = DISPATCH_DEPTH
+
+    def __init__(self, engine: Engine, kind: str, max_batch_size: int) -> None:
+        self._engine = engine
+        self._kind = kind
+        self._max_batch = max(1, max_batch_size)
+
+    def admit(self, req: StageRequest) -> None:
+        pass  # every validated request runs in some batch
+
+    def _compatible(self, a: Params, b: Params) -> bool:
+        # A denoising stage samples a batch as one: same size, steps and guidance.
+        return self._kind not in ("diffusion", "denoise") or a.batch_key() == b.batch_key()
+
+    def take(self, waiting: collections.deque[StageRequest]) -> list[StageRequest]:
+        head = waiting.popleft()
+        batch, rest = [head], []
+        while waiting:
+            r = waiting.popleft()
+            if len(batch) < self._max_batch and self._compatible(head.params, r.params):
+                batch.append(r)
+            else:
+                rest.append(r)
+        waiting.extend(rest)
+        return batch
+
+    async def run(self, group: int, requests: list[StageRequest]) -> None:
+        await self._engine.execute_batch(Batch(group, requests))
 
 
 class Engine:
@@ -32,21 +70,16 @@ class Engine:
         self,
         executor: Executor,
         kind: str,
-        workers: int,
         max_batch_size: int,
         max_queue: int,
         on_health: Callable[[bool], Any] | None = None,
     ):
         self._executor = executor
-        self._kind = kind
-        self._max_batch = max(1, max_batch_size)
         self._max_queue = max_queue
         self._waiting: collections.deque[StageRequest] = collections.deque()
-        # Batches handed to each worker and not yet COMPUTE_DONE. Up to DISPATCH_DEPTH per worker,
-        # so the next batch already waits in the worker's queue when a forward pass ends.
-        self._in_flight: dict[int, int] = {rank: 0 for rank in range(workers)}
-        self._dead_ranks: set[int] = set()
-        self._workers = workers
+        # Dispatches handed to each worker group and not yet answered (COMPUTE_DONE).
+        self._in_flight: dict[int, int] = {g.index: 0 for g in executor.groups}
+        self._dead_groups: set[int] = set()
         self._wake = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -57,9 +90,12 @@ class Engine:
         self._admitted = 0  # requests inside run(): waiting, running or delivering
         self._idle = asyncio.Event()
         self._idle.set()
-        self.on_worker_restarted: Callable[[int], Awaitable[None]] | None = None
-        # DLO AllGather with dp_size > 1: requests run in DP waves across all ranks.
-        self._waves = WaveScheduler(self, executor) if executor.wave_size > 1 else None
+        self.on_worker_restarted: Callable[[int], Awaitable[None]] | None = None  # with the group's index
+        self.dispatcher: Dispatcher = (
+            WaveScheduler(self, executor)
+            if any(g.waves for g in executor.groups)
+            else BatchDispatcher(self, kind, max_batch_size)
+        )
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -75,7 +111,7 @@ class Engine:
 
     @property
     def serving(self) -> bool:
-        return len(self._dead_ranks) < self._workers
+        return len(self._dead_groups) < len(self._in_flight)
 
     @property
     def queue_depth(self) -> int:
@@ -100,8 +136,7 @@ class Engine:
         if not self.serving:
             raise errors.Unavailable("no worker of this stage is running")
         req = StageRequest(request_id, params, inputs, explicit_steps=explicit_steps)
-        if self._waves is not None:
-            self._waves.admit(req)
+        self.dispatcher.admit(req)
         self._waiting.append(req)
         self._admitted += 1
         self._wake.set()
@@ -131,50 +166,28 @@ class Engine:
         self._closed_reason = None
         self._wake.set()
 
-    def live_ranks(self) -> list[int]:
-        return [r for r in self._in_flight if r not in self._dead_ranks]
+    def live_groups(self) -> list[int]:
+        return [g for g in self._in_flight if g not in self._dead_groups]
 
-    def restarting_ranks(self) -> list[int]:
-        return [r for r in self._in_flight if r in self._dead_ranks]
+    def restarting_groups(self) -> list[int]:
+        return [g for g in self._in_flight if g in self._dead_groups]
+
+    def live_ranks(self) -> list[int]:
+        """The output ranks of the groups that serve."""
+        return [r for g in self.live_groups() for r in self._executor.groups[g].output_ranks]
 
     # scheduling -------------------------------------------------------------------------------
-    def _compatible(self, a: Params, b: Params) -> bool:
-        # A denoising stage samples a batch as one: same size, steps and guidance.
-        return self._kind not in ("diffusion", "denoise") or a.batch_key() == b.batch_key()
-
-    def _take_batch(self) -> list[StageRequest]:
-        head = self._waiting.popleft()
-        batch, rest = [head], collections.deque()
-        while self._waiting:
-            r = self._waiting.popleft()
-            if len(batch) < self._max_batch and self._compatible(head.params, r.params):
-                batch.append(r)
-            else:
-                rest.append(r)
-        self._waiting = rest
-        return batch
-
     async def _schedule(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self._waves is not None:
-                while self._waiting and self._waves.ready():
-                    self._launch(self._waves.run(self._waves.next_wave(self._waiting)))
-                continue
-            while self._waiting and (rank := self._free_rank()) is not None:
-                self._in_flight[rank] += 1
-                self._dispatch(rank, self._take_batch())
+            while self._waiting and (group := self._free_group()) is not None:
+                self._in_flight[group] += 1
+                self._launch(self.dispatcher.run(group, self.dispatcher.take(self._waiting)))
 
-    def _free_rank(self) -> int | None:
-        ready = [r for r, n in self._in_flight.items() if n < DISPATCH_DEPTH and r not in self._dead_ranks]
-        return min(ready, key=self._in_flight.__getitem__) if ready else None
-
-    def _dispatch(self, rank: int, requests: list[StageRequest]) -> None:
-        batch = Batch(rank, requests)
-        for r in requests:
-            r.batch = batch
-        self._launch(self._execute_batch(batch))
+    def _free_group(self) -> int | None:
+        free = [g for g, n in self._in_flight.items() if n < self.dispatcher.depth and g not in self._dead_groups]
+        return min(free, key=self._in_flight.__getitem__) if free else None
 
     def _launch(self, work: Awaitable[None]) -> None:
         # Busy from here, not from when the task first runs: a close_admission() in between must
@@ -204,17 +217,19 @@ class Engine:
 
         return on_progress
 
-    async def _execute_batch(self, batch: Batch) -> None:
+    async def execute_batch(self, batch: Batch) -> None:
+        for r in batch.requests:
+            r.batch = batch
         on_progress = self.progress_listener(batch.requests)
-        batch.rpc_id, fut = self._executor.submit(batch.rank, [r.work_item() for r in batch.requests], on_progress)
+        batch.rpc_id, fut = self._executor.submit(batch.group, [r.work_item() for r in batch.requests], on_progress)
         try:
             done = await asyncio.wrap_future(fut)
         except Exception as exc:  # noqa: BLE001 - every request of the batch gets the error
             self._fan_out(batch.requests, exc)
             return
         finally:
-            # COMPUTE_DONE (or the synchronous result) frees the worker for the next batch at once.
-            self._release(batch.rank)
+            # COMPUTE_DONE (or the synchronous result) frees the group for the next batch at once.
+            self.release(batch.group)
         await self.collect(batch.requests, done)
 
     async def collect(self, requests: list[StageRequest], done: Any) -> None:
@@ -246,8 +261,8 @@ class Engine:
         else:
             self.deliver(req, OutputsEvent(outputs))
 
-    def _release(self, rank: int) -> None:
-        self._in_flight[rank] = max(0, self._in_flight[rank] - 1)
+    def release(self, group: int) -> None:
+        self._in_flight[group] = max(0, self._in_flight[group] - 1)
         self._wake.set()
 
     def wake(self) -> None:
@@ -273,51 +288,43 @@ class Engine:
         batch = req.batch
         if batch is not None and all(r.done for r in batch.requests):
             # Nobody waits for this batch any more: stop the worker between steps.
-            self._executor.cancel(batch.rank, batch.rpc_id)
+            self._executor.cancel(batch.group, batch.rpc_id)
 
-    # worker death -----------------------------------------------------------------------------
-    def worker_died(self, rank: int, reason: str) -> None:
+    # group death and restart ------------------------------------------------------------------
+    def worker_died(self, group: int, reason: str) -> None:
         """Called from the executor's pump thread."""
-        self._loop.call_soon_threadsafe(self._begin_restart, rank, reason)
+        self._loop.call_soon_threadsafe(self.restart_group, group, reason)
 
-    def _begin_restart(self, rank: int, reason: str) -> None:
-        if self._waves is not None:
-            self._waves.rank_died(rank, reason)  # the whole DP group restarts
+    def restart_group(self, group: int, reason: str) -> None:
+        """Take a group out of dispatch and restart all its processes (once, however many ask)."""
+        if group in self._dead_groups:
             return
-        self.ranks_down([rank])
-        self.spawn(self._restart(rank))
-
-    def restart_dp_group(self, reason: str) -> bool:
-        """Restart every rank of a DLO AllGather group; False when the stage has none."""
-        if self._waves is None:
-            return False
-        self._waves.recover(reason)
-        return True
-
-    def ranks_down(self, ranks: Iterable[int]) -> None:
-        self._dead_ranks.update(ranks)
+        log.error("worker group down; restarting it", group=group, reason=reason)
+        self._dead_groups.add(group)
         if not self.serving and self._on_health is not None:
             self._on_health(False)
+        self.spawn(self._restart(group))
 
-    async def ranks_up(self, ranks: Iterable[int]) -> None:
-        """Restarted ranks serve again (and sleep again if the stage sleeps)."""
-        self._dead_ranks.difference_update(ranks)
-        self._wake.set()
-        for rank in ranks:
-            if self.on_worker_restarted is not None:
-                await self.on_worker_restarted(rank)
-        if self._on_health is not None:
-            self._on_health(True)
-
-    async def _restart(self, rank: int) -> None:
-        for attempt, delay in enumerate(RESTART_BACKOFF_S, start=1):
+    async def _restart(self, group: int) -> None:
+        for attempt, delay in RESTART_BACKOFF.schedule():
             try:
-                await asyncio.to_thread(self._executor.restart, rank)
-            except errors.StagemeshError as exc:
-                log.error("worker restart failed", rank=rank, attempt=attempt, error=str(exc))
+                await asyncio.to_thread(self._executor.restart, group)
+            except Exception as exc:  # noqa: BLE001 - retried with backoff, never left half-done
+                log.error("worker restart failed", group=group, attempt=attempt, error=str(exc))
                 await asyncio.sleep(delay)
                 continue
-            log.info("worker restarted", rank=rank, attempt=attempt)
-            await self.ranks_up([rank])
+            log.info("worker restarted", group=group, attempt=attempt)
+            await self._group_up(group)
             return
-        log.error("worker stays down after repeated restart failures", rank=rank)
+        log.error("worker group stays down after repeated restart failures", group=group)
+        if not self.serving:
+            self.fail_waiting(errors.Unavailable(f"{self._executor.stage_name}: no worker could be restarted"))
+
+    async def _group_up(self, group: int) -> None:
+        """A restarted group serves again (and sleeps again if the stage sleeps)."""
+        self._dead_groups.discard(group)
+        self._wake.set()
+        if self.on_worker_restarted is not None:
+            await self.on_worker_restarted(group)
+        if self._on_health is not None:
+            self._on_health(True)

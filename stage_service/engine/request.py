@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 import torch
 
+from stage_service.models.contract import WorkItem
 from stagemesh.core.params import Params
 
 
@@ -37,22 +39,25 @@ class StageRequest:
     # Unique inside the engine (client request ids may repeat): names this request's share of a batch output.
     key: str = field(default_factory=lambda: uuid.uuid4().hex)
 
-    def work_item(self) -> dict[str, Any]:
-        p = self.params
-        return dict(
-            request_id=self.request_id,
-            prompt=p.prompt,
-            width=p.width,
-            height=p.height,
-            num_inference_steps=p.num_inference_steps,
-            guidance_scale=p.guidance_scale,
-            seed=p.seed,
-            inputs=self.inputs,
-        )
+    def work_item(self) -> WorkItem:
+        return WorkItem(self.request_id, self.params, self.inputs)
 
 
 @dataclass(eq=False)
 class Batch:
-    rank: int
+    group: int  # the executor's worker group it runs on
     requests: list[StageRequest]
     rpc_id: str = ""
+
+
+class Dispatcher(Protocol):
+    """How the engine hands admitted requests to a free worker group: batches of compatible
+    requests, or DP waves (waves_scheduler.py)."""
+
+    depth: int  # dispatches a group may hold at once
+
+    def admit(self, req: StageRequest) -> None: ...  # raise for a request no dispatch can run
+
+    def take(self, waiting: collections.deque[StageRequest]) -> list[StageRequest]: ...  # in place
+
+    async def run(self, group: int, requests: list[StageRequest]) -> None: ...  # releases the group

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stagemesh.core import envconfig, logs
+from stagemesh.core.params import BATCH_KEY_FIELDS, Params
 
 log = logs.get_logger("stagemesh.offload.waves")
 
@@ -39,11 +40,9 @@ class WaveFailed(RuntimeError):
 @dataclass(frozen=True)
 class WaveRequest:
     request_id: str
-    prompt: str
-    width: int
-    height: int
-    num_inference_steps: int | None
-    guidance_scale: float
+    params: Params
+    # False when the caller left num_inference_steps to the stage's default (a wave refuses it).
+    explicit_steps: bool = True
 
 
 def wave_timeout() -> float:
@@ -58,9 +57,9 @@ def check_wave(requests: Sequence[WaveRequest], dp_size: int) -> None:
     if not 1 <= len(requests) <= dp_size:
         raise WaveRejected("requests", f"a wave holds 1 to {dp_size} requests, got {len(requests)}")
     for r in requests:
-        if not r.prompt.strip():
+        if not r.params.prompt.strip():
             raise WaveRejected("prompt", f"{r.request_id}: a DP wave needs a non-empty prompt")
-        if r.num_inference_steps is None:
+        if not r.explicit_steps:
             raise WaveRejected(
                 "num_inference_steps",
                 f"{r.request_id}: num_inference_steps must be explicit in a DP "
@@ -68,12 +67,11 @@ def check_wave(requests: Sequence[WaveRequest], dp_size: int) -> None:
             )
     head = requests[0]
     for r in requests[1:]:
-        for field in ("num_inference_steps", "width", "height", "guidance_scale"):
-            if getattr(r, field) != getattr(head, field):
+        for field, mine, shared in zip(BATCH_KEY_FIELDS, r.params.batch_key(), head.params.batch_key()):
+            if mine != shared:
                 raise WaveRejected(
                     field,
-                    f"{r.request_id}: {field} {getattr(r, field)!r} differs "
-                    f"from {getattr(head, field)!r} of {head.request_id} "
+                    f"{r.request_id}: {field} {mine!r} differs from {shared!r} of {head.request_id} "
                     "in the same DP wave",
                 )
 

@@ -1,4 +1,4 @@
-"""Worker processes, their queues, one result pump per worker, and futures per RPC."""
+"""Worker processes in groups (group.py), their queues, one result pump per worker, and futures per RPC."""
 
 from __future__ import annotations
 
@@ -9,16 +9,24 @@ import os
 import queue
 import threading
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from stage_service.executor import worker_startup
+from stage_service.executor.group import (
+    GroupCall,
+    ProgressFn,
+    StageOptions,
+    WorkerGroup,
+    _Pending,
+    _Worker,
+    build_groups,
+    first_answer,
+)
 from stage_service.executor.outputs import OutputRegistry, resolve_future
-from stage_service.offload.config import DloOptions
+from stage_service.models.contract import WorkItem
 from stage_service.transport import ipc, protocol
 from stagemesh.core import errors, logs
-from stagemesh.core.procutil import free_port
 
 log = logs.get_logger("stagemesh.executor")
 
@@ -26,123 +34,46 @@ PUMP_POLL_S = 0.1
 READY_TIMEOUT_S = 600.0
 JOIN_TIMEOUT_S = 10.0
 
-ProgressFn = Callable[[int, int], None]
-DeathFn = Callable[[int, str], None]
-
-
-@dataclass
-class _Pending:
-    future: cf.Future
-    on_progress: ProgressFn | None
-
-
-@dataclass
-class _Worker:
-    spec: protocol.WorkerSpec
-    process: mp.Process
-    requests: Any
-    results: Any
-    pending: dict[str, _Pending] = field(default_factory=dict)
-    pump: threading.Thread | None = None
-    ready: protocol.Ready | None = None
-    stats: protocol.WorkerStats | None = None  # from the worker's latest reply
-    stopping: bool = False
+DeathFn = Callable[[int, str], None]  # (group index, reason)
 
 
 class Executor:
-    def __init__(
-        self,
-        stage_id: int,
-        kind: str,
-        model_dir: str,
-        device: str,
-        workers: int,
-        threads: int = 0,
-        on_death: DeathFn | None = None,
-        step_execution: bool = False,
-        dlo: dict | None = None,
-        cuda_graphs: bool = True,
-    ):
-        self.stage_name = f"stage {stage_id} ({kind})"
-        self.step_execution = step_execution
-        opts = DloOptions.from_mapping(dlo)
-        # DLO AllGather: the ranks form one process group and take requests in DP waves.
-        self.wave_size = opts.dp_size if kind == "diffusion" and opts.forms_dp_group else 1
-        if self.wave_size > 1 and workers != self.wave_size:
-            raise ValueError(
-                f"{self.stage_name}: dp_size = {self.wave_size} with DLO AllGather "
-                f"runs {self.wave_size} worker processes, got workers = {workers}"
-            )
-        # Tensor parallelism: the processes are the TP ranks of one model. The engine sees one
-        # worker (rank 0); every batch and control call goes to all ranks, rank 0 answers.
-        self.tp_size = opts.tensor_parallel_size
-        if self.tp_size > 1 and (kind != "diffusion" or workers != self.tp_size or self.wave_size > 1):
-            raise ValueError(
-                f"{self.stage_name}: tensor_parallel_size = {self.tp_size} needs a "
-                f"diffusion stage with {self.tp_size} worker processes and no DP "
-                f"group (got kind {kind!r}, workers = {workers})"
-            )
-        self.engine_workers = 1 if self.tp_size > 1 else workers
-        self._specs = [
-            protocol.WorkerSpec(
-                rank,
-                stage_id,
-                kind,
-                str(model_dir),
-                device,
-                os.getpid(),
-                threads,
-                step_execution,
-                cuda_graphs=cuda_graphs,
-                dlo=dict(dlo or {}),
-            )
-            for rank in range(workers)
-        ]
+    def __init__(self, settings: StageOptions, on_death: DeathFn | None = None):
+        self.stage_name = f"stage {settings.stage_id} ({settings.kind})"
+        self.groups: list[WorkerGroup] = build_groups(settings, os.getpid())
         self.outputs = OutputRegistry(self.stage_name)
         self._ctx = mp.get_context("spawn")
-        self._workers: dict[int, _Worker] = {}
         self._lock = threading.Lock()
         self._on_death = on_death
         self._closed = False
         self.offload_bytes_streamed = 0  # every worker's DLO host -> device bytes, restarts included
         self.compute_seconds = 0.0  # device time of every forward pass whose outputs came back
 
+    @property
+    def _workers(self) -> dict[int, _Worker]:
+        """Every running process by rank."""
+        return {w.spec.rank: w for g in self.groups for w in g.workers}
+
     # life cycle -----------------------------------------------------------------------------
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> list[protocol.Ready]:
-        """Start every worker and wait until each has loaded its model (blocking)."""
+        """Start every group and wait until each rank has loaded its model (blocking)."""
         swept = ipc.sweep_orphans()
         if swept:
             log.warning("removed shared-memory segments of dead executors", count=swept)
-        return self._start_all(timeout_s)
+        return self._start(self.groups, timeout_s)
 
-    def restart(self, rank: int, timeout_s: float = READY_TIMEOUT_S) -> protocol.Ready:
-        if self.wave_size > 1 or self.tp_size > 1:
-            return self.restart_group(timeout_s)[rank]
-        old = self._workers.get(rank)
-        if old is not None:
-            self._stop_worker(old, graceful=False, reason="restarted")
-            # If the pump had not noticed a death yet (or the worker was alive), _worker_died never
-            # ran: what the old worker still owed must fail now, and its segments must go.
-            self.outputs.fail_rank(rank, errors.Unavailable(f"{self.stage_name} worker {rank} was restarted"))
-            ipc.sweep(os.getpid(), rank)
-        self._spawn(self._specs[rank])
-        return self._await_ready(rank, timeout_s)
-
-    def restart_group(self, timeout_s: float = READY_TIMEOUT_S) -> list[protocol.Ready]:
-        """Stop every rank and start them as a new process group: a group with a dead or hung
-        member cannot be repaired one rank at a time (its collectives would never complete)."""
-        self._stop_all("restarted with its DP group")
-        return self._start_all(timeout_s)
-
-    def is_alive(self, rank: int) -> bool:
-        w = self._workers.get(rank)
-        return w is not None and not w.stopping and w.process.is_alive()
+    def restart(self, group: int, timeout_s: float = READY_TIMEOUT_S) -> list[protocol.Ready]:
+        """Stop every process of a group (what they still owed fails now, their segments go) and
+        start them again as a new group."""
+        self._stop_group(self.groups[group], "restarted")
+        return self._start([self.groups[group]], timeout_s)
 
     def shutdown(self) -> None:
         self._closed = True
-        for w in list(self._workers.values()):
-            self._stop_worker(w, graceful=True)
-        self._workers.clear()
+        for g in self.groups:
+            for w in g.workers:
+                self._stop_worker(w, graceful=True)
+            g.workers = []
         self.outputs.fail_all(errors.Unavailable(f"{self.stage_name}: executor shut down"))
         ipc.sweep(os.getpid())
 
@@ -157,124 +88,115 @@ class Executor:
             if w.ready is not None
         )
 
-    # requests -------------------------------------------------------------------------------
-    def submit(
-        self, rank: int, items: list[dict[str, Any]], on_progress: ProgressFn | None = None
-    ) -> tuple[str, cf.Future]:
+    # calls ------------------------------------------------------------------------------------
+    def submit(self, group: int, items: list[WorkItem], on_progress: ProgressFn | None = None) -> tuple[str, cf.Future]:
+        """Run one batch on every process of the group; resolves with the output rank's answer."""
+        g = self.groups[group]
         rpc_id = uuid.uuid4().hex
-        fut: cf.Future = cf.Future()
-        w = self._workers.get(rank)
-        if w is None or not w.process.is_alive() or self._closed:
-            resolve_future(fut, exc=errors.Unavailable(f"{self.stage_name} worker {rank} is not running"))
-            return rpc_id, fut
-        with self._lock:
-            w.pending[rpc_id] = _Pending(fut, on_progress)
-        for target in self._group_of(w):
-            # Packed per rank: each reader unlinks the shared-memory segments it unpacks.
-            packed = [{**item, "inputs": ipc.pack(item["inputs"])} for item in items]
-            target.requests.put(protocol.Execute(rpc_id, packed))
-        return rpc_id, fut
+        call = self._call(g, rpc_id, [items] * g.size, [on_progress] * g.size, execute=True)
+        return rpc_id, first_answer(call)
 
-    def _group_of(self, w: _Worker) -> list[_Worker]:
-        """The processes a call to `w` reaches: all TP ranks (rank 0 first), else `w` alone."""
-        if self.tp_size == 1:
-            return [w]
-        return [self._workers[r] for r in sorted(self._workers)]
+    def submit_wave(
+        self, group: int, batches: Sequence[list[WorkItem]], listeners: Sequence[ProgressFn | None]
+    ) -> list[cf.Future]:
+        """A DP wave: batch i (and its progress listener) to rank i; one future per rank."""
+        g = self.groups[group]
+        return self._call(g, uuid.uuid4().hex, batches, listeners, execute=True).parts
 
-    def control(self, rank: int, op: str, **args: Any) -> cf.Future:
-        """Send a control call to one worker; the future resolves with its Ack's result."""
-        rpc_id = uuid.uuid4().hex
-        fut: cf.Future = cf.Future()
-        w = self._workers.get(rank)
-        if w is None or not w.process.is_alive() or self._closed:
-            resolve_future(fut, exc=errors.Unavailable(f"{self.stage_name} worker {rank} is not running"))
-            return fut
-        if self.tp_size > 1:
-            return self._control_all(op, args)
-        with self._lock:
-            w.pending[rpc_id] = _Pending(fut, None)
-        w.requests.put(protocol.Control(rpc_id, op, args))
-        return fut
+    def control(self, group: int, op: str, **args: Any) -> cf.Future:
+        """A control call to every process of a group; resolves with {output rank: its Ack's result}."""
+        return self._control(group, op, args).future
 
-    def _control_all(self, op: str, args: dict[str, Any]) -> cf.Future:
-        """A control call to every TP rank; resolves with rank 0's result once all answered,
-        or with the first error."""
-        combined: cf.Future = cf.Future()
-        parts: list[cf.Future] = []
-        for w in self._group_of(self._workers[0]):
-            fut: cf.Future = cf.Future()
-            rpc_id = uuid.uuid4().hex
-            with self._lock:
-                w.pending[rpc_id] = _Pending(fut, None)
-            w.requests.put(protocol.Control(rpc_id, op, args))
-            parts.append(fut)
+    def control_each(self, group: int, op: str, **args: Any) -> dict[int, cf.Future]:
+        """A control call to every process of a group; output rank -> its Ack's result."""
+        return self._control(group, op, args).by_output_rank()
 
-        def settle(_: cf.Future) -> None:
-            if not all(p.done() for p in parts):
-                return
-            failed = next((p.exception() for p in parts if p.exception() is not None), None)
-            resolve_future(combined, result=None if failed else parts[0].result(), exc=failed)
+    def _control(self, group: int, op: str, args: dict[str, Any]) -> GroupCall:
+        g = self.groups[group]
+        return self._call(g, uuid.uuid4().hex, [op] * g.size, [None] * g.size, execute=False, args=args)
 
-        for p in parts:
-            p.add_done_callback(settle)
-        return combined
-
-    def cancel(self, rank: int, rpc_id: str) -> None:
-        if self.tp_size > 1:
-            # A TP rank that stopped between steps would leave the others in a collective:
-            # the batch runs to its end and its output is dropped.
+    def cancel(self, group: int, rpc_id: str) -> None:
+        g = self.groups[group]
+        if g.size > 1 or g.down_rank() is not None:
+            # A rank that stopped between steps would leave the others in a collective: the
+            # batch runs to its end and its output is dropped.
             return
-        w = self._workers.get(rank)
-        if w is not None and w.process.is_alive():
-            w.requests.put(protocol.Cancel(rpc_id))
+        g.workers[0].requests.put(protocol.Cancel(rpc_id))
+
+    def _call(
+        self,
+        g: WorkerGroup,
+        rpc_id: str,
+        payloads: Sequence[Any],
+        listeners: Sequence[ProgressFn | None],
+        execute: bool,
+        args: dict[str, Any] | None = None,
+    ) -> GroupCall:
+        """The one primitive: a message to each process of `g`. Every process answers a control
+        call; only output ranks answer a batch (the others run it with them and stay silent)."""
+        down = g.specs[0].rank if self._closed else g.down_rank()
+        if down is not None:
+            exc = errors.Unavailable(f"{self.stage_name} worker {down} is not running")
+            failed: list[cf.Future] = [cf.Future() for _ in g.output_ranks]
+            for fut in failed:
+                resolve_future(fut, exc=exc)
+            return GroupCall(failed, g.output_ranks, g.output_ranks)
+        answering = [w for w in g.workers if not execute or w.spec.output_rank]
+        parts: list[cf.Future] = [cf.Future() for _ in answering]
+        call = GroupCall(parts, [w.spec.rank for w in answering], g.output_ranks)
+        with self._lock:
+            for w, fut in zip(answering, parts):
+                w.pending[rpc_id] = _Pending(fut, listeners[g.workers.index(w)])
+        for w, payload in zip(g.workers, payloads):
+            if execute:
+                # Packed per rank: each reader unlinks the shared-memory segments it unpacks.
+                packed = [dataclasses.replace(item, inputs=ipc.pack(item.inputs)) for item in payload]
+                w.requests.put(protocol.Execute(rpc_id, packed))
+            else:
+                w.requests.put(protocol.Control(rpc_id, payload, args or {}))
+        return call
 
     # internals ------------------------------------------------------------------------------
-    def _start_all(self, timeout_s: float) -> list[protocol.Ready]:
+    def _start(self, groups: list[WorkerGroup], timeout_s: float) -> list[protocol.Ready]:
         if self._closed:
             raise errors.Unavailable(f"{self.stage_name}: executor shut down")
-        specs = self._specs
-        if self.wave_size > 1 or self.tp_size > 1:
-            # A fresh rendezvous for every start: the old group's port may still be held.
-            group = protocol.DpGroup(f"tcp://127.0.0.1:{free_port()}", len(specs), timeout_s)
-            key = "dp_group" if self.wave_size > 1 else "tp_group"
-            specs = [dataclasses.replace(spec, **{key: group}) for spec in specs]
-        for spec in specs:
-            self._spawn(spec)
+        for g in groups:
+            g.workers = [self._spawn(spec, g.index) for spec in g.fresh_specs(timeout_s)]
         try:
-            return self._await_all_ready(sorted(self._workers), timeout_s)
+            return self._await_all_ready([w for g in groups for w in g.workers], timeout_s)
         except errors.Unavailable:
-            if self.wave_size > 1 or self.tp_size > 1:
+            for g in groups:
                 # The others wait in the group for the rank that failed: they never get ready.
-                self._stop_all("its DP group failed to form")
+                self._stop_group(g, "its group failed to start")
             raise
 
-    def _stop_all(self, reason: str) -> None:
-        workers = list(self._workers.values())
-        for w in workers:
+    def _stop_group(self, g: WorkerGroup, reason: str) -> None:
+        for w in g.workers:
             w.stopping = True  # before any kill: a peer's death is no news while we stop them all
-        for w in workers:
+        for w in g.workers:
             self._stop_worker(w, graceful=False, reason=reason)
-            self.outputs.fail_rank(w.spec.rank, errors.Unavailable(f"{self.stage_name} worker {w.spec.rank}: {reason}"))
-            ipc.sweep(os.getpid(), w.spec.rank)
+        for rank in g.ranks:
+            # What the old processes still owed fails now (a death the pump had not noticed yet
+            # never reached _worker_died), and their segments go.
+            self.outputs.fail_rank(rank, errors.Unavailable(f"{self.stage_name} worker {rank}: {reason}"))
+            ipc.sweep(os.getpid(), rank)
+        g.workers = []
 
-    def _spawn(self, spec: protocol.WorkerSpec) -> None:
+    def _spawn(self, spec: protocol.WorkerSpec, group: int) -> _Worker:
         process, requests, results = worker_startup.spawn(self._ctx, spec)
-        self._workers[spec.rank] = _Worker(spec, process, requests, results)
         log.info("worker started", rank=spec.rank, pid=process.pid)
+        return _Worker(spec, process, requests, results, group=group)
 
-    def _await_ready(self, rank: int, timeout_s: float) -> protocol.Ready:
-        return self._await_all_ready([rank], timeout_s)[0]
-
-    def _await_all_ready(self, ranks: list[int], timeout_s: float) -> list[protocol.Ready]:
-        workers = {rank: self._workers[rank] for rank in ranks}
-        for rank, ready in worker_startup.wait_ready(self.stage_name, workers, timeout_s):
-            w = workers[rank]
+    def _await_all_ready(self, workers: list[_Worker], timeout_s: float) -> list[protocol.Ready]:
+        by_rank = {w.spec.rank: w for w in workers}
+        for rank, ready in worker_startup.wait_ready(self.stage_name, by_rank, timeout_s):
+            w = by_rank[rank]
             w.ready = ready
             # From here on the pump is the only reader of the worker's result queue.
             w.pump = threading.Thread(target=self._pump, args=(w,), name=f"result-pump-{rank}", daemon=True)
             w.pump.start()
             log.info("worker ready", rank=rank, device=ready.device)
-        return [w.ready for w in workers.values()]
+        return [w.ready for w in workers if w.ready is not None]
 
     def _pump(self, w: _Worker) -> None:
         """The only reader of a worker's result queue."""
@@ -374,29 +296,21 @@ class Executor:
         self.outputs.deliver(msg.async_output_id, result)
 
     def _worker_died(self, w: _Worker) -> None:
+        """One dead process takes its group down: everything the group owed fails now, and the
+        stage is told so it restarts the group as a whole."""
         if self._closed or w.stopping:
             return
+        group = self.groups[w.group]
         reason = f"{self.stage_name} worker {w.spec.rank} died (exit code {w.process.exitcode})"
         log.error("worker died", rank=w.spec.rank, exitcode=w.process.exitcode)
-        if self.tp_size > 1:
-            self._tp_rank_died(reason)
-            return
-        self._fail_pending(w, errors.Unavailable(reason))
-        self.outputs.fail_rank(w.spec.rank, errors.Unavailable(reason))
+        for peer in group.workers:
+            peer.stopping = True  # the peers' deaths during the restart are no news
+        for peer in group.workers:
+            self._fail_pending(peer, errors.Unavailable(reason))
+            self.outputs.fail_rank(peer.spec.rank, errors.Unavailable(reason))
         ipc.sweep(os.getpid(), w.spec.rank)
         if self._on_death is not None:
-            self._on_death(w.spec.rank, reason)
-
-    def _tp_rank_died(self, reason: str) -> None:
-        """One dead TP rank takes the group down: the engine restarts it as a whole (rank 0)."""
-        group = list(self._workers.values())
-        for w in group:
-            w.stopping = True  # the peers' deaths during the restart are no news
-        for w in group:
-            self._fail_pending(w, errors.Unavailable(reason))
-        self.outputs.fail_rank(0, errors.Unavailable(reason))
-        if self._on_death is not None:
-            self._on_death(0, reason)
+            self._on_death(group.index, reason)
 
     def _fail_pending(self, w: _Worker, exc: BaseException) -> None:
         with self._lock:

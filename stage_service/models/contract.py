@@ -2,7 +2,7 @@
 
 A runner turns a batch of `WorkItem`s into one output dict per item. The worker calls only what
 `Runner` declares; a runner without an offload engine reports zero streamed bytes and no DLO
-stats rather than lacking the attribute.
+stats rather than lacking the attribute (`RunnerBase` gives those answers).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from stagemesh.core.params import Params
+
 # progress(step, total); may raise to abort the batch between steps.
 Progress = Callable[[int, int], None]
 
@@ -22,22 +24,16 @@ Progress = Callable[[int, int], None]
 @dataclass
 class WorkItem:
     request_id: str
-    prompt: str
-    width: int
-    height: int
-    num_inference_steps: int
-    guidance_scale: float
-    seed: int
+    params: Params
     # diffusion: {"hidden_states": Tensor[L, cond_dim]} from the AR stage
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def check_batch(batch: list[WorkItem]) -> None:
     """A batch is sampled as one: every item must share size, steps and guidance."""
-    head = batch[0]
-    shared = (head.width, head.height, head.num_inference_steps, head.guidance_scale)
+    shared = batch[0].params.batch_key()
     for item in batch[1:]:
-        mine = (item.width, item.height, item.num_inference_steps, item.guidance_scale)
+        mine = item.params.batch_key()
         if mine != shared:
             raise ValueError(
                 f"{item.request_id}: (width, height, steps, guidance) {mine} differs from the batch's {shared}"
@@ -77,3 +73,31 @@ class Runner(Protocol):
     def weight_files(self) -> list[WeightFile]: ...
 
     def device_holders(self) -> list[DeviceHolder]: ...
+
+    def offload_bytes(self) -> int: ...  # copied host -> device by the DLO engine since load; 0 without DLO
+
+    def dlo_stats(self) -> dict[str, Any] | None: ...  # {"world", "host_mode", "host_bytes"}; None without DLO
+
+    def sleep_refusal(self, level: int) -> str | None: ...  # why it cannot sleep at `level`; None: it can
+
+
+class RunnerBase:
+    """What a runner without extra device memory, DLO or TP answers; a runner with a DLO engine
+    sets `offload`."""
+
+    offload: Any = None  # offload.engine.LayerwiseOffload when enable_dlo is set
+
+    def device_holders(self) -> list[DeviceHolder]:
+        return []
+
+    def offload_bytes(self) -> int:
+        return self.offload.h2d_bytes if self.offload is not None else 0
+
+    def dlo_stats(self) -> dict[str, Any] | None:
+        if self.offload is None:
+            return None
+        stats = self.offload.stats()
+        return {"world": stats.world, "host_mode": stats.host_mode, "host_bytes": stats.host_bytes}
+
+    def sleep_refusal(self, level: int) -> str | None:
+        return None

@@ -54,8 +54,7 @@ def load_offloaded_dit(
             "the stage's DP ranks: pass group=, or use dp_size = 1 or "
             "--dlo-no-use-allgather"
         )
-    if opts.allgather_active and group_shape(group)[0] != opts.dp_size:
-        raise ValueError(f"dp_size = {opts.dp_size} but the process group has {group_shape(group)[0]} ranks")
+    assert not opts.allgather_active or group_shape(group)[0] == opts.dp_size, "the group is the stage's DP ranks"
     cached = None  # the runtime-cache entry the weights map, kept open while they are used
     if opts.dlo_enable_runtime_cache:
         from stage_service.models.runtime_weights import load_through_cache

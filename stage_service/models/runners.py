@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from stage_service import platform
-from stage_service.models.contract import Progress, WeightFile, WorkItem, check_batch
+from stage_service.models.contract import Progress, Runner, RunnerBase, WeightFile, WorkItem, check_batch
 from stage_service.models.dit import sample
 from stage_service.models.dit_offload import load_offloaded_dit
 from stage_service.models.step_graphs import StepGraphs
@@ -22,7 +22,7 @@ def _output(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
-class ArRunner:
+class ArRunner(RunnerBase):
     """Stage 0: prompt -> LM hidden states (prompt tokens + greedily decoded tokens)."""
 
     kind = "ar"
@@ -37,16 +37,12 @@ class ArRunner:
         """Where each weight comes from: what sleep level 2 reloads on wake."""
         return [WeightFile(self.model_dir / LM_FILE, {"": self.lm})]
 
-    def device_holders(self) -> list:
-        """Device memory beyond the weight files that sleeps with them: none here."""
-        return []
-
     def run(self, batch: list[WorkItem], progress: Progress | None = None) -> list[dict[str, torch.Tensor]]:
         """One output per item, in order. `progress(k, len(batch))` follows each item and may
         raise to abort the rest of the batch."""
         outputs = []
         for i, item in enumerate(batch):
-            outputs.append({"hidden_states": _output(self.lm.encode_prompt(item.prompt))})
+            outputs.append({"hidden_states": _output(self.lm.encode_prompt(item.params.prompt))})
             if progress is not None:
                 progress(i + 1, len(batch))
         return outputs
@@ -61,7 +57,7 @@ class ArRunner:
         }
 
 
-class DiffusionRunner:
+class DiffusionRunner(RunnerBase):
     """Stage 1: LM hidden states -> images [H, W, 3] float32 in [0, 1]."""
 
     kind = "diffusion"
@@ -70,7 +66,7 @@ class DiffusionRunner:
         self,
         model_dir: Path,
         device: str = "cpu",
-        dlo: dict | None = None,
+        dlo: DloOptions | None = None,
         group=None,
         tp: TpGroup | None = None,
         cuda_graphs: bool = True,
@@ -78,9 +74,8 @@ class DiffusionRunner:
         self.model_dir = Path(model_dir)
         self.device = device
         self.config = read_config(self.model_dir)
-        self.offload = None  # the DLO engine when enable_dlo is set
         self.runtime_cache = None  # the runtime-cache result when dlo_enable_runtime_cache is set
-        opts = DloOptions.from_mapping(dlo)
+        opts = dlo or DloOptions()
         self.tp = _tp_coordinate(opts, tp)
         if opts.enable_dlo:
             self.dit, self.decoder, self.offload, self.runtime_cache = load_offloaded_dit(
@@ -108,6 +103,12 @@ class DiffusionRunner:
         step graphs (which point at the weights) are dropped by sleep."""
         return [h for h in (self.offload, self.graphs) if h is not None]
 
+    def sleep_refusal(self, level: int) -> str | None:
+        if level == 2 and self.tp is not None:
+            # Wake from level 2 reloads whole checkpoint tensors; a TP rank holds shards.
+            return "sleep level 2 is not available with tensor_parallel_size > 1; use level 1"
+        return None
+
     def _cond(self, item: WorkItem) -> torch.Tensor:
         cond = item.inputs.get("hidden_states")
         d = self.config.dit.cond_dim
@@ -131,11 +132,11 @@ class DiffusionRunner:
             self.dit,
             self.decoder,
             [self._cond(i) for i in batch],
-            width=head.width,
-            height=head.height,
-            num_inference_steps=head.num_inference_steps,
-            guidance_scale=head.guidance_scale,
-            seeds=[i.seed for i in batch],
+            width=head.params.width,
+            height=head.params.height,
+            num_inference_steps=head.params.num_inference_steps,
+            guidance_scale=head.params.guidance_scale,
+            seeds=[i.params.seed for i in batch],
             progress=progress,
             graphs=self.graphs,
         )
@@ -175,11 +176,11 @@ def build_runner(
     kind: str,
     model_dir: Path,
     device: str = "cpu",
-    dlo: dict | None = None,
+    dlo: DloOptions | None = None,
     group=None,
     tp: TpGroup | None = None,
     cuda_graphs: bool = True,
-) -> ArRunner | DiffusionRunner:
+) -> Runner:
     """Load the runner for a stage kind from an existing model folder (see ensure_model_dir).
     `group`: the stage's DP process group (DLO AllGather with dp_size > 1); `tp`: the rank's
     TP coordinate (tensor_parallel_size > 1, diffusion only); `cuda_graphs`: the embedded

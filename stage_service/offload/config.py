@@ -4,7 +4,7 @@ combinations refused at start."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 DEFAULT_RUNTIME_CACHE_DIR = "~/.cache/stagemesh/dlo-runtime-weights"
@@ -54,17 +54,6 @@ class DloOptions:
     @classmethod
     def from_settings(cls, settings: Any) -> DloOptions:
         return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
-
-    @classmethod
-    def from_mapping(cls, values: dict[str, Any] | None) -> DloOptions:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values or {}) - known)
-        if unknown:
-            raise ValueError(f"unknown DLO option(s) {unknown}; known: {sorted(known)}")
-        return cls(**(values or {}))
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     @property
     def allgather_active(self) -> bool:

@@ -29,19 +29,21 @@ class WorkerSpec:
     step_execution: bool = False
     # Denoising steps from captured CUDA graphs (embedded DiT, CUDA, no DLO or TP).
     cuda_graphs: bool = True
-    # DLO options (offload.config.DloOptions fields); empty: DLO off.
-    dlo: dict = field(default_factory=dict)
+    # The stage's offload.config.DloOptions (frozen; typed loosely: transport sits below offload).
+    dlo: Any = None
     # Set when the ranks form one process group; a fresh address for every (re)start of it.
     dp_group: DpGroup | None = None
-    # Set when the ranks are the TP ranks of one model; rank > 0 then only follows rank 0.
+    # Set when the ranks are the TP ranks of one model.
     tp_group: DpGroup | None = None
+    # False: the rank runs every batch with the group's output rank and reports nothing of it.
+    output_rank: bool = True
 
 
 # executor -> worker
 @dataclass(frozen=True)
 class Execute:
     rpc_id: str
-    items: list[dict[str, Any]]  # WorkItem fields; tensors packed by ipc.pack
+    items: list[Any]  # models.contract.WorkItems, their inputs packed by ipc.pack
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ COMPUTE_DONE at once and hands the outputs to the async output thread. Step mode
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import queue
 import signal
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from stage_service import platform
+from stage_service.models.contract import Runner
 from stage_service.transport import ipc, protocol
 from stage_service.worker.async_output import AsyncOutputThread, ResultWriter, new_output_id
 from stage_service.worker.sleep import SleepController
@@ -73,18 +75,19 @@ def resolve_device(device: str, rank: int) -> str:
 
 
 class Worker:
-    def __init__(self, spec: protocol.WorkerSpec, runner, device: str, requests, results):
+    def __init__(self, spec: protocol.WorkerSpec, runner: Runner, device: str, requests, results):
         self.spec = spec
         self.runner = runner
         self.device = device
         self.inbox = _Inbox(requests, self._answer_dropped)
         self.writer = ResultWriter(results)
-        # A TP rank other than 0 runs every batch with rank 0 (same collectives, same order);
-        # rank 0 alone reports progress and outputs.
-        self.follower = spec.tp_group is not None and spec.rank > 0
+        # A rank that is not its group's output rank runs every batch with it (same collectives,
+        # same order); the output rank alone reports progress and outputs.
         self.packer = ipc.Packer(spec.parent_pid, spec.rank, pool_slots=ipc.WORKER_POOL_SLOTS)
         self.async_output = (
-            None if spec.step_execution or self.follower else AsyncOutputThread(device, self.packer, self.writer)
+            AsyncOutputThread(device, self.packer, self.writer)
+            if spec.output_rank and not spec.step_execution
+            else None
         )
         self.sleep = SleepController(runner.weight_files(), device)
 
@@ -103,8 +106,6 @@ class Worker:
             self.async_output.close()
 
     def execute(self, msg: protocol.Execute) -> None:
-        from stage_service.models.runners import WorkItem
-
         def progress(step: int, total: int) -> None:
             if self.inbox.cancelled(msg.rpc_id):
                 raise _CancelledByCaller()
@@ -114,10 +115,10 @@ class Worker:
             self.writer.put(protocol.Failure(msg.rpc_id, f"asleep at level {self.sleep.level}"))
             return
         try:
-            items = [WorkItem(**{**item, "inputs": ipc.unpack(item["inputs"])}) for item in msg.items]
+            items = [dataclasses.replace(item, inputs=ipc.unpack(item.inputs)) for item in msg.items]
             started = platform.DeviceEvent(self.device, timing=True).record()
-            outputs = self.runner.run(items, None if self.follower else progress)
-            if self.follower:
+            outputs = self.runner.run(items, progress if self.spec.output_rank else None)
+            if not self.spec.output_rank:
                 return
             finished = platform.DeviceEvent(self.device, timing=True).record()
             if self.async_output is None:
@@ -141,7 +142,7 @@ class Worker:
 
     def _answer_dropped(self, msg: protocol.Execute) -> None:
         for item in msg.items:
-            ipc.discard(item["inputs"])  # its input segments were packed for this rank alone
+            ipc.discard(item.inputs)  # its input segments were packed for this rank alone
         self.writer.put(protocol.Failure(msg.rpc_id, "cancelled by the caller", cancelled=True))
 
     def control(self, msg: protocol.Control) -> None:
@@ -157,34 +158,32 @@ class Worker:
 
     def stats(self) -> protocol.WorkerStats:
         # Cheap: an allocator counter and an int; sent with every reply that ends a batch or a control call.
-        offload = getattr(self.runner, "offload", None)
-        return protocol.WorkerStats(platform.memory_allocated(self.device), getattr(offload, "h2d_bytes", 0))
+        return protocol.WorkerStats(platform.memory_allocated(self.device), self.runner.offload_bytes())
 
     def _control_ops(self) -> dict[str, Any]:
         return {"ping": self._ping, "drain": self._drain, "sleep": self._sleep, "wake": self._wake}
 
     def _ping(self) -> dict[str, Any]:
-        out = {
+        out: dict[str, Any] = {
             "rank": self.spec.rank,
             "device_memory_bytes": platform.memory_allocated(self.device),
             "sleep_level": self.sleep.level,
         }
-        offload = getattr(self.runner, "offload", None)
-        if offload is not None:
-            stats = offload.stats()
-            out["dlo"] = {"world": stats.world, "host_mode": stats.host_mode, "host_bytes": stats.host_bytes}
+        dlo = self.runner.dlo_stats()
+        if dlo is not None:
+            out["dlo"] = dlo
         return out
 
     def _sleep(self, level: int) -> dict[str, Any]:
-        if level == 2 and getattr(self.runner, "tp", None) is not None:
-            # Wake from level 2 reloads whole checkpoint tensors; a TP rank holds shards.
-            raise RuntimeError("sleep level 2 is not available with tensor_parallel_size > 1; use level 1")
+        refusal = self.runner.sleep_refusal(level)
+        if refusal is not None:
+            raise RuntimeError(refusal)
         # Outputs still being copied reference device memory: they must be out before it is freed.
         drained = self._drain()["drained"]
         if not drained:
             raise RuntimeError("async outputs still in flight after 10 s; not sleeping")
         # DLO: the runner's offload engine frees its device slots within the same measurement.
-        result = self.sleep.sleep(level, holders=getattr(self.runner, "device_holders", list)())
+        result = self.sleep.sleep(level, holders=self.runner.device_holders())
         return {"level": result.level, "freed_bytes": result.freed_bytes, "latency_ms": result.latency_ms}
 
     def _wake(self) -> dict[str, Any]:

@@ -30,6 +30,10 @@ class Limits:
     max_guidance_scale: float = 30.0
 
 
+# What requests sampled together must share, in the order of Params.batch_key().
+BATCH_KEY_FIELDS = ("width", "height", "num_inference_steps", "guidance_scale")
+
+
 @dataclass(frozen=True)
 class Params:
     prompt: str
@@ -41,8 +45,8 @@ class Params:
     output_format: str
 
     def batch_key(self) -> tuple:
-        """Requests with equal keys can share one diffusion batch."""
-        return (self.width, self.height, self.num_inference_steps, self.guidance_scale)
+        """Requests with equal keys can share one diffusion batch (or one DP wave)."""
+        return tuple(getattr(self, name) for name in BATCH_KEY_FIELDS)
 
 
 def check_request_id(value: str) -> None:

@@ -12,6 +12,7 @@ import torch
 from stage_service.executor.executor import Executor
 from stage_service.models.config import PipelineConfig
 from stage_service.models.weights import ensure_model_dir
+from stage_service.settings import StageSettings
 
 pytestmark = pytest.mark.gpu
 
@@ -62,7 +63,10 @@ def test_async_outputs_equal_the_synchronous_path(tmp_path):
     batches = _items(random.Random(1234), 60)
     outputs = {}
     for step_execution in (True, False):
-        executor = Executor(1, "diffusion", str(model_dir), "cuda", 1, step_execution=step_execution)
+        settings = StageSettings(
+            stage_id=1, kind="diffusion", model_dir=str(model_dir), device="cuda", step_execution=step_execution
+        )
+        executor = Executor(settings)
         executor.start()
         try:
             outputs[step_execution] = _run_all(executor, batches)

@@ -11,6 +11,7 @@ from stage_service.models.config import DiTConfig, LMConfig, PipelineConfig
 from stage_service.models.runners import DiffusionRunner, WorkItem
 from stage_service.models.weights import ensure_model_dir
 from stage_service.worker.sleep import SleepController
+from stagemesh.core.params import Params
 
 pytestmark = pytest.mark.gpu
 
@@ -22,7 +23,9 @@ def _rss_bytes() -> int:
 
 def _sample(runner: DiffusionRunner) -> torch.Tensor:
     cond = torch.randn(8, runner.config.dit.cond_dim, generator=torch.Generator().manual_seed(0)).to(runner.device)
-    return runner.run([WorkItem("r", "p", 256, 256, 4, 4.0, 7, {"hidden_states": cond})])[0]["image"].cpu()
+    return runner.run([WorkItem("r", Params("p", 256, 256, 4, 4.0, 7, "tensor"), {"hidden_states": cond})])[0][
+        "image"
+    ].cpu()
 
 
 def test_sleep_frees_device_memory_and_wake_restores_the_output(tmp_path):

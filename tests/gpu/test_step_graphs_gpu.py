@@ -9,6 +9,7 @@ import torch
 
 from stage_service.models import DiffusionRunner, WorkItem
 from stage_service.worker.sleep import SleepController
+from stagemesh.core.params import Params
 
 pytestmark = pytest.mark.gpu
 
@@ -17,12 +18,7 @@ def _batch(size: int, rows: int, guidance: float, cond_len: int) -> list[WorkIte
     return [
         WorkItem(
             f"r{i}",
-            "p",
-            size,
-            size,
-            3,
-            guidance,
-            100 + i,
+            Params("p", size, size, 3, guidance, 100 + i, "tensor"),
             {"hidden_states": torch.randn(cond_len + i, 64, generator=torch.Generator().manual_seed(i))},
         )
         for i in range(rows)

@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 
-def build_runner(kind: str, model_dir, device: str = "cpu", dlo: dict | None = None, group=None, tp=None):
+def build_runner(kind: str, model_dir, device: str = "cpu", dlo=None, group=None, tp=None):
     """The runner of a `kind` stage over a diffusers folder (imports diffusers on first use)."""
     if group is not None or (tp is not None and tp.size > 1):
         raise ValueError(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from stage_service.models.contract import WeightFile, check_batch
+from stage_service.models.contract import RunnerBase, WeightFile, check_batch
 from stage_service.models.diffusers_adapter.families import family_of, pixel_multiple, vae_scale_factor
 from stage_service.models.diffusers_adapter.folder import check_stage_folder
 from stage_service.models.diffusers_adapter.loading import (
@@ -33,11 +33,13 @@ def _image(t: torch.Tensor) -> torch.Tensor:
     return t.permute(1, 2, 0).float().detach()
 
 
-class DenoiseRunner:
+class DenoiseRunner(RunnerBase):
     """kind "diffusion" decodes with the VAE; kind "denoise" hands latents to a "decode" stage."""
 
-    def __init__(self, model_dir: Path, device: str = "cpu", dlo: dict | None = None, kind: str = "diffusion") -> None:
-        opts = DloOptions.from_mapping(dlo)
+    def __init__(
+        self, model_dir: Path, device: str = "cpu", dlo: DloOptions | None = None, kind: str = "diffusion"
+    ) -> None:
+        opts = dlo or DloOptions()
         refuse_unsupported(opts)
         self.kind = kind
         self.decodes = kind == "diffusion"
@@ -69,7 +71,7 @@ class DenoiseRunner:
     def _inputs(self, batch) -> dict[str, torch.Tensor]:
         names = [n for n in REQUIRED_INPUTS + OPTIONAL_INPUTS if n in batch[0].inputs]
         for item in batch:
-            needed = REQUIRED_INPUTS + (self.family.guided_inputs if item.guidance_scale > 1 else ())
+            needed = REQUIRED_INPUTS + (self.family.guided_inputs if item.params.guidance_scale > 1 else ())
             missing = [n for n in needed if n not in item.inputs]
             if missing:
                 raise ValueError(
@@ -87,7 +89,7 @@ class DenoiseRunner:
             return []
         check_batch(batch)
         head = batch[0]
-        steps = head.num_inference_steps
+        steps = head.params.num_inference_steps
 
         def on_step(pipe, i, t, tensors):
             progress(i + 1, steps)
@@ -95,11 +97,11 @@ class DenoiseRunner:
 
         out = self.pipe(
             **self._inputs(batch),
-            height=head.height,
-            width=head.width,
+            height=head.params.height,
+            width=head.params.width,
             num_inference_steps=steps,
-            guidance_scale=head.guidance_scale,
-            generator=[torch.Generator("cpu").manual_seed(item.seed) for item in batch],
+            guidance_scale=head.params.guidance_scale,
+            generator=[torch.Generator("cpu").manual_seed(item.params.seed) for item in batch],
             output_type="pt" if self.decodes else "latent",
             callback_on_step_end=on_step if progress is not None else None,
             return_dict=False,
@@ -112,7 +114,7 @@ class DenoiseRunner:
         return {"pixel_multiple": pixel_multiple(self.folder)}
 
 
-class DecodeRunner:
+class DecodeRunner(RunnerBase):
     """kind "decode": the VAE as its own stage, after a "denoise" stage."""
 
     kind = "decode"
@@ -126,9 +128,6 @@ class DecodeRunner:
 
     def weight_files(self) -> list[WeightFile]:
         return weight_files(self.folder, "vae", self.vae)
-
-    def device_holders(self) -> list:
-        return []
 
     @torch.inference_mode()
     def run(self, batch, progress=None) -> list[dict[str, torch.Tensor]]:
@@ -145,7 +144,7 @@ class DecodeRunner:
                 )
             latents = latents[None].to(self.device)
             if self.family.unpack is not None:
-                latents = self.family.unpack(self.pipe, latents, item.height, item.width)
+                latents = self.family.unpack(self.pipe, latents, item.params.height, item.params.width)
             latents = latents / config.scaling_factor + (config.shift_factor or 0.0)
             image = self.vae.decode(latents, return_dict=False)[0]
             image = self.pipe.image_processor.postprocess(image, output_type="pt")

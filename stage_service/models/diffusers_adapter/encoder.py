@@ -7,13 +7,13 @@ from pathlib import Path
 
 import torch
 
-from stage_service.models.contract import WeightFile
+from stage_service.models.contract import RunnerBase, WeightFile
 from stage_service.models.diffusers_adapter.families import family_of
 from stage_service.models.diffusers_adapter.folder import check_stage_folder
 from stage_service.models.diffusers_adapter.loading import checkpoint_dtype, load_pipeline, weight_files
 
 
-class EncoderRunner:
+class EncoderRunner(RunnerBase):
     kind = "encoder"
 
     def __init__(self, model_dir: Path, device: str = "cpu") -> None:
@@ -29,16 +29,13 @@ class EncoderRunner:
     def weight_files(self) -> list[WeightFile]:
         return [f for name, module in self.encoders.items() for f in weight_files(self.folder, name, module)]
 
-    def device_holders(self) -> list:
-        return []
-
     @torch.inference_mode()
     def run(self, batch, progress=None) -> list[dict[str, torch.Tensor]]:
         """One prompt at a time, exactly as the pipeline encodes it (padding makes the shapes
         equal, but a batched encoder could round differently from the unsplit pipeline)."""
         outputs = []
         for i, item in enumerate(batch):
-            named = self.family.encode(self.pipe, item.prompt, item.guidance_scale, self.device)
+            named = self.family.encode(self.pipe, item.params.prompt, item.params.guidance_scale, self.device)
             outputs.append({k: v[0].detach() for k, v in named.items()})
             if progress is not None:
                 progress(i + 1, len(batch))
