@@ -7,6 +7,8 @@ import asyncio
 import os
 from typing import Any
 
+import torch
+
 from stage_service.control import Ack, StageControl
 from stage_service.engine.engine import Engine, OutputsEvent, ProgressEvent
 from stage_service.executor.executor import Executor
@@ -38,6 +40,10 @@ def _ack_proto(stage_id: int, ack: Ack) -> control_pb2.WorkerAck:
     )
 
 
+def _encode_outputs(outputs: dict[str, torch.Tensor]) -> dict[str, Any]:
+    return {name: codec.to_proto(t) for name, t in outputs.items()}
+
+
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
     def __init__(self, settings: StageSettings, engine: Engine, executor: Executor, control: StageControl):
         self._settings = settings
@@ -57,9 +63,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             if isinstance(event, ProgressEvent):
                 yield stage_pb2.ExecuteResponse(progress=stage_pb2.StageProgress(step=event.step, total=event.total))
             elif isinstance(event, OutputsEvent):
-                outputs = await asyncio.to_thread(
-                    lambda: {name: codec.to_proto(t) for name, t in event.outputs.items()}
-                )
+                outputs = await asyncio.to_thread(_encode_outputs, event.outputs)
                 yield stage_pb2.ExecuteResponse(outputs=stage_pb2.StageOutputs(outputs=outputs))
 
     @servicer_method

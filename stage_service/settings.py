@@ -81,7 +81,9 @@ class StageSettings(DloOptions):
         "default_guidance": "guidance_scale used when a request leaves it unset",
         "max_guidance": "largest guidance_scale accepted",
         "metrics_port": metrics.PORT_HELP,
-        "ready_file": "write {'address', 'pid'} (and 'metrics' with a metrics port) as JSON here once the port is bound",
+        "ready_file": (
+            "write {'address', 'pid'} (and 'metrics' with a metrics port) as JSON here once the port is bound"
+        ),
         "tls_cert": "serve TLS with this certificate chain (PEM); needs --tls-key; empty: plaintext",
         "tls_key": "private key (PEM) of --tls-cert",
         "tls_ca": "CA bundle (PEM) verifying the cache service when it serves TLS; empty: plaintext channel",

@@ -64,7 +64,8 @@ class Supervisor:
         failure = self._failure_file(child)
         failure.unlink(missing_ok=True)
         env = procutil.child_env({serve.FAILURE_FILE_ENV: str(failure)})
-        child.process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+        # Popen returns at once; the child is then watched with poll(), as every restart is.
+        child.process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)  # noqa: ASYNC220
         log.info("started", child=child.name, pid=child.process.pid)
         deadline = time.monotonic() + self._settings.ready_timeout_s
         while (info := readyfile.read(ready)) is None:
@@ -74,7 +75,7 @@ class Supervisor:
         child.port = int(child.address.rsplit(":", 1)[1])  # a restart reuses the port its peers know
         async with tls.channel(child.address, self._tls_ca, aio=True) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            failure = ""
+            health_failure = ""
             while True:
                 self._check_alive(child, deadline)
                 try:
@@ -82,9 +83,9 @@ class Supervisor:
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
                         break
                 except grpc.aio.AioRpcError as exc:
-                    if exc.details() != failure:  # once per reason, e.g. a certificate not naming the host
-                        failure = exc.details() or ""
-                        log.warning("health check failed", child=child.name, reason=failure)
+                    if exc.details() != health_failure:  # once per reason, e.g. a certificate not naming the host
+                        health_failure = exc.details() or ""
+                        log.warning("health check failed", child=child.name, reason=health_failure)
                 await asyncio.sleep(POLL_S)
         log.info("serving", child=child.name, address=child.address)
 
@@ -92,6 +93,7 @@ class Supervisor:
         return self._run_dir / f"{child.name}.failure"
 
     def _check_alive(self, child: Child, deadline: float) -> None:
+        assert child.process is not None, "the child was started"
         code = child.process.poll()
         if code is not None:
             failure = self._failure_file(child)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import torch
@@ -196,7 +196,7 @@ class Engine:
         self._idle.clear()
         self.spawn(self._run_active(work))
 
-    def spawn(self, work: Awaitable[None]) -> None:
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -211,6 +211,7 @@ class Engine:
 
     def progress_listener(self, requests: list[StageRequest]) -> ProgressFn:
         loop = self._loop
+        assert loop is not None, "the engine was started"
 
         def on_progress(step: int, total: int) -> None:  # pump thread
             loop.call_soon_threadsafe(self._fan_out, requests, ProgressEvent(step, total))
@@ -293,6 +294,7 @@ class Engine:
     # group death and restart ------------------------------------------------------------------
     def worker_died(self, group: int, reason: str) -> None:
         """Called from the executor's pump thread."""
+        assert self._loop is not None, "the engine was started"
         self._loop.call_soon_threadsafe(self.restart_group, group, reason)
 
     def restart_group(self, group: int, reason: str) -> None:

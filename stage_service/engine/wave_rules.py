@@ -104,11 +104,11 @@ def run_wave(
         log.error(
             "dp wave failed closed", missing_ranks=missing, failed_ranks=failed, requests=ids, timeout_s=timeout_s
         )
-        first = futures[failed[0]] if failed else None
-        why = (
-            f"rank(s) {failed} failed: {'cancelled' if first.cancelled() else first.exception()}"
-            if failed
-            else f"rank(s) {missing} did not answer within {timeout_s:g} s"
-        )
-        raise WaveFailed(f"DP wave of {ids} failed: {why}")
+        if failed:
+            first = futures[failed[0]]
+            assert first is not None  # a failed rank was dispatched
+            why = f"rank(s) {failed} failed: {'cancelled' if first.cancelled() else first.exception()}"
+        else:
+            why = f"rank(s) {missing} did not answer within {timeout_s:g} s"
+        raise WaveFailed(f"DP wave failed: {why}")  # the request ids go to the log, not to batch-mates
     return [futures[rank].result() for rank in range(len(requests))]

@@ -262,12 +262,12 @@ class Executor:
             else:
                 resolve_future(pending.future, result=outputs)
         elif isinstance(msg, protocol.Failure):
-            exc = (
+            failure = (
                 errors.Cancelled(msg.message)
                 if msg.cancelled
                 else errors.StagemeshError(f"{self.stage_name} failed: {msg.message}")
             )
-            resolve_future(pending.future, exc=exc)
+            resolve_future(pending.future, exc=failure)
 
     def _note_stats(self, w: _Worker, stats: protocol.WorkerStats) -> None:
         # The worker's offload count is cumulative; it starts again from 0 in a new process (a new

@@ -42,7 +42,9 @@ def _split(copies: list[Copy], limit: int) -> list[Copy]:
 
 
 def _chunks(copies: list[Copy]) -> list[list[Copy]]:
-    groups, current, used = [], [], 0
+    groups: list[list[Copy]] = []
+    current: list[Copy] = []
+    used = 0
     for c in _split(copies, CHUNK_BYTES):
         if used + c.nbytes > CHUNK_BYTES and current:
             groups.append(current)
@@ -97,7 +99,7 @@ class Reloader:
     def _read(
         pool: ThreadPoolExecutor, files: dict[Path, int], staging: torch.Tensor, group: list[Copy]
     ) -> list[tuple[Copy, int]]:
-        view = memoryview(staging.numpy())
+        view = memoryview(staging.numpy())  # type: ignore[arg-type]  # numpy stubs omit the buffer protocol
         placed, jobs, start = [], [], 0
         for c in group:
             placed.append((c, start))

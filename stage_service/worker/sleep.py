@@ -148,6 +148,7 @@ class SleepController:
         before = self._free_memory()
         flat = torch.empty(self._total, dtype=torch.uint8, device=self.device)
         if level == 1:
+            assert self._host is not None, "a level-1 sleep keeps the host copy"
             flat.copy_(self._host, non_blocking=True)
         else:
             self._fill_from_checkpoint(flat)
