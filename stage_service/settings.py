@@ -10,6 +10,7 @@ from typing import Any
 
 from stage_service.offload.config import HELP as DLO_HELP
 from stage_service.offload.config import DloOptions
+from stage_service.transport.protocol import HEARTBEAT_S
 from stagemesh.core import logs, metrics
 from stagemesh.core.params import Limits
 
@@ -36,6 +37,7 @@ class StageSettings(DloOptions):
     step_execution: bool = False
     cuda_graphs: bool = True
     enable_sleep: bool = True
+    hang_timeout_s: float = 30.0
     max_queue: int = 256
     max_size: int = 1024
     max_steps: int = 100
@@ -72,6 +74,9 @@ class StageSettings(DloOptions):
         "cuda_graphs": "replay each denoising step of the embedded DiT from a captured CUDA graph (one launch "
         "per step instead of hundreds; on a CUDA device, without DLO or TP); "
         "--no-cuda-graphs launches every kernel from Python",
+        "hang_timeout_s": "a worker process silent this long (no heartbeat, which it sends every second even "
+        "while a batch runs) is taken as hung (stopped, or stuck outside Python): it is killed, what it "
+        "owed fails with UNAVAILABLE, and its group restarts",
         "max_queue": "requests waiting beyond this are refused with RESOURCE_EXHAUSTED",
         "max_size": "largest width/height in pixels accepted",
         "max_steps": "largest num_inference_steps accepted",
@@ -110,6 +115,11 @@ class StageSettings(DloOptions):
                 "(rank i uses cuda:i)"
             )
         self._check_tp()
+        if not self.hang_timeout_s >= HEARTBEAT_S * 2:
+            raise ValueError(
+                f"hang_timeout_s = {self.hang_timeout_s!r}: allowed {HEARTBEAT_S * 2:g} s or more (workers "
+                f"send a heartbeat every {HEARTBEAT_S:g} s)"
+            )
         metrics.check_port(self.metrics_port, "metrics_port")
 
     def _check_tp(self) -> None:

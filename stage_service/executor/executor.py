@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,6 +41,7 @@ DeathFn = Callable[[int, str], None]  # (group index, reason)
 class Executor:
     def __init__(self, settings: StageOptions, on_death: DeathFn | None = None):
         self.stage_name = f"stage {settings.stage_id} ({settings.kind})"
+        self.hang_timeout_s = settings.hang_timeout_s
         self.groups: list[WorkerGroup] = build_groups(settings, os.getpid())
         self.outputs = OutputRegistry(self.stage_name)
         self._ctx = mp.get_context("spawn")
@@ -199,12 +201,14 @@ class Executor:
         return [w.ready for w in workers if w.ready is not None]
 
     def _pump(self, w: _Worker) -> None:
-        """The only reader of a worker's result queue."""
+        """The only reader of a worker's result queue, and its watchdog."""
+        w.last_heard = time.monotonic()
         while True:
             try:
                 msg = w.results.get(timeout=PUMP_POLL_S)
             except queue.Empty:
                 if w.process.is_alive():
+                    self._kill_if_hung(w)
                     continue
                 self._worker_died(w)
                 return
@@ -216,7 +220,20 @@ class Executor:
                 return  # pipe closed by shutdown
             self._dispatch(w, msg)
 
+    def _kill_if_hung(self, w: _Worker) -> None:
+        """A live process that sent nothing, not even a heartbeat, for hang_timeout_s is stopped
+        (SIGSTOP) or stuck where its threads cannot run: kill it, so its death restarts the group."""
+        silent = time.monotonic() - w.last_heard
+        if silent <= self.hang_timeout_s or w.stopping or w.hung_for:
+            return
+        w.hung_for = silent
+        log.error("worker hung; killing it", rank=w.spec.rank, pid=w.process.pid, silent_s=round(silent, 1))
+        w.process.kill()
+
     def _dispatch(self, w: _Worker, msg: Any) -> None:
+        w.last_heard = time.monotonic()
+        if isinstance(msg, protocol.Heartbeat):
+            return
         if isinstance(msg, protocol.Progress):
             with self._lock:
                 pending = w.pending.get(msg.rpc_id)
@@ -301,8 +318,11 @@ class Executor:
         if self._closed or w.stopping:
             return
         group = self.groups[w.group]
-        reason = f"{self.stage_name} worker {w.spec.rank} died (exit code {w.process.exitcode})"
-        log.error("worker died", rank=w.spec.rank, exitcode=w.process.exitcode)
+        if w.hung_for:
+            reason = f"{self.stage_name} worker {w.spec.rank} was hung (silent for {w.hung_for:.0f} s) and was killed"
+        else:
+            reason = f"{self.stage_name} worker {w.spec.rank} died (exit code {w.process.exitcode})"
+        log.error("worker died", rank=w.spec.rank, exitcode=w.process.exitcode, hung=bool(w.hung_for))
         for peer in group.workers:
             peer.stopping = True  # the peers' deaths during the restart are no news
         for peer in group.workers:

@@ -66,6 +66,14 @@ class Control:
 
 
 # worker -> executor
+HEARTBEAT_S = 1.0  # how often a serving worker says it is alive, even in the middle of a batch
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """A serving worker is alive (its process runs and its Python threads are scheduled)."""
+
+
 @dataclass(frozen=True)
 class WorkerStats:
     """Figures a worker attaches to its replies (the stage service exports them as metrics)."""

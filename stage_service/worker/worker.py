@@ -12,6 +12,7 @@ import dataclasses
 import os
 import queue
 import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,26 @@ class _Inbox:
             self._on_dropped(msg)
 
 
+class _Heartbeat:
+    """Tells the executor every HEARTBEAT_S that this process runs, even while a batch does: its
+    silence is how the stage tells a stopped or stuck worker from a busy one."""
+
+    def __init__(self, writer: ResultWriter) -> None:
+        self._writer = writer
+        self._stopped = threading.Event()
+        threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self._stopped.wait(protocol.HEARTBEAT_S):
+            try:
+                self._writer.put(protocol.Heartbeat())
+            except (OSError, ValueError):  # the pipe closed: the worker is exiting
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
 def resolve_device(device: str, rank: int) -> str:
     import torch
 
@@ -92,6 +113,16 @@ class Worker:
         self.sleep = SleepController(runner.weight_files(), device)
 
     def serve(self) -> None:
+        heartbeat = _Heartbeat(self.writer)
+        try:
+            self._serve()
+        finally:
+            heartbeat.stop()
+        if self.async_output is not None:
+            self.async_output.drain()
+            self.async_output.close()
+
+    def _serve(self) -> None:
         while True:
             msg = self.inbox.next()
             if isinstance(msg, protocol.Shutdown):
@@ -101,9 +132,6 @@ class Worker:
             elif isinstance(msg, protocol.Control):
                 self.control(msg)
             # A Cancel for a batch that already finished needs no answer.
-        if self.async_output is not None:
-            self.async_output.drain()
-            self.async_output.close()
 
     def execute(self, msg: protocol.Execute) -> None:
         def progress(step: int, total: int) -> None:
@@ -234,8 +262,10 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
             log.exception("model load failed")  # a bug: its stack is what the log needs
         results.put(protocol.LoadFailed(spec.rank, f"{type(exc).__name__}: {exc}"))
         return
-    results.put(protocol.Ready(spec.rank, runner.limits(), device, platform.memory_allocated(device)))
-    Worker(spec, runner, device, requests, results).serve()
+    worker = Worker(spec, runner, device, requests, results)
+    # Ready once the worker can serve: its heartbeats start with serve(), right after.
+    worker.writer.put(protocol.Ready(spec.rank, runner.limits(), device, platform.memory_allocated(device)))
+    worker.serve()
     if group is not None or tp is not None:
         from stage_service.offload.collective import leave_group
 
