@@ -110,7 +110,7 @@ def test_cache_whose_root_cannot_be_created_exits_1_naming_it(tmp_path):
 )
 def test_only_unexpected_errors_keep_their_traceback(error, code, traceback):
     program = textwrap.dedent(f"""
-        from stagemesh import logs, serve
+        from stagemesh.core import logs, serve
 
         async def service():
             raise {error}

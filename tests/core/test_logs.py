@@ -14,7 +14,7 @@ LINES = 2000
 
 CHILD = """
 import sys
-from stagemesh import logs
+from stagemesh.core import logs
 logs.configure(sys.argv[1])
 log = logs.get_logger("test")
 for i in range(int(sys.argv[2])):
