@@ -102,6 +102,7 @@ def metered(tmp_path_factory, model_dir) -> tuple[Mesh, dict[str, str]]:
         assert not leaked, f"shared-memory segments left behind: {leaked}"
 
 
+@pytest.mark.mesh
 def test_every_service_serves_its_metrics(metered):
     _, addresses = metered
     assert set(addresses) == {"gateway", "stage-0", "stage-1", "cache"}
@@ -129,6 +130,7 @@ def test_every_service_serves_its_metrics(metered):
     assert ("stagemesh_cache_evictions_total", (("service", "cache"),)) in cache
 
 
+@pytest.mark.mesh
 def test_generate_counts_ok_latency_and_offload_bytes(metered):
     mesh, addresses = metered
     generate = f"{GATEWAY}/Generate"
@@ -170,6 +172,7 @@ def test_generate_counts_ok_latency_and_offload_bytes(metered):
     assert value(ar, compute, service="stage-0") > value(ar_before, compute, service="stage-0")
 
 
+@pytest.mark.mesh
 def test_refused_calls_are_counted_with_their_code(metered):
     mesh, addresses = metered
     unary = f"{GATEWAY}/GenerateUnary"
@@ -194,6 +197,7 @@ def test_refused_calls_are_counted_with_their_code(metered):
     )
 
 
+@pytest.mark.mesh
 def test_cancelled_and_deadline_exceeded_calls_are_counted(metered):
     """Codes no servicer sets: gRPC itself ends these calls."""
     mesh, addresses = metered
@@ -228,6 +232,7 @@ def test_cancelled_and_deadline_exceeded_calls_are_counted(metered):
         assert value(samples, "stagemesh_stage_queue_depth", service=stage) == 0
 
 
+@pytest.mark.mesh
 def test_sleep_and_wake_show_in_stage_and_gateway_state(metered):
     mesh, addresses = metered
 

@@ -128,6 +128,7 @@ def code_of(call) -> tuple[grpc.StatusCode, str]:
     return info.value.code(), info.value.details()
 
 
+@pytest.mark.mesh
 def test_generate_over_tls_needs_no_token(secure_mesh, pki):
     with secure_channel(secure_mesh.address, pki) as channel:
         events = list(secure_mesh.gateway(channel).Generate(gateway_pb2.GenerateRequest(params=SMALL), timeout=60))
@@ -135,12 +136,14 @@ def test_generate_over_tls_needs_no_token(secure_mesh, pki):
     assert (result.width, result.height, result.seed) == (64, 48, 3) and result.png.startswith(b"\x89PNG")
 
 
+@pytest.mark.mesh
 def test_plaintext_client_cannot_talk_to_a_tls_gateway(secure_mesh):
     with secure_mesh.channel() as channel:
         code, _ = code_of(lambda: secure_mesh.gateway(channel).ListStages(gateway_pb2.ListStagesRequest(), timeout=5))
     assert code == grpc.StatusCode.UNAVAILABLE
 
 
+@pytest.mark.mesh
 def test_gateway_control_calls_need_the_right_token(secure_mesh, pki):
     wrong_same_length = "S" + TOKEN[1:]
     sleep = gateway_pb2.SleepRequest(stage_ids=[1], level=1)
@@ -170,6 +173,7 @@ def test_gateway_control_calls_need_the_right_token(secure_mesh, pki):
     assert (result.width, result.height) == (64, 48)
 
 
+@pytest.mark.mesh
 def test_cli_control_commands_take_a_ca_and_a_token_file(secure_mesh, pki, monkeypatch, capsys):
     monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
     common = ["--address", secure_mesh.address, "--tls-ca", str(pki["ca"]), "--timeout", "30"]
@@ -184,6 +188,7 @@ def test_cli_control_commands_take_a_ca_and_a_token_file(secure_mesh, pki, monke
     assert "--tls-ca: cannot read" in capsys.readouterr().err
 
 
+@pytest.mark.mesh
 def test_stage_control_rpcs_need_the_token(secure_mesh, pki):
     with secure_channel(secure_mesh.child_addresses()["stage-1"], pki) as channel:
         stub = stage_pb2_grpc.StageServiceStub(channel)
@@ -202,6 +207,7 @@ def test_stage_control_rpcs_need_the_token(secure_mesh, pki):
         )
 
 
+@pytest.mark.mesh
 def test_cache_mutations_need_the_token(secure_mesh, pki):
     with secure_channel(secure_mesh.child_addresses()["cache"], pki) as channel:
         stub = cache_pb2_grpc.CacheServiceStub(channel)
@@ -216,6 +222,7 @@ def test_cache_mutations_need_the_token(secure_mesh, pki):
     assert "lock via cache service" in secure_mesh.logs()
 
 
+@pytest.mark.mesh
 def test_token_is_on_no_command_line_of_the_mesh(secure_mesh, pki):
     services = 0
     for pid in [secure_mesh.process.pid, *descendants(secure_mesh.process.pid)]:
@@ -231,6 +238,7 @@ def test_token_is_on_no_command_line_of_the_mesh(secure_mesh, pki):
 
 
 @pytest.mark.skipif(shutil.which("grpcurl") is None, reason="no grpcurl binary on PATH")
+@pytest.mark.mesh
 def test_banner_grpcurl_hints_work_as_printed(secure_mesh, pki):
     text = launcher.banner(secure_mesh.address, config.load(secure_mesh.config_path).security)
     commands = [line[line.index("grpcurl") :] for line in text.splitlines() if "grpcurl" in line]

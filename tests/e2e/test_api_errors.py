@@ -19,6 +19,8 @@ from PIL import Image
 
 from stagemesh.v1 import gateway_pb2, generation_pb2
 
+pytestmark = pytest.mark.mesh
+
 MAX_SIDE, MULTIPLE, MAX_STEPS, MAX_PROMPT_BYTES = 512, 16, 50, 256
 SMALL = dict(prompt="small", width=64, height=48, num_inference_steps=1, seed=1)
 

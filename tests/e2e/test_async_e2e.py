@@ -22,6 +22,8 @@ from PIL import Image
 from stagemesh.v1 import gateway_pb2, generation_pb2
 from tests.support.meshproc import descendants, shm_entries, start_mesh, write_config
 
+pytestmark = pytest.mark.mesh
+
 N_REQUESTS = 200
 PARALLEL = 8
 PROMPTS = ["a lighthouse at dusk", "two cats", "", "ein Haus am See", "x" * 40]

@@ -30,6 +30,8 @@ from tests.e2e.test_lifecycle import (
 )
 from tests.support.meshproc import Mesh, alive, descendants, segments_of, shm_entries
 
+pytestmark = pytest.mark.mesh
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 RECOVERY_S = 60.0

@@ -20,6 +20,8 @@ from tests.e2e.test_api_errors import _bad_request
 from tests.e2e.test_lifecycle import start
 from tests.support.meshproc import alive, descendants
 
+pytestmark = pytest.mark.mesh
+
 STAGES = (0, 1)
 INT32 = st.integers(-(2**31), 2**31 - 1)
 TIMEOUT_S = 60.0

@@ -6,10 +6,13 @@ import io
 import uuid
 
 import numpy
+import pytest
 import torch
 from PIL import Image
 
 from stagemesh.v1 import gateway_pb2, generation_pb2
+
+pytestmark = pytest.mark.mesh
 
 
 def _params(**kw) -> generation_pb2.GenerationParams:

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 GRPCURL = shutil.which("grpcurl")
-pytestmark = pytest.mark.skipif(GRPCURL is None, reason="no grpcurl binary on PATH")
+pytestmark = [pytest.mark.mesh, pytest.mark.skipif(GRPCURL is None, reason="no grpcurl binary on PATH")]
 GATEWAY = "stagemesh.v1.GatewayService"
 INVALID_ARGUMENT_EXIT = 64 + 3  # grpcurl exits with 64 + the status code of a failed RPC
 

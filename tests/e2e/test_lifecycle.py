@@ -31,6 +31,8 @@ from tests.support.meshproc import (
     write_config,
 )
 
+pytestmark = pytest.mark.mesh
+
 SMALL = generation_pb2.GenerationParams(prompt="small", width=64, height=48, num_inference_steps=1, seed=1)
 LONG = generation_pb2.GenerationParams(prompt="long", width=512, height=512, num_inference_steps=50, seed=2)
 RECOVERY_S = 60.0

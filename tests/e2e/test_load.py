@@ -10,6 +10,8 @@ import collections
 import os
 import time
 
+import pytest
+
 from bench.load import (
     BIG,
     CANCEL,
@@ -22,6 +24,8 @@ from bench.load import (
 )
 from stage_service.transport.ipc import WORKER_POOL_SLOTS
 from tests.e2e.test_lifecycle import generate
+
+pytestmark = pytest.mark.mesh
 
 CLIENTS, REQUESTS = 32, 10
 MIX = Mix(size=64, steps=2, cancel_every=10, big_every=10)

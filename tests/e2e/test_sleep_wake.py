@@ -46,6 +46,8 @@ from tests.support.sleep_mesh import (  # noqa: F401
     wake_up,
 )
 
+pytestmark = pytest.mark.mesh
+
 
 # ---- sleep ----------------------------------------------------------------------------------------
 def test_sleep_defaults_to_level_2_acks_every_worker_and_updates_the_sleeping_set(stub):

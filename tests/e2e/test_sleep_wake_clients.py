@@ -39,6 +39,8 @@ from tests.support.sleep_mesh import (  # noqa: F401
     wake_up,
 )
 
+pytestmark = pytest.mark.mesh
+
 GRPCURL = shutil.which("grpcurl")
 GATEWAY = "stagemesh.v1.GatewayService"
 needs_grpcurl = pytest.mark.skipif(GRPCURL is None, reason="no grpcurl binary on PATH")

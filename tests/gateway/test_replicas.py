@@ -117,6 +117,7 @@ def replicated(tmp_path_factory, model_dir):
         assert set(codes.values()) == {0}, (codes, gateway.logs()[-3000:])
 
 
+@pytest.mark.mesh
 def test_generate_and_list_stages_count_every_replica(replicated):
     assert replicated.generate().result.png.startswith(b"\x89PNG")
     stage0, stage1 = replicated.stage(0), replicated.stage(1)
@@ -127,6 +128,7 @@ def test_generate_and_list_stages_count_every_replica(replicated):
     assert all(d.ready and d.stage_id == 1 for d in each)
 
 
+@pytest.mark.mesh
 def test_sleep_and_wake_reach_every_replica(replicated):
     reply = replicated.gateway.Sleep(gateway_pb2.SleepRequest(stage_ids=[1]), metadata=CONTROL, timeout=RPC_TIMEOUT_S)
     assert reply.status == SUCCESS, reply
@@ -146,6 +148,7 @@ def test_sleep_and_wake_reach_every_replica(replicated):
     assert replicated.generate().result.png.startswith(b"\x89PNG")
 
 
+@pytest.mark.mesh
 def test_a_replica_that_cannot_sleep_is_named(replicated):
     """Runs last: it stops the second replica."""
     awake, gone = list(replicated.replicas)

@@ -189,6 +189,7 @@ def _png(m: Mesh, width: int, height: int, steps: int, seed: int, prompt: str) -
     return reply.result.png
 
 
+@pytest.mark.mesh
 def test_tp2_mesh_gives_the_png_of_tp1(tp_mesh, mesh):
     same = 0
     for case in CASES:

@@ -243,6 +243,7 @@ def test_dp_waves_on_real_gloo_ranks(tiny_model, reference, monkeypatch, dp, fau
     asyncio.run(scenario())
 
 
+@pytest.mark.mesh
 def test_a_mesh_with_dp_waves_draws_the_same_pngs(tmp_path, model_dir, mesh):
     config = write_config(tmp_path / "mesh.toml", model_dir)
     # The diffusion stage is the file's last table: these keys land on it.

@@ -119,6 +119,7 @@ def _generate(m: Mesh, case, output_format=generation_pb2.OUTPUT_FORMAT_PNG):
 
 
 @pytest.mark.parametrize("name", list(MESHES))
+@pytest.mark.mesh
 def test_image_equals_diffusers_own_pipeline(meshes, reference, name):
     family = MESHES[name][0]
     for case in CASES:
@@ -152,6 +153,7 @@ def test_runners_in_process_equal_diffusers_own_pipeline(folders, reference):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.mesh
 def test_progress_events_per_denoising_step(meshes):
     params = generation_pb2.GenerationParams(prompt="a boat", width=32, height=32, num_inference_steps=3, seed=4)
     with meshes["sd3-split-dlo"].channel() as channel:
@@ -171,6 +173,7 @@ def test_progress_events_per_denoising_step(meshes):
     assert events[-1].result.png.startswith(b"\x89PNG")
 
 
+@pytest.mark.mesh
 def test_size_off_the_pipelines_multiple_is_invalid_argument(meshes):
     # FLUX packs 2x2 latent patches: sizes must be multiples of 2 * the VAE scale factor (4).
     with pytest.raises(grpc.RpcError) as refused:
@@ -181,6 +184,7 @@ def test_size_off_the_pipelines_multiple_is_invalid_argument(meshes):
 
 @pytest.mark.parametrize("level", [1, 2])
 @pytest.mark.parametrize("name", ["flux", "flux-dlo"])
+@pytest.mark.mesh
 def test_sleep_and_wake_give_the_same_image(meshes, reference, name, level):
     m = meshes[name]
     want = _generate(m, CASES[0]).png

@@ -20,6 +20,8 @@ from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2
 from stagemesh.weight_store.checkpoint import read_index
 from tests.support.meshproc import Mesh, parallel_meshes, start_mesh, write_config
 
+pytestmark = pytest.mark.mesh
+
 DLO_MESHES = {
     "dlo": "enable_dlo = true",  # dp_size 1: no collective, complete blocks from the mapping
     "dlo-resident": "enable_dlo = true\ndlo_use_allgather = false\ndlo_resident_layers = 1",

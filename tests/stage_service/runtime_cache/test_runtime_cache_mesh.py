@@ -11,6 +11,8 @@ import pytest
 from stagemesh.v1 import cache_pb2, cache_pb2_grpc, gateway_pb2, generation_pb2
 from tests.support.meshproc import start_mesh, write_config
 
+pytestmark = pytest.mark.mesh
+
 CACHED_STAGE = """enable_dlo = true
 dlo_use_allgather = false
 dlo_enable_runtime_cache = true
