@@ -4,12 +4,14 @@ concurrently to both. Requests that cannot share a batch give byte-identical PNG
 do get batched (differently in each mesh) each get their own picture, equal up to 8-bit rounding
 of batch-dependent float noise. Afterwards no shared-memory segment of either mesh survives.
 
-Two real `stagemesh up` processes (cache, AR stage, diffusion stage, gateway each), real gRPC.
+Two real `stagemesh up` processes (cache, AR stage, diffusion stage, gateway each), real gRPC; the
+async one is the session's shared mesh.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import io
 import itertools
 import random
@@ -39,41 +41,34 @@ def _owner(segment: str) -> int | None:
 
 
 @pytest.fixture(scope="module")
-def two_meshes(tmp_path_factory, model_dir):
+def two_meshes(tmp_path_factory, model_dir, request):
+    """The session's mesh (async output, the default; tests/conftest.py checks its stop) and a mesh
+    with `step_execution = true`, which starts while the session's comes up (unless it runs already)."""
     from stage_service.models.config import PipelineConfig
     from stage_service.models.weights import ensure_model_dir
 
     ensure_model_dir(Path(model_dir), PipelineConfig.tiny())  # once, before two meshes look for it
     before = _segments()
-    configs = {}
-    for name, extra in (("async", ""), ("step", "step_execution = true")):
-        root = tmp_path_factory.mktemp(f"mesh-{name}")
-        configs[name] = (write_config(root / "mesh.toml", model_dir, extra_stage=extra), root / "mesh.log")
-    with cf.ThreadPoolExecutor(2) as pool:  # start both at once: each takes a while to come up
-        starting = {name: pool.submit(start_mesh, *cfg) for name, cfg in configs.items()}
-        meshes = {}
-        failures = []
-        for name, fut in starting.items():
-            try:
-                meshes[name] = fut.result()
-            except Exception as exc:  # noqa: BLE001
-                failures.append(exc)
-    if failures:
-        for m in meshes.values():
-            m.stop()
-        raise failures[0]
-    pids = {m.process.pid for m in meshes.values()}
-    for m in meshes.values():
-        pids.update(descendants(m.process.pid))
+    root = tmp_path_factory.mktemp("mesh-step")
+    config = (write_config(root / "mesh.toml", model_dir, extra_stage="step_execution = true"), root / "mesh.log")
+    with cf.ThreadPoolExecutor(1) as pool:  # start both at once: each takes a while to come up
+        starting = pool.submit(start_mesh, *config)
+        try:
+            shared = request.getfixturevalue("mesh")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                starting.result().stop()
+            raise
+        step = starting.result()
+    meshes = {"async": shared, "step": step}
+    pids = {step.process.pid, *descendants(step.process.pid)}
     try:
         yield meshes
     finally:
-        with cf.ThreadPoolExecutor(2) as pool:
-            codes = dict(zip(meshes, pool.map(lambda m: m.stop(), meshes.values())))
-    for name, code in codes.items():
-        assert code == 0, (name, meshes[name].logs()[-3000:])
+        code = step.stop()
+    assert code == 0, step.logs()[-3000:]
     leaked = {s for s in _segments() - before if _owner(s) in pids}
-    assert not leaked, f"shared-memory segments left behind by the meshes: {leaked}"
+    assert not leaked, f"shared-memory segments left behind by the step mesh: {leaked}"
 
 
 SHAPES = list(itertools.product((16, 32, 48, 64), (16, 32)))

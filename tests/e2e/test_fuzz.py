@@ -3,8 +3,9 @@ fields test_api_errors.py's sweep leaves out (request_id, seed, unset fields, ou
 then raw bytes that are no protobuf message at all. Whatever arrives, no service answers
 UNKNOWN or INTERNAL from its own code, none dies, and every refusal names its field.
 
-Sleep mutates the mesh, so this module runs its own; each example that put a stage to sleep
-wakes it and resumes generation before the next."""
+Sleep mutates the mesh, so this module uses the one the sleep tests share (tests/e2e/conftest.py),
+never the session's; each example that put a stage to sleep wakes it and resumes generation before
+the next."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from hypothesis import strategies as st
 
 from stagemesh.v1 import cache_pb2, control_pb2, gateway_pb2, generation_pb2, stage_pb2
 from tests.e2e.test_api_errors import _bad_request
-from tests.e2e.test_lifecycle import start
 from tests.support.meshproc import alive, descendants
 
 pytestmark = pytest.mark.mesh
@@ -30,14 +30,14 @@ NEVER = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 
 
 @pytest.fixture(scope="module")
-def fuzz_mesh(tmp_path_factory, model_dir):
-    mesh = start(tmp_path_factory.mktemp("fuzz-mesh"), model_dir)
+def fuzz_mesh(sleepy):
+    """The shared sleep mesh; its clean stop (exit 0, no traceback) is checked when the session ends."""
+    mesh = sleepy
     pids = {mesh.process.pid, *descendants(mesh.process.pid)}
     yield mesh
     # Nothing died on the way (a restarted service or worker would have a new pid).
     assert {mesh.process.pid, *descendants(mesh.process.pid)} == pids, "a mesh process died or was restarted"
     assert all(alive(p) for p in pids)
-    assert mesh.stop() == 0, mesh.logs()[-3000:]
     assert "Traceback" not in mesh.logs()
 
 

@@ -2,8 +2,9 @@
 reference behaviour table (vLLM-Omni /v1/omni/sleep and /wakeup, section 6.2) for a mesh whose
 stages can sleep — sleep with the default level, empty ids, the sleeping set updated; wake,
 skipped when not sleeping, partial, empty, removing only the requested ids, round trip — then
-sleep under a stream of generates, and a clean stop. The same rows through the CLI and grpcurl,
-and a mesh without sleep support, are in tests/e2e/test_sleep_wake_clients.py.
+sleep under a stream of generates, and a clean stop (of the mesh these modules share, at the end of
+the session: tests/e2e/conftest.py). The same rows through the CLI and grpcurl, and a mesh without
+sleep support, are in tests/e2e/test_sleep_wake_clients.py.
 """
 
 from __future__ import annotations
@@ -38,10 +39,8 @@ from tests.support.sleep_mesh import (  # noqa: F401
     refused,
     resume,
     rpc_done,
-    sleepy,
     stage_calls,
     states,
-    stopped_cleanly,
     stub,
     wake_up,
 )
@@ -313,9 +312,3 @@ def test_twenty_cycles_under_a_stream_of_generates_lose_no_request(stub, referen
         else:
             assert "asleep" in payload or "paused" in payload, payload
     assert generate(stub) == reference
-
-
-# ---- last: the mesh stops cleanly after all of the above ------------------------------------------
-def test_zz_mesh_stops_cleanly_and_leaves_no_shared_memory(sleepy, stub, reference):
-    assert generate(stub, BIG)  # one more output through shared memory right before the stop
-    stopped_cleanly(sleepy, sleepy.pids)

@@ -32,7 +32,6 @@ from tests.support.sleep_mesh import (  # noqa: F401
     reference,
     refused,
     sleepless,
-    sleepy,
     stage_calls,
     states,
     stub,

@@ -1,11 +1,11 @@
 """A `stagemesh up` mesh (cache, ar stage, diffusion stage, gateway) whose stages can sleep,
 shared by the sleep-and-wake tests: its fixtures, requests and gateway helpers.
 
-Sleep mutates a mesh, so the fixtures are module-scoped: each test module that imports them runs
-its own meshes and never the shared session one: `sleepy` (both stages can sleep) and
-`sleepless` (enable_sleep = false). Every test leaves `sleepy` awake with generation open (the
-`awake_and_open` fixture, autouse where imported), and a mesh is checked to stop cleanly (exit 0,
-no shared-memory segment left) when its module is done.
+Sleep mutates a mesh, so these tests never use the shared session one: `sleepy` (both stages can
+sleep; one per session, in tests/e2e/conftest.py, for the modules that sleep and wake it) and
+`sleepless` (enable_sleep = false; module-scoped). Every test leaves `sleepy` awake with
+generation open (the `awake_and_open` fixture, autouse where imported), and a mesh is checked to
+stop cleanly (exit 0, no shared-memory segment left) when it is done with.
 """
 
 from __future__ import annotations
@@ -52,14 +52,6 @@ def start_sleep_mesh(root, model_dir, extra_stage: str = "") -> Mesh:
     mesh.pids = {mesh.process.pid, *descendants(mesh.process.pid)}  # services and their workers
     assert len(mesh.pids) >= 1 + 4, mesh.pids  # supervisor, cache, 2 stages (+ workers), gateway
     return mesh
-
-
-@pytest.fixture(scope="module")
-def sleepy(tmp_path_factory, model_dir):
-    mesh = start_sleep_mesh(tmp_path_factory.mktemp("sleepy"), model_dir)
-    yield mesh
-    if mesh.process.poll() is None:  # unless a test stopped it (and checked) already
-        stopped_cleanly(mesh, mesh.pids)
 
 
 @pytest.fixture(scope="module")
