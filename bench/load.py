@@ -10,7 +10,7 @@ per kind, QPS, and the count of every status code; a request without an outcome 
 
 Without --address it starts its own mesh (`stagemesh up`, the tiny model) and stops it after. The
 fd and thread counts of every mesh process before and after the load are reported too.
-tests/test_load.py runs the same driver at a small scale.
+tests/e2e/test_load.py runs the same driver at a small scale.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import grpc
 from bench import common
 from stagemesh.core import rpc
 from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
-from tests.meshproc import segments_of, shm_entries
+from tests.support.meshproc import segments_of, shm_entries
 
 DEFAULT_OUTPUT = REPO / "bench" / "results" / "load.json"
 CALL_TIMEOUT_S = 120.0
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         results = measure(args, args.address, None)
     else:
         from bench.mesh_overhead import start_mesh, stop_mesh
-        from tests.meshproc import write_config
+        from tests.support.meshproc import write_config
 
         common.prepare_mesh_run(args)
         with tempfile.TemporaryDirectory(prefix="stagemesh-load-") as tmp:

@@ -47,7 +47,7 @@ from stagemesh.v1 import (
     stage_pb2,
     stage_pb2_grpc,
 )
-from tests.meshproc import START_TIMEOUT_S, Mesh, write_config
+from tests.support.meshproc import START_TIMEOUT_S, Mesh, write_config
 
 TARGET_P50_OVERHEAD_MS = 1.0
 CALL_TIMEOUT_S = 60.0
@@ -101,7 +101,7 @@ def process_cpu_s(pid: int | None) -> float | None:
 
 
 def start_mesh(config_path: Path, log_path: Path) -> Mesh:
-    """`python -m stagemesh up --config ...` (as tests.meshproc.start_mesh does), but killed if
+    """`python -m stagemesh up --config ...` (as tests.support.meshproc.start_mesh does), but killed if
     anything, an interrupt included, stops us before the banner names the gateway's address."""
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(

@@ -38,7 +38,7 @@ from gateway.images import encode_png
 from stage_service.models.diffusers_adapter import synthetic
 from stage_service.models.diffusers_adapter.loading import dtype_kwarg
 from stagemesh.v1 import gateway_pb2, generation_pb2
-from tests.meshproc import start_mesh
+from tests.support.meshproc import start_mesh
 
 PROMPT = "a lighthouse at dusk"
 CASES = ("diffusers-resident", "mesh-resident", "diffusers-group", "mesh-dlo")

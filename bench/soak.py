@@ -42,7 +42,7 @@ from bench.load import _cmdline, mesh_processes, mesh_segments, process_resource
 from bench.mesh_overhead import start_mesh, stop_mesh
 from stagemesh.core import rpc
 from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2
-from tests.meshproc import Mesh, alive, descendants, segments_of, shm_entries, write_config
+from tests.support.meshproc import Mesh, alive, descendants, segments_of, shm_entries, write_config
 
 DEFAULT_OUTPUT = REPO / "bench" / "results" / "soak.json"
 DEFAULT_LOG = Path(tempfile.gettempdir()) / "stagemesh-soak-mesh.log"

@@ -6,7 +6,7 @@ import pytest
 
 from stage_service.models.config import PipelineConfig
 from stage_service.models.weights import ensure_model_dir
-from tests.meshproc import Mesh, segments_of, shm_entries, start_mesh, write_config
+from tests.support.meshproc import Mesh, segments_of, shm_entries, start_mesh, write_config
 
 
 @pytest.fixture(scope="session")
@@ -35,8 +35,8 @@ def mesh(tmp_path_factory, model_dir) -> Mesh:
 
 @pytest.fixture
 def harness_factory():
-    """Makes workers on real queues (tests/worker_harness.py) and stops them after the test."""
-    from tests.worker_harness import Harness
+    """Makes workers on real queues (tests/support/worker_harness.py) and stops them after the test."""
+    from tests.support.worker_harness import Harness
 
     made: list[Harness] = []
 
@@ -53,6 +53,6 @@ def harness_factory():
 @pytest.fixture
 def populated(tmp_path):
     """A runtime-cache root with one valid entry, one without a manifest, stale temp dirs."""
-    from tests.cache_entries import populated_root
+    from tests.support.cache_entries import populated_root
 
     return populated_root(tmp_path / "cache")

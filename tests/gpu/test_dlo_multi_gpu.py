@@ -19,9 +19,13 @@ from stage_service.models.dit import DiT
 from stage_service.offload import LayerwiseOffload
 from stagemesh.core.procutil import free_port
 from stagemesh.v1 import gateway_pb2, generation_pb2
-from tests.meshproc import start_mesh, write_config
+from tests.support.meshproc import start_mesh, write_config
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.mesh,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
+]
 
 # depth 5: an odd block count; hidden 264 makes blocks whose bytes 2 does not split into
 # aligned halves, so the shard remainder path runs.

@@ -1,0 +1,197 @@
+"""The runtime-weight cache wired into DLO (docs/DLO.md): engines whose weights went through
+the ordinary loader share one published copy; a later start maps it without loading.
+
+Real worker processes (Executor) and real gloo TP ranks; the cache runs its local lock protocol
+(no cache service configured), which is the same flock the service takes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from stage_service.executor.executor import Executor
+from stage_service.models.runners import DiffusionRunner, WorkItem, build_runner
+from stage_service.models.runtime_weights import DitWeightCache, final_tensors, swap_storage
+from stage_service.models.weights import load_dit
+from stage_service.offload import DloOptions
+from stage_service.settings import StageSettings
+from stagemesh.core.params import Params
+from stagemesh.weight_store import locks
+
+TOLERANCE = 1e-6  # TP=2 vs TP=1 rounding, see tests/stage_service/test_tensor_parallel.py
+
+
+def _opts(root: Path, **kw) -> dict:
+    return {
+        "enable_dlo": True,
+        "dlo_use_allgather": False,
+        "dlo_enable_runtime_cache": True,
+        "dlo_checkpoint_mmap": False,
+        "dlo_runtime_cache_dir": str(root),
+        **kw,
+    }
+
+
+def _stage(stage_id: int, model: Path, dlo: dict) -> StageSettings:
+    return StageSettings(
+        stage_id=stage_id, kind="diffusion", model_dir=str(model), threads=1, step_execution=True, **dlo
+    )
+
+
+def _items() -> list[WorkItem]:
+    cond = torch.randn(6, 64, generator=torch.Generator().manual_seed(3))
+    return [WorkItem("r", Params("p", 64, 48, 3, 4.0, 11, "tensor"), {"hidden_states": cond})]
+
+
+@pytest.fixture(scope="module")
+def want(tiny_model) -> torch.Tensor:
+    torch.set_num_threads(1)
+    return build_runner("diffusion", tiny_model).run(_items())[0]["image"]
+
+
+def _layout_entries(root: Path) -> list[Path]:
+    """Entries holding weights (not the small checkpoint aliases)."""
+    out = []
+    for d in sorted((root / "v1").iterdir()):
+        manifest = json.loads((d / "manifest.json").read_text())
+        if "dit.x_embed.weight" in json.dumps(manifest):
+            out.append(d)
+    return out
+
+
+def _in_entry(t: torch.Tensor, entry: Path) -> bool:
+    """Whether `t`'s bytes lie in a mapping of a file of `entry` (this process)."""
+    addr = t.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[5].startswith(str(entry)):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= addr < hi:
+                return True
+    return False
+
+
+# ---- in one process ----------------------------------------------------------------------
+
+
+def test_publish_then_skip_load_hit(tiny_model, want, tmp_path):
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    first = DiffusionRunner(tiny_model, "cpu", DloOptions(**_opts(tmp_path)))
+    miss_s = time.perf_counter() - started
+    assert first.runtime_cache.reason == "published"
+    [entry] = _layout_entries(tmp_path)
+    assert _in_entry(first.dit.blocks[0].attn.q.weight, entry)  # streamed from the mapping
+    assert _in_entry(first.dit.x_embed.weight, entry)
+    assert first.offload.stats().host_mode == "staged"
+    assert torch.equal(first.run(_items())[0]["image"], want)
+
+    started = time.perf_counter()
+    second = DiffusionRunner(tiny_model, "cpu", DloOptions(**_opts(tmp_path)))
+    hit_s = time.perf_counter() - started
+    assert second.runtime_cache.reason == "skip_load_hit"
+    assert second.runtime_cache.key == first.runtime_cache.key
+    assert _in_entry(second.dit.blocks[1].mlp[0].weight, entry)
+    assert torch.equal(second.run(_items())[0]["image"], want)
+    print(
+        f"runtime cache start: miss (load + hash + publish) {miss_s * 1e3:.1f} ms, "
+        f"skip-load hit {hit_s * 1e3:.1f} ms; logged load_s "
+        f"{first.runtime_cache.load_s * 1e3:.1f} / {second.runtime_cache.load_s * 1e3:.1f} ms"
+    )
+
+
+def test_swap_keeps_the_parameter_objects(tiny_model, tmp_path):
+    dit, decoder = load_dit(tiny_model)
+    parts = {"dit.": dit, "decoder.": decoder}
+    before = {n: id(p) for n, p in dit.named_parameters()}
+    mapped = {n: t.clone() for n, t in final_tensors(parts).items()}
+    swap_storage(parts, mapped)
+    assert {n: id(p) for n, p in dit.named_parameters()} == before
+    assert dit.x_embed.weight.data_ptr() == mapped["dit.x_embed.weight"].data_ptr()
+    # A mismatch changes nothing.
+    mapped.pop("dit.x_embed.bias")
+    fresh, fresh_dec = load_dit(tiny_model)
+    ptr = fresh.x_embed.weight.data_ptr()
+    with pytest.raises(Exception, match="names differ"):
+        swap_storage({"dit.": fresh, "decoder.": fresh_dec}, mapped)
+    assert fresh.x_embed.weight.data_ptr() == ptr
+
+
+def test_one_changed_byte_gives_a_new_key(tiny_model, tmp_path):
+    cache = DitWeightCache(tiny_model, DloOptions(**_opts(tmp_path)), None)
+    dit, decoder = load_dit(tiny_model)
+    tensors = final_tensors({"dit.": dit, "decoder.": decoder})
+    key = cache.layout_key_of(tensors)
+    assert cache.layout_key_of(dict(tensors)) == key
+    changed = dict(tensors)
+    flat = changed["dit.blocks.0.attn.q.weight"].clone()
+    flat.view(-1).view(torch.uint8)[5] ^= 1
+    changed["dit.blocks.0.attn.q.weight"] = flat
+    assert cache.layout_key_of(changed) != key
+
+
+def test_cache_not_usable_keeps_private_tensors(tiny_model, want, tmp_path):
+    root = tmp_path / "root"
+    dit, decoder = load_dit(tiny_model)
+    cache = DitWeightCache(tiny_model, DloOptions(**_opts(root)), None)
+    key = cache.layout_key_of(final_tensors({"dit.": dit, "decoder.": decoder}))
+    cache.cache.store.ensure_root()
+    held = locks.publication_lock(root, key, 5.0)  # another publisher that never finishes
+    try:
+        runner = DiffusionRunner(tiny_model, "cpu", DloOptions(**_opts(root, dlo_runtime_cache_lock_timeout=0.3)))
+    finally:
+        held.release()
+    assert runner.runtime_cache.reason == "lock_timeout" and runner.runtime_cache.entry is None
+    assert runner.offload.stats().host_mode == "packed"  # private copies, packed once
+    assert torch.equal(runner.run(_items())[0]["image"], want)
+    # A root that cannot exist (under a regular file): io_error, same fallback.
+    (tmp_path / "file").write_text("x")
+    broken = DiffusionRunner(tiny_model, "cpu", DloOptions(**_opts(tmp_path / "file" / "root")))
+    assert broken.runtime_cache.reason == "io_error"
+    assert torch.equal(broken.run(_items())[0]["image"], want)
+
+
+# ---- stage processes ---------------------------------------------------------------------
+
+
+def _maps(pid: int, entry: Path) -> bool:
+    return str(entry) in Path(f"/proc/{pid}/maps").read_text()
+
+
+def _image(ex: Executor) -> torch.Tensor:
+    _, fut = ex.submit(0, _items())
+    return fut.result(120)[0]["image"]
+
+
+def test_two_stages_with_one_layout_share_one_entry(tiny_model, want, tmp_path):
+    stages = [Executor(_stage(i, tiny_model, _opts(tmp_path))) for i in (1, 2)]
+    try:
+        # Started from this thread: a worker dies with the thread that spawned it (PDEATHSIG).
+        for ex in stages:
+            ex.start(120)
+        [entry] = _layout_entries(tmp_path)
+        for ex in stages:
+            assert _maps(ex._workers[0].process.pid, entry)
+            assert torch.equal(_image(ex), want)
+    finally:
+        for ex in stages:
+            ex.shutdown()
+
+
+def test_tp_ranks_get_distinct_entries(tiny_model, want, tmp_path):
+    ex = Executor(_stage(1, tiny_model, _opts(tmp_path, tensor_parallel_size=2)))
+    try:
+        ex.start(120)
+        entries = _layout_entries(tmp_path)
+        assert len(entries) == 2
+        pids = [ex._workers[r].process.pid for r in (0, 1)]
+        # Each rank maps its own entry and not the other's.
+        assert sorted(_maps(pid, e) for pid in pids for e in entries) == [False, False, True, True]
+        assert (_image(ex) - want).abs().max().item() <= TOLERANCE
+    finally:
+        ex.shutdown()
