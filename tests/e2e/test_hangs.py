@@ -14,9 +14,11 @@ import grpc
 import pytest
 
 from stagemesh.v1 import gateway_pb2, generation_pb2
-from tests.meshproc import start_mesh, write_config
-from tests.test_faults import child_pid
-from tests.test_lifecycle import generate_until_ok, worker_pids
+from tests.e2e.test_faults import child_pid
+from tests.e2e.test_lifecycle import generate_until_ok, worker_pids
+from tests.support.meshproc import start_mesh, write_config
+
+pytestmark = pytest.mark.mesh
 
 HANG_TIMEOUT_S = 3
 LONG = generation_pb2.GenerationParams(prompt="a long night", width=512, height=512, num_inference_steps=50, seed=3)

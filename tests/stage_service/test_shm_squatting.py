@@ -18,8 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stage_service.transport import ipc
 from stagemesh.v1 import generation_pb2, stage_pb2, stage_pb2_grpc
-from tests.meshproc import alive, spawn_service
-from tests.test_lifecycle import wait_until, worker_pids
+from tests.e2e.test_lifecycle import wait_until, worker_pids
+from tests.support.meshproc import alive, spawn_service
+
+pytestmark = pytest.mark.mesh
 
 NOBODY = 65534
 SERVING = health_pb2.HealthCheckResponse.SERVING

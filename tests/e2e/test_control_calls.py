@@ -17,7 +17,9 @@ from grpc_status import rpc_status
 
 from stagemesh import cli
 from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2, stage_pb2, stage_pb2_grpc
-from tests.meshproc import spawn_service, start_mesh, write_config
+from tests.support.meshproc import spawn_service, start_mesh, write_config
+
+pytestmark = pytest.mark.mesh
 
 RPC_TIMEOUT_S = 60.0
 SUCCESS = control_pb2.CONTROL_STATUS_SUCCESS

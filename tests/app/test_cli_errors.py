@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.meshproc import REPO
+from tests.support.meshproc import REPO
 
 TIMEOUT_S = 120
 

@@ -17,10 +17,10 @@ import grpc
 import pytest
 
 from stagemesh.v1 import cache_pb2, cache_pb2_grpc
-from tests.cache_entries import KEY_A, populated_root
-from tests.meshproc import REPO
-from tests.runtime_cache_proc import Child
-from tests.test_runtime_cache_service import service  # noqa: F401 - the fixture, found by name
+from tests.cache_service.test_runtime_cache_service import service  # noqa: F401 - the fixture, found by name
+from tests.support.cache_entries import KEY_A, populated_root
+from tests.support.meshproc import REPO
+from tests.support.runtime_cache_proc import Child
 
 KEY = "c" * 64
 KEY2 = "d" * 64

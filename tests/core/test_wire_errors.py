@@ -9,7 +9,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stagemesh.v1 import gateway_pb2, generation_pb2
-from tests.meshproc import start_mesh, write_config
+from tests.support.meshproc import start_mesh, write_config
+
+pytestmark = pytest.mark.mesh
 
 RPC_TIMEOUT_S = 60.0
 TRUNCATED = b"\x0a\x05\x0a"  # field 1, length 5, one byte follows

@@ -11,7 +11,9 @@ import grpc
 import pytest
 
 from stagemesh.v1 import gateway_pb2, generation_pb2, stage_pb2, stage_pb2_grpc
-from tests.sleep_mesh import (  # noqa: F401 - module fixtures
+
+# The mesh fixtures are found by name (the shared `sleepy` mesh comes from tests/e2e/conftest.py).
+from tests.support.sleep_mesh import (  # noqa: F401
     SUCCESS,
     awake_and_open,
     channel,
@@ -19,7 +21,6 @@ from tests.sleep_mesh import (  # noqa: F401 - module fixtures
     put_to_sleep,
     reference,
     resume,
-    sleepy,
     stub,
     wake_up,
 )
@@ -30,6 +31,7 @@ LONG = generation_pb2.GenerationParams(prompt="a long night", width=512, height=
 OTHER_SHAPE = generation_pb2.GenerationParams(
     prompt="a short day", width=256, height=256, num_inference_steps=2, seed=4
 )
+pytestmark = pytest.mark.mesh
 
 
 class Background:
