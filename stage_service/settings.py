@@ -102,11 +102,10 @@ class StageSettings(DloOptions):
         _check_counts(self)
         _check_defaults_within_limits(self)
         super().__post_init__()  # refused DLO combinations fail at start, saying what to change
-        if self.dp_group_size() > 1 and self.workers not in (1, self.dp_size):
+        if self.dp_size > 1 and self.workers not in (1, self.dp_size):
             raise ValueError(
-                f"workers = {self.workers} with enable_dlo, AllGather and dp_size = "
-                f"{self.dp_size}: the DP ranks are the workers; set workers = {self.dp_size} "
-                "(or leave it at 1)"
+                f"workers = {self.workers} with dp_size = {self.dp_size}: both count the stage's "
+                f"data-parallel worker processes; set workers = {self.dp_size} (or leave it at 1)"
             )
         if self.dp_group_size() > 1 and self.device.startswith("cuda:"):
             raise ValueError(
@@ -153,7 +152,8 @@ class StageSettings(DloOptions):
         return self.dp_size if grouped else 1
 
     def worker_processes(self) -> int:
-        return max(self.workers, self.dp_group_size(), self.tensor_parallel_size)
+        """dp_size data-parallel ranks are that many processes, with or without a DP group."""
+        return max(self.workers, self.dp_size, self.tensor_parallel_size)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:

@@ -69,9 +69,9 @@ class DloOptions:
 HELP = {
     "enable_dlo": "stream the DiT's blocks from host memory through two device slots "
     "(distributed layerwise offload, DLO)",
-    "dp_size": "data-parallel ranks of the stage; with DLO AllGather on a diffusion stage, "
-    "that many worker processes form the weight-sharding group and run requests in "
-    "DP waves (see docs/DLO.md)",
+    "dp_size": "data-parallel ranks of the stage: that many worker processes (as workers = N); "
+    "with DLO AllGather on a diffusion stage they form the weight-sharding group and run "
+    "requests in DP waves (see docs/DLO.md)",
     "dlo_use_allgather": "DLO: each DP rank keeps 1/dp_size of every block and rebuilds it with "
     "AllGather; --dlo-no-use-allgather streams complete rank-local blocks",
     "dlo_resident_layers": "DLO: keep this many leading blocks on the device (needs "

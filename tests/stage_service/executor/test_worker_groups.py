@@ -33,6 +33,14 @@ def test_settings_map_to_groups():
     assert _groups(workers=3) == [([0], [0], False), ([1], [1], False), ([2], [2], False)]
     assert _groups(tensor_parallel_size=2) == [([0, 1], [0], False)]  # rank 0 answers for both
     assert _groups(enable_dlo=True, dp_size=2) == [([0, 1], [0, 1], True)]  # every wave rank answers
+    # dp_size counts data-parallel processes also without a DP group (it used to start one worker)
+    assert _groups(enable_dlo=True, dlo_use_allgather=False, dp_size=2) == [([0], [0], False), ([1], [1], False)]
+    assert _groups(dp_size=2, workers=2) == [([0], [0], False), ([1], [1], False)]
+
+
+def test_workers_and_dp_size_that_disagree_are_refused_naming_both():
+    with pytest.raises(ValueError, match="workers = 3 with dp_size = 2"):
+        StageSettings(kind="diffusion", dp_size=2, workers=3)
 
 
 def test_a_group_call_answers_with_the_output_ranks_or_the_first_error_at_once():
