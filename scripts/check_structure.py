@@ -31,7 +31,7 @@ SHARED_TOP_DOWN = ("stagemesh.weight_store", "stagemesh.core", "stagemesh.v1")
 SHARED = frozenset(SHARED_TOP_DOWN)
 # stage_service's rooms, top first; one tuple is one tier (its rooms may import one another).
 ROOMS: tuple[tuple[str, ...], ...] = (
-    ("server", "control", "settings", "metrics"),
+    ("server", "control", "settings", "metrics", "inputs"),
     ("engine",),
     ("executor",),
     ("worker",),

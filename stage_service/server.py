@@ -12,6 +12,7 @@ import torch
 from stage_service.control import Ack, StageControl
 from stage_service.engine.engine import Engine, OutputsEvent, ProgressEvent
 from stage_service.executor.executor import Executor
+from stage_service.inputs import check_inputs
 from stage_service.metrics import stage_readings
 from stage_service.models.diffusers_adapter import FolderError
 from stage_service.settings import StageSettings
@@ -57,6 +58,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     async def Execute(self, request: stage_pb2.ExecuteRequest, context) -> Any:
         request_id = logs.current_request_id()
         params = converters.params_from_proto(request.params, self.limits)
+        ready = self._executor.ready_info()
+        check_inputs(request.inputs, ready[0].input_specs if ready else None)
         inputs = {name: codec.from_proto(t, f"inputs[{name}]") for name, t in request.inputs.items()}
         explicit_steps = request.params.HasField("num_inference_steps")
         async for event in self._engine.run(request_id, params, inputs, explicit_steps):

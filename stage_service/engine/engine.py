@@ -19,7 +19,7 @@ import torch
 
 from stage_service.engine.request import Batch, Dispatcher, OutputsEvent, ProgressEvent, StageRequest
 from stage_service.engine.waves_scheduler import WaveScheduler
-from stage_service.executor.executor import Executor, ProgressFn
+from stage_service.executor.executor import BatchItemFailed, Executor, ProgressFn
 from stage_service.executor.outputs import output_timeout
 from stagemesh.core import errors, logs
 from stagemesh.core.backoff import Backoff
@@ -225,6 +225,9 @@ class Engine:
         batch.rpc_id, fut = self._executor.submit(batch.group, [r.work_item() for r in batch.requests], on_progress)
         try:
             done = await asyncio.wrap_future(fut)
+        except BatchItemFailed as exc:
+            self._run_again_without(batch.requests, exc)
+            return
         except Exception as exc:  # noqa: BLE001 - every request of the batch gets the error
             self._fan_out(batch.requests, exc)
             return
@@ -232,6 +235,16 @@ class Engine:
             # COMPUTE_DONE (or the synchronous result) frees the group for the next batch at once.
             self.release(batch.group)
         await self.collect(batch.requests, done)
+
+    def _run_again_without(self, requests: list[StageRequest], failed: BatchItemFailed) -> None:
+        """One request alone made its batch fail: it gets the error, the others go back to the
+        head of the queue and run without it."""
+        self.deliver(requests[failed.index], failed.error)
+        others = [r for i, r in enumerate(requests) if i != failed.index and not r.done]
+        for r in others:
+            r.batch = None
+        self._waiting.extendleft(reversed(others))
+        self._wake.set()
 
     async def collect(self, requests: list[StageRequest], done: Any) -> None:
         """Hand each request its outputs: a step-mode result carries them, a COMPUTE_DONE names

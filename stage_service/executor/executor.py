@@ -38,6 +38,16 @@ JOIN_TIMEOUT_S = 10.0
 DeathFn = Callable[[int, str], None]  # (group index, reason)
 
 
+class BatchItemFailed(errors.StagemeshError):
+    """Item `index` of a batch could not run and nothing of the batch ran: `error` is for that
+    item's request; the others may run again without it."""
+
+    def __init__(self, index: int, error: errors.StagemeshError) -> None:
+        super().__init__(str(error))
+        self.index = index
+        self.error = error
+
+
 class Executor:
     def __init__(self, settings: StageOptions, on_death: DeathFn | None = None):
         self.stage_name = f"stage {settings.stage_id} ({settings.kind})"
@@ -279,12 +289,23 @@ class Executor:
             else:
                 resolve_future(pending.future, result=outputs)
         elif isinstance(msg, protocol.Failure):
-            failure = (
-                errors.Cancelled(msg.message)
-                if msg.cancelled
-                else errors.StagemeshError(f"{self.stage_name} failed: {msg.message}")
+            resolve_future(pending.future, exc=self._failure(w, msg))
+
+    def _failure(self, w: _Worker, msg: protocol.Failure) -> errors.StagemeshError:
+        if msg.cancelled:
+            return errors.Cancelled(msg.message)
+        if msg.item is not None:
+            return BatchItemFailed(msg.item, errors.InvalidArgument.field("inputs", msg.message))
+        # The worker's words may name an exception class or the other requests of the batch: they
+        # go to the log (the worker logged the stack), the callers learn what failed.
+        log.error("batch failed in a worker", rank=w.spec.rank, error=msg.message)
+        if self.groups[w.group].size > 1:
+            # A rank of a collective group fails when a peer dies under it, and then exits itself:
+            # either way the group is going down and restarts, which is what the caller should hear.
+            return errors.Unavailable(
+                f"{self.stage_name} worker {w.spec.rank} failed with its group; the group restarts"
             )
-            resolve_future(pending.future, exc=failure)
+        return errors.StagemeshError(f"{self.stage_name} failed to run a batch; the stage log has the details")
 
     def _note_stats(self, w: _Worker, stats: protocol.WorkerStats) -> None:
         # The worker's offload count is cumulative; it starts again from 0 in a new process (a new

@@ -61,6 +61,25 @@ class DeviceHolder(Protocol):
     def restore_device(self) -> int: ...  # bytes taken back
 
 
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input tensor a runner takes: its sizes (None: any size from 1 up to `max_size`) and
+    whether it must be floating point. The stage checks every request's inputs against these
+    before admission, so a malformed request is refused alone instead of failing its batch."""
+
+    sizes: tuple[int | None, ...]
+    max_size: int = 1 << 20
+    floating: bool = True
+
+
+class ItemError(ValueError):
+    """One item of a batch cannot run (the others can): `index` names it within the batch."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(message)
+        self.index = index
+
+
 class Runner(Protocol):
     """What the worker calls. `kind` names the stage kind the runner serves."""
 
@@ -79,6 +98,8 @@ class Runner(Protocol):
     def dlo_stats(self) -> dict[str, Any] | None: ...  # {"world", "host_mode", "host_bytes"}; None without DLO
 
     def sleep_refusal(self, level: int) -> str | None: ...  # why it cannot sleep at `level`; None: it can
+
+    def input_specs(self) -> dict[str, TensorSpec] | None: ...  # the inputs it takes; None: not declared
 
 
 class RunnerBase:
@@ -101,3 +122,6 @@ class RunnerBase:
 
     def sleep_refusal(self, level: int) -> str | None:
         return None
+
+    def input_specs(self) -> dict[str, TensorSpec] | None:
+        return None  # the runner checks its inputs itself

@@ -7,7 +7,16 @@ from pathlib import Path
 import torch
 
 from stage_service import platform
-from stage_service.models.contract import Progress, Runner, RunnerBase, WeightFile, WorkItem, check_batch
+from stage_service.models.contract import (
+    ItemError,
+    Progress,
+    Runner,
+    RunnerBase,
+    TensorSpec,
+    WeightFile,
+    WorkItem,
+    check_batch,
+)
 from stage_service.models.dit import sample
 from stage_service.models.dit_offload import load_offloaded_dit
 from stage_service.models.step_graphs import StepGraphs
@@ -46,6 +55,9 @@ class ArRunner(RunnerBase):
             if progress is not None:
                 progress(i + 1, len(batch))
         return outputs
+
+    def input_specs(self) -> dict[str, TensorSpec]:
+        return {}  # the prompt is all it reads
 
     def limits(self) -> dict:
         lm = self.config.lm
@@ -109,13 +121,17 @@ class DiffusionRunner(RunnerBase):
             return "sleep level 2 is not available with tensor_parallel_size > 1; use level 1"
         return None
 
-    def _cond(self, item: WorkItem) -> torch.Tensor:
+    def input_specs(self) -> dict[str, TensorSpec]:
+        # The conditioning is the language model's hidden states: at most one row per position.
+        return {"hidden_states": TensorSpec((None, self.config.dit.cond_dim), max_size=self.config.lm.max_seq_len)}
+
+    def _cond(self, index: int, item: WorkItem) -> torch.Tensor:
         cond = item.inputs.get("hidden_states")
         d = self.config.dit.cond_dim
         if cond is None:
-            raise ValueError(f"{item.request_id}: inputs lack 'hidden_states'")
+            raise ItemError(index, "inputs lack 'hidden_states'")
         if cond.dim() != 2 or cond.shape[0] < 1 or cond.shape[1] != d:
-            raise ValueError(f"{item.request_id}: hidden_states must be [L>=1, {d}], got {tuple(cond.shape)}")
+            raise ItemError(index, f"hidden_states must be [L>=1, {d}], got {tuple(cond.shape)}")
         return cond
 
     def run(self, batch: list[WorkItem], progress: Progress | None = None) -> list[dict[str, torch.Tensor]]:
@@ -131,7 +147,7 @@ class DiffusionRunner(RunnerBase):
         images = sample(
             self.dit,
             self.decoder,
-            [self._cond(i) for i in batch],
+            [self._cond(i, item) for i, item in enumerate(batch)],
             width=head.params.width,
             height=head.params.height,
             num_inference_steps=head.params.num_inference_steps,

@@ -88,6 +88,7 @@ class Ready:
     limits: dict[str, Any]
     device: str
     device_memory_bytes: int
+    input_specs: dict[str, Any] | None = None  # models.contract.TensorSpec by input name; None: not declared
 
 
 @dataclass(frozen=True)
@@ -143,3 +144,4 @@ class Failure:
     rpc_id: str
     message: str
     cancelled: bool = False
+    item: int | None = None  # the batch item that alone caused it (models.contract.ItemError)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from stage_service import platform
-from stage_service.models.contract import Runner
+from stage_service.models.contract import ItemError, Runner
 from stage_service.transport import ipc, protocol
 from stage_service.worker.async_output import AsyncOutputThread, ResultWriter, new_output_id
 from stage_service.worker.sleep import SleepController
@@ -159,6 +159,8 @@ class Worker:
             self.async_output.submit(output_id, outputs, finished, started)
         except _CancelledByCaller:
             self.writer.put(protocol.Failure(msg.rpc_id, "cancelled by the caller", cancelled=True))
+        except ItemError as exc:  # one request's fault: the stage runs the others again without it
+            self.writer.put(protocol.Failure(msg.rpc_id, str(exc), item=exc.index))
         except Exception as exc:
             log.exception("batch failed", rpc_id=msg.rpc_id)  # one JSON line, with the stack
             self.writer.put(protocol.Failure(msg.rpc_id, f"{type(exc).__name__}: {exc}"))
@@ -264,7 +266,11 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
         return
     worker = Worker(spec, runner, device, requests, results)
     # Ready once the worker can serve: its heartbeats start with serve(), right after.
-    worker.writer.put(protocol.Ready(spec.rank, runner.limits(), device, platform.memory_allocated(device)))
+    worker.writer.put(
+        protocol.Ready(
+            spec.rank, runner.limits(), device, platform.memory_allocated(device), input_specs=runner.input_specs()
+        )
+    )
     worker.serve()
     if group is not None or tp is not None:
         from stage_service.offload.collective import leave_group

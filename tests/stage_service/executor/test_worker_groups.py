@@ -122,7 +122,10 @@ def test_a_dead_rank_fails_the_group_once_and_the_whole_group_restarts(tiny_mode
         pending_ping = ex.control(0, "ping")
         os.kill(old[1], signal.SIGKILL)  # the rank that is not the output rank
         await asyncio.wait_for(task, 10)
-        assert len(failures) == 1 and "worker 1 died" in str(failures[0])
+        # Rank 1's death, or rank 0 failing in a collective under it: either way UNAVAILABLE, once.
+        assert len(failures) == 1 and (
+            "worker 1 died" in str(failures[0]) or "failed with its group" in str(failures[0])
+        )
         assert isinstance(pending_ping.exception(5), errors.Unavailable)
 
         deadline = time.monotonic() + 120
