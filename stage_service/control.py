@@ -106,6 +106,7 @@ class StageControl:
                 acks.append(Ack(rank, True, level, result["freed_bytes"], result["latency_ms"]))
         # A worker being restarted can neither free nor take back memory now: it fails the call,
         # as one that died during it does, so the caller learns the stage is not where it asked.
+        # One ACK per worker: one that died during the call has its ACK already.
         acks += [
             Ack(
                 rank,
@@ -115,6 +116,7 @@ class StageControl:
             )
             for group in self._engine.restarting_groups()
             for rank in self._executor.groups[group].output_ranks
+            if rank not in calls
         ]
         return sorted(acks, key=lambda a: a.rank)
 
