@@ -41,7 +41,6 @@ import argparse
 import asyncio
 import collections
 import heapq
-import os
 import random
 import signal
 import sys
@@ -60,6 +59,7 @@ from bench.load import _cmdline
 from bench.mesh_overhead import start_mesh, stop_mesh
 from bench.soak_checks import describe, list_stages, log_counts, memory_snapshot, recover, rss_growth
 from bench.soak_faults import CALL_TIMEOUT_S, ChaosControl, ChaosGenerate, Processes, ProcessFaults, Tally
+from bench.soak_report import failures, report
 from stagemesh.core import rpc
 from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2
 from tests.meshproc import Mesh, alive, descendants, segments_of, shm_entries, write_config
@@ -69,6 +69,7 @@ DEFAULT_LOG = Path(tempfile.gettempdir()) / "stagemesh-soak-mesh.log"
 RETRY_PAUSE_S = 0.05
 SAMPLE_EVERY_S = 60.0
 SLOWEST_KEPT = 10
+SLOW_CONTROL_MS = 2000.0
 MESH_MAX_SIZE, MESH_MAX_STEPS = 512, 50  # stage 1's limits in tests.meshproc.write_config
 
 
@@ -139,7 +140,10 @@ class Soak:
             self.control[f"{name} {err.code().name}"] += 1
             self.note(call=name, code=err.code().name, details=err.details())
             return None
-        self.control_ms[name].append((time.perf_counter() - started) * 1e3)
+        ms = (time.perf_counter() - started) * 1e3
+        self.control_ms[name].append(ms)
+        if ms > SLOW_CONTROL_MS:  # e.g. a Sleep waiting on a stopped worker
+            self.note(call=name, slow_ms=round(ms))
         for ack in getattr(reply, "acks", ()):
             if ack.status != control_pb2.ACK_STATUS_SUCCESS:
                 self.note(call=name, stage_id=ack.stage_id, rank=ack.rank, error=ack.error)
@@ -169,10 +173,9 @@ class Soak:
         while await self._pause(self.args.kill_every_s):
             procs = await asyncio.to_thread(self.procs.find)
             worker = procs.get(f"stage-{stage}/worker-0")
-            if worker is None:
+            if worker is None or not self.procs.target("worker", worker).signal(signal.SIGKILL):
                 self.kills[f"stage-{stage} worker not found"] += 1
             else:
-                os.kill(worker, signal.SIGKILL)
                 self.procs.stopped.pop(worker, None)
                 self.kills[f"stage-{stage} worker"] += 1
                 self.note(kill=f"stage-{stage}/worker-0", pid=worker)
@@ -314,76 +317,6 @@ def soak(args: argparse.Namespace, mesh: Mesh) -> dict:
         "memory": {"start": start, "end": end, "samples": run.samples, "rss_growth": rss_growth(start, end)},
         "pids_seen": sorted(run.procs.seen | set(start["pids"].values()) | mesh.child_pids()),
     }
-
-
-def report(r: dict) -> None:
-    req, mem = r["requests"], r["memory"]
-    print(
-        f"\nsoak: {r['duration_s'] / 60:.1f} min, {req['total']} requests, {req['served']} served "
-        f"({req['qps_served']:.1f}/s)"
-    )
-    common.print_table(["status", "count"], sorted(req["by_status"].items(), key=lambda kv: -kv[1]))
-    print()
-    common.print_table(["control call -> outcome", "count"], sorted(r["control"].items()))
-    print()
-    rows = [
-        [
-            action,
-            sum(outcomes.values()),
-            ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items(), key=lambda kv: -kv[1])),
-        ]
-        for action, outcomes in r["actions"].items()
-    ]
-    common.print_table(["chaos action", "count", "outcomes"], rows)
-    print()
-    common.print_table(["event", "count"], [*sorted(r["kills"].items()), *sorted(r["log"].items())])
-    print()
-    growth = mem["rss_growth"]
-    names = sorted(set(mem["start"]["rss_bytes"]) | set(mem["end"]["rss_bytes"]))
-    rows = [
-        [
-            n + (" (restarted)" if growth.get(n, {}).get("restarted") else ""),
-            mem["start"]["rss_bytes"].get(n, 0) / 1e6,
-            mem["end"]["rss_bytes"].get(n, 0) / 1e6,
-            float(growth[n]["growth_mb"]) if n in growth else "",
-        ]
-        for n in names
-    ]
-    rows += [
-        ["total RSS", mem["start"]["rss_total_bytes"] / 1e6, mem["end"]["rss_total_bytes"] / 1e6, ""],
-        ["/dev/shm (segments)", float(mem["start"]["shm_segments"]), float(mem["end"]["shm_segments"]), ""],
-        ["/dev/shm MB", mem["start"]["shm_bytes"] / 1e6, mem["end"]["shm_bytes"] / 1e6, ""],
-    ]
-    common.print_table(["memory (MB)", "start", "end", "growth"], rows, floatfmt=".1f")
-    slow = ", ".join(f"{x['ms']:.0f} ms at {x['started_s']:.0f} s" for x in r["slowest_served"][:3])
-    print(f"\nslowest served: {slow}; incidents recorded: {len(r['incidents'])} (see the JSON)")
-    rec = r["recovery"]
-    print(
-        f"\nrecovery: {rec['seconds']:.1f} s of at most {rec['budget_s']:.0f} s, {rec['attempts']} attempt(s), "
-        f"continued {rec['continued'] or 'nothing'}; stages at its start: {describe(rec['stages_at_start'])}"
-    )
-    print(f"every stage serving: {'yes' if rec['succeeded'] else 'no'}; last attempt: {rec['last_attempt']}")
-    s = r["stop"]
-    print(
-        f"\nstop: exit code {s['exit_code']}, segments left {len(s['segments_left'])}, "
-        f"processes left {len(s['processes_left'])}"
-    )
-    if r["failures"]:
-        print(f"FAILED: {'; '.join(r['failures'])}")
-
-
-def failures(r: dict) -> list[str]:
-    """Why the soak fails: the mesh did not recover, did not stop cleanly, or left something behind."""
-    s, out = r["stop"], []
-    if not r["recovery"]["succeeded"]:
-        out.append("the mesh did not recover")
-    if s["exit_code"] != 0:
-        out.append(f"`up` exited with {s['exit_code']}")
-    if s["segments_left"]:
-        out.append(f"{len(s['segments_left'])} /dev/shm segment(s) left")
-    if s["processes_left"]:
-        out.append(f"{len(s['processes_left'])} process(es) left alive")
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -144,8 +144,7 @@ class Processes:
         continued = [t.name for t in self.stopped.values() if t.signal(signal.SIGCONT)]
         self.stopped.clear()
         for name, pid in self.find().items():
-            if process_state(pid) == "T":
-                os.kill(pid, signal.SIGCONT)
+            if process_state(pid) == "T" and self.target(name, pid).signal(signal.SIGCONT):
                 continued.append(name)
         return continued
 
@@ -198,9 +197,10 @@ class ChaosGenerate:
     async def _stream(self, stub, params, timeout: float, cancel_after_events: int | None) -> str:
         """A streaming Generate, cancelled by the client after that many progress events (if given)."""
         call = stub.Generate(gateway_pb2.GenerateRequest(params=params), timeout=timeout)
-        events = 0
         if cancel_after_events == 0:
             call.cancel()  # before the first event, maybe before the gateway has seen the call
+            return (await call.code()).name
+        events = 0
         try:
             async for event in call:
                 if event.HasField("result"):
