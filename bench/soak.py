@@ -69,7 +69,6 @@ DEFAULT_LOG = Path(tempfile.gettempdir()) / "stagemesh-soak-mesh.log"
 RETRY_PAUSE_S = 0.05
 SAMPLE_EVERY_S = 60.0
 SLOWEST_KEPT = 10
-SLOW_CONTROL_MS = 2000.0
 MESH_MAX_SIZE, MESH_MAX_STEPS = 512, 50  # stage 1's limits in tests.meshproc.write_config
 
 
@@ -132,23 +131,26 @@ class Soak:
                 else:
                     await asyncio.sleep(RETRY_PAUSE_S)
 
-    async def _control_call(self, name: str, call) -> object | None:
+    async def _control_call(self, name: str, call, **detail) -> object | None:
+        """One call of the periodic Sleep cycle, counted and noted with its time (a wedge is read
+        from the sequence of calls and faults)."""
         started = time.perf_counter()
         try:
             reply = await call
         except grpc.aio.AioRpcError as err:
             self.control[f"{name} {err.code().name}"] += 1
-            self.note(call=name, code=err.code().name, details=err.details())
+            ms = round((time.perf_counter() - started) * 1e3, 1)
+            self.note(cycle=name, outcome=err.code().name, ms=ms, details=err.details(), **detail)
             return None
         ms = (time.perf_counter() - started) * 1e3
         self.control_ms[name].append(ms)
-        if ms > SLOW_CONTROL_MS:  # e.g. a Sleep waiting on a stopped worker
-            self.note(call=name, slow_ms=round(ms))
+        status = getattr(reply, "status", None)
+        outcome = control_pb2.ControlStatus.Name(status) if status is not None else "OK"
+        self.control[f"{name} {outcome}"] += 1
+        self.note(cycle=name, outcome=outcome, ms=round(ms, 1), **detail)
         for ack in getattr(reply, "acks", ()):
             if ack.status != control_pb2.ACK_STATUS_SUCCESS:
-                self.note(call=name, stage_id=ack.stage_id, rank=ack.rank, error=ack.error)
-        status = getattr(reply, "status", None)
-        self.control[f"{name} {control_pb2.ControlStatus.Name(status) if status is not None else 'OK'}"] += 1
+                self.note(cycle=name, stage_id=ack.stage_id, rank=ack.rank, error=ack.error)
         return reply
 
     async def sleeper(self, stub: gateway_pb2_grpc.GatewayServiceStub) -> None:
@@ -159,10 +161,11 @@ class Soak:
             await self._control_call(
                 f"sleep L{level}",
                 stub.Sleep(gateway_pb2.SleepRequest(stage_ids=ids, level=level), timeout=CALL_TIMEOUT_S),
+                stage_ids=ids,
             )
             await asyncio.sleep(a.sleep_hold_s)  # clients meet FAILED_PRECONDITION meanwhile
             await self._control_call(
-                "wake", stub.WakeUp(gateway_pb2.WakeUpRequest(stage_ids=ids), timeout=CALL_TIMEOUT_S)
+                "wake", stub.WakeUp(gateway_pb2.WakeUpRequest(stage_ids=ids), timeout=CALL_TIMEOUT_S), stage_ids=ids
             )
             await self._control_call(
                 "resume", stub.ResumeGeneration(gateway_pb2.ResumeGenerationRequest(), timeout=CALL_TIMEOUT_S)

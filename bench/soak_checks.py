@@ -130,7 +130,33 @@ async def recover(mesh: Mesh, procs: Processes, budget_s: float, params: generat
         "continued": continued,
         "stages_at_start": at_start,
         "last_attempt": last,
+        "diagnosis": [] if last.get("ok") else diagnose(last),
     }
+
+
+def diagnose(attempt: dict) -> list[str]:
+    """What kept the last recovery attempt from succeeding, in words."""
+    listing = attempt.get("list_stages") or {"error": "not reached"}
+    if "error" in listing:
+        return [
+            f"ListStages {listing['error']}; WakeUp {attempt.get('wake')}, ResumeGeneration {attempt.get('resume')}"
+        ]
+    out = []
+    for s in listing["stages"]:
+        if s["sleep_level"] and attempt.get("wake") == "OK skipped":
+            out.append(
+                f"stage {s['stage_id']} reports sleep level {s['sleep_level']} but WakeUp skips it: "
+                "the gateway does not count it as asleep"
+            )
+        elif s["state"] != "SERVING" or s["sleep_level"]:
+            out.append(
+                f"stage {s['stage_id']} {s['state']} (sleep level {s['sleep_level']}), WakeUp {attempt.get('wake')}"
+            )
+    if listing["generation_paused"]:
+        out.append(f"generation still paused after ResumeGeneration ({attempt.get('resume')})")
+    if "generate" in attempt and attempt["generate"] != "OK":
+        out.append(f"every stage serving, but Generate {attempt['generate']}")
+    return out
 
 
 async def _attempt(stub: gateway_pb2_grpc.GatewayServiceStub, deadline: float, params) -> dict:

@@ -53,6 +53,8 @@ def report(r: dict) -> None:
         f"continued {rec['continued'] or 'nothing'}; stages at its start: {describe(rec['stages_at_start'])}"
     )
     print(f"every stage serving: {'yes' if rec['succeeded'] else 'no'}; last attempt: {rec['last_attempt']}")
+    for line in rec["diagnosis"]:
+        print(f"  {line}")
     s = r["stop"]
     print(
         f"\nstop: exit code {s['exit_code']}, segments left {len(s['segments_left'])}, "
