@@ -1,4 +1,4 @@
-"""Soak: a real mesh (`stagemesh up`, the tiny model) under mixed traffic for a long time.
+"""Soak: a real mesh (`stagemesh up`, the tiny model) under mixed traffic and faults for a long time.
 
 For `--minutes`, at once:
   - `--clients` clients call GenerateUnary in a loop (`--size`, `--steps`; `--think-ms` between
@@ -7,14 +7,32 @@ For `--minutes`, at once:
     `--sleep-hold-s`, then WakeUp and ResumeGeneration (an AR stage keeps the pipeline paused
     until ResumeGeneration);
   - every `--kill-every-s` seconds a SIGKILL to a worker process (stage 0 and 1 in turn), found
-    as the stage service's child through /proc.
-Reports requests served, errors by status code, control outcomes, kills and restarts (workers
-and services, from the mesh log), RSS of every mesh process and /dev/shm use at the start (after
-a warm-up) and at the end, with a sample every minute; then stops the mesh and checks that it
-left nothing behind. The JSON also lists incidents (kills, failed control calls and ACKs, with
-their time) and the slowest served calls; the mesh log is kept (`--log`).
+    as the stage service's child through /proc;
+and the chaos, at random points (periods jittered by 0.5-1.5x) from an RNG seeded with `--seed`:
+  - `--chaos-clients` clients call GenerateUnary or streaming Generate (`--stream-fraction`) at
+    random sizes up to `--max-size` and steps up to `--max-steps` (batches of different shapes
+    queue behind each other), each with a random deadline of 1-30 s or, for
+    `--short-deadline-fraction` of them, 5-500 ms; `--cancel-fraction` of the streams are
+    cancelled by the client after a random number of progress events;
+  - every `--control-every-s` seconds a Sleep (stage 0, 1 or both, level 1 or 2), WakeUp,
+    PauseGeneration or ResumeGeneration, with a 5-500 ms deadline (`--short-deadline-fraction`)
+    or cancelled 0-500 ms into the call (`--cancel-fraction`);
+  - every `--stop-every-s` seconds a SIGSTOP of a worker or a service process (stage service,
+    gateway, cache), continued after `--stop-min-s` to `--stop-max-s` seconds;
+  - every `--kill-service-every-s` seconds a SIGKILL of a service (`up` restarts it; at most 3
+    kills of one service per 300 s, below `up`'s restart limit).
+Then a recovery phase of at most `--recovery-s`: SIGCONT anything still stopped, WakeUp every
+stage, ResumeGeneration, until ListStages says every stage is SERVING and awake and a Generate
+succeeds. Reports requests, errors by status code, the outcome of every kind of action, kills,
+stops and restarts (the mesh log), RSS of every mesh process and /dev/shm use at the start (after
+a warm-up) and at the end with a sample (and the stage states) every minute, how long recovery
+took; then stops the mesh and counts what it left behind (/dev/shm segments, processes). The JSON
+also lists incidents (faults, control calls, unexpected status codes, with their time) and the
+slowest served calls; the mesh log is kept (`--log`). Exit code 1 when recovery failed or
+something leaked.
 
-    python3 bench/soak.py [--minutes 30] [--output bench/results/soak.json]
+    python3 bench/soak.py [--minutes 30] [--seed 0] [--output bench/results/soak.json]
+    python3 bench/soak.py --minutes 3 --stop-every-s 10 --kill-service-every-s 25 --control-every-s 4
 """
 
 from __future__ import annotations
@@ -23,7 +41,6 @@ import argparse
 import asyncio
 import collections
 import heapq
-import os
 import random
 import signal
 import sys
@@ -38,50 +55,21 @@ if str(REPO) not in sys.path:  # run as a script: `python3 bench/soak.py`
 import grpc
 
 from bench import common
-from bench.load import _cmdline, mesh_processes, mesh_segments, process_resources
+from bench.load import _cmdline
 from bench.mesh_overhead import start_mesh, stop_mesh
+from bench.soak_checks import describe, list_stages, log_counts, memory_snapshot, recover, rss_growth
+from bench.soak_faults import CALL_TIMEOUT_S, ChaosControl, ChaosGenerate, Processes, ProcessFaults, Tally
+from bench.soak_report import failures, report
 from stagemesh.core import rpc
 from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2
 from tests.support.meshproc import Mesh, alive, descendants, segments_of, shm_entries, write_config
 
 DEFAULT_OUTPUT = REPO / "bench" / "results" / "soak.json"
 DEFAULT_LOG = Path(tempfile.gettempdir()) / "stagemesh-soak-mesh.log"
-CALL_TIMEOUT_S = 30.0
 RETRY_PAUSE_S = 0.05
 SAMPLE_EVERY_S = 60.0
-MAX_INCIDENTS = 500
 SLOWEST_KEPT = 10
-
-
-# what the mesh holds ------------------------------------------------------------------------
-def memory_snapshot(mesh: Mesh) -> dict:
-    """RSS of every mesh process (`up` included) and the /dev/shm segments they own."""
-    procs = {"up": mesh.process.pid, **mesh_processes(mesh.process.pid)}
-    rss = {name: (process_resources(pid) or {}).get("rss_bytes", 0) for name, pid in procs.items()}
-    segments = mesh_segments(procs.values())
-    shm_bytes = 0
-    for name in segments:
-        try:
-            shm_bytes += os.stat(f"/dev/shm/{name}").st_blocks * 512  # pages really in use
-        except OSError:
-            pass
-    return {
-        "t": time.time(),
-        "rss_bytes": rss,
-        "rss_total_bytes": sum(rss.values()),
-        "shm_segments": len(segments),
-        "shm_bytes": shm_bytes,
-    }
-
-
-def log_counts(mesh: Mesh) -> dict:
-    text = mesh.logs()
-    return {
-        "worker_restarts": text.count('"event": "worker restarted"'),
-        "worker_deaths": text.count('"event": "worker died"'),
-        "service_restarts": text.count('"event": "child exited; restarting"'),
-        "tracebacks": text.count("Traceback"),
-    }
+MESH_MAX_SIZE, MESH_MAX_STEPS = 512, 50  # stage 1's limits in tests.meshproc.write_config
 
 
 # the traffic --------------------------------------------------------------------------------
@@ -95,18 +83,22 @@ class Soak:
         self.control_ms: dict[str, list[float]] = collections.defaultdict(list)
         self.kills: collections.Counter = collections.Counter()
         self.samples: list[dict] = []
-        self.rng = random.Random(args.seed)
-        self.started = self.started_perf = 0.0
+        self.rng = random.Random(args.seed)  # the periodic Sleep cycle's; the chaos tasks have their own
+        self.started_perf = 0.0
         # For explaining outliers afterwards: what went wrong when, and when the slowest calls ran.
-        self.incidents: list[dict] = []
+        self.tally = Tally()
+        self.procs = Processes(mesh.process.pid)
         self.slowest: list[tuple[float, float]] = []  # (ms, start offset s), a min-heap of the top ones
+        self.recovery: dict = {}
 
     def note(self, **incident) -> None:
-        if len(self.incidents) < MAX_INCIDENTS:
-            self.incidents.append({"t_s": round(time.monotonic() - self.started, 2), **incident})
+        self.tally.note(**incident)
 
     def running(self) -> bool:
         return time.monotonic() < self.deadline
+
+    def seconds_left(self) -> float:
+        return self.deadline - time.monotonic()
 
     async def client(self, index: int) -> None:
         a = self.args
@@ -139,20 +131,26 @@ class Soak:
                 else:
                     await asyncio.sleep(RETRY_PAUSE_S)
 
-    async def _control_call(self, name: str, call) -> object | None:
+    async def _control_call(self, name: str, call, **detail) -> object | None:
+        """One call of the periodic Sleep cycle, counted and noted with its time (a wedge is read
+        from the sequence of calls and faults)."""
         started = time.perf_counter()
         try:
             reply = await call
         except grpc.aio.AioRpcError as err:
             self.control[f"{name} {err.code().name}"] += 1
-            self.note(call=name, code=err.code().name, details=err.details())
+            ms = round((time.perf_counter() - started) * 1e3, 1)
+            self.note(cycle=name, outcome=err.code().name, ms=ms, details=err.details(), **detail)
             return None
-        self.control_ms[name].append((time.perf_counter() - started) * 1e3)
+        ms = (time.perf_counter() - started) * 1e3
+        self.control_ms[name].append(ms)
+        status = getattr(reply, "status", None)
+        outcome = control_pb2.ControlStatus.Name(status) if status is not None else "OK"
+        self.control[f"{name} {outcome}"] += 1
+        self.note(cycle=name, outcome=outcome, ms=round(ms, 1), **detail)
         for ack in getattr(reply, "acks", ()):
             if ack.status != control_pb2.ACK_STATUS_SUCCESS:
-                self.note(call=name, stage_id=ack.stage_id, rank=ack.rank, error=ack.error)
-        status = getattr(reply, "status", None)
-        self.control[f"{name} {control_pb2.ControlStatus.Name(status) if status is not None else 'OK'}"] += 1
+                self.note(cycle=name, stage_id=ack.stage_id, rank=ack.rank, error=ack.error)
         return reply
 
     async def sleeper(self, stub: gateway_pb2_grpc.GatewayServiceStub) -> None:
@@ -163,10 +161,11 @@ class Soak:
             await self._control_call(
                 f"sleep L{level}",
                 stub.Sleep(gateway_pb2.SleepRequest(stage_ids=ids, level=level), timeout=CALL_TIMEOUT_S),
+                stage_ids=ids,
             )
             await asyncio.sleep(a.sleep_hold_s)  # clients meet FAILED_PRECONDITION meanwhile
             await self._control_call(
-                "wake", stub.WakeUp(gateway_pb2.WakeUpRequest(stage_ids=ids), timeout=CALL_TIMEOUT_S)
+                "wake", stub.WakeUp(gateway_pb2.WakeUpRequest(stage_ids=ids), timeout=CALL_TIMEOUT_S), stage_ids=ids
             )
             await self._control_call(
                 "resume", stub.ResumeGeneration(gateway_pb2.ResumeGenerationRequest(), timeout=CALL_TIMEOUT_S)
@@ -175,23 +174,27 @@ class Soak:
     async def killer(self) -> None:
         stage = 0
         while await self._pause(self.args.kill_every_s):
-            procs = await asyncio.to_thread(mesh_processes, self.mesh.process.pid)
+            procs = await asyncio.to_thread(self.procs.find)
             worker = procs.get(f"stage-{stage}/worker-0")
-            if worker is None:
+            if worker is None or not self.procs.target("worker", worker).signal(signal.SIGKILL):
                 self.kills[f"stage-{stage} worker not found"] += 1
             else:
-                os.kill(worker, signal.SIGKILL)
+                self.procs.stopped.pop(worker, None)
                 self.kills[f"stage-{stage} worker"] += 1
                 self.note(kill=f"stage-{stage}/worker-0", pid=worker)
             stage = 1 - stage
 
-    async def sampler(self) -> None:
+    async def sampler(self, stub: gateway_pb2_grpc.GatewayServiceStub) -> None:
         while await self._pause(SAMPLE_EVERY_S):
-            self.samples.append(await asyncio.to_thread(memory_snapshot, self.mesh))
+            sample = await asyncio.to_thread(memory_snapshot, self.mesh)
+            self.procs.seen.update(sample["pids"].values())
+            sample["stages"] = await list_stages(stub)
+            self.samples.append(sample)
             done = sum(self.statuses.values())
             print(
                 f"[{len(self.samples):3d} min] requests {done}, statuses {dict(self.statuses)}, "
-                f"kills {sum(self.kills.values())}, RSS {self.samples[-1]['rss_total_bytes'] / 1e6:.0f} MB",
+                f"kills {sum(self.kills.values())}, RSS {sample['rss_total_bytes'] / 1e6:.0f} MB, "
+                f"stages {describe(sample['stages'])}",
                 flush=True,
             )
 
@@ -200,62 +203,99 @@ class Soak:
         await asyncio.sleep(max(0.0, min(seconds, self.deadline - time.monotonic())))
         return self.running()
 
+    def _tasks(self, stub: gateway_pb2_grpc.GatewayServiceStub) -> list:
+        a = self.args
+        chaos = ChaosGenerate(a, self.mesh.address, self.tally, self.running)
+        faults = ProcessFaults(a, self.procs, self.tally, self._pause)
+        tasks = [self.client(i) for i in range(a.clients)] + [self.sampler(stub)]
+        tasks += [chaos.client(i) for i in range(a.chaos_clients)]
+        periodic = [
+            (a.sleep_every_s, lambda: self.sleeper(stub)),
+            (a.kill_every_s, self.killer),
+            (a.control_every_s, lambda: ChaosControl(a, self.tally, self._pause).loop(stub)),
+            (a.stop_every_s, lambda: faults.stopper(self.seconds_left)),
+            (a.kill_service_every_s, faults.service_killer),
+        ]
+        return tasks + [start() for period, start in periodic if period > 0]
+
     async def run(self) -> None:
-        self.started, self.started_perf = time.monotonic(), time.perf_counter()
-        self.deadline = self.started + self.args.minutes * 60
+        self.tally.started, self.started_perf = time.monotonic(), time.perf_counter()
+        self.deadline = self.tally.started + self.args.minutes * 60
         async with grpc.aio.insecure_channel(self.mesh.address) as channel:
             stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-            tasks = [self.client(i) for i in range(self.args.clients)] + [self.sampler()]
-            if self.args.sleep_every_s > 0:
-                tasks.append(self.sleeper(stub))
-            if self.args.kill_every_s > 0:
-                tasks.append(self.killer())
-            await asyncio.gather(*tasks)
-            # Leave the mesh awake and open, whatever the last control call did.
-            await stub.WakeUp(gateway_pb2.WakeUpRequest(stage_ids=[0, 1]), timeout=CALL_TIMEOUT_S)
-            await stub.ResumeGeneration(gateway_pb2.ResumeGenerationRequest(), timeout=CALL_TIMEOUT_S)
+            await asyncio.gather(*self._tasks(stub))
+        self.note(recovery="started")
+        self.recovery = await recover(self.mesh, self.procs, self.args.recovery_s, warm_up_params(self.args))
+        self.note(recovery="succeeded" if self.recovery["succeeded"] else "failed", seconds=self.recovery["seconds"])
 
 
 # the script ---------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=30.0, help="how long (default: 30)")
-    parser.add_argument("--clients", type=int, default=3, help="concurrent Generate clients (default: 3)")
-    parser.add_argument("--think-ms", type=float, default=50.0, help="pause after each served call (default: 50)")
-    parser.add_argument("--size", type=int, default=64, help="width and height (default: 64)")
-    parser.add_argument("--steps", type=int, default=2, help="num_inference_steps (default: 2)")
-    parser.add_argument("--sleep-every-s", type=float, default=20.0, help="Sleep/WakeUp period, 0: none (default: 20)")
-    parser.add_argument("--sleep-hold-s", type=float, default=1.0, help="time asleep each cycle (default: 1)")
-    parser.add_argument("--kill-every-s", type=float, default=45.0, help="worker SIGKILL period, 0: none (default: 45)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the control mix (default: 0)")
-    parser.add_argument("--model-dir", default=None, help="model folder (default: the embedded model's cache)")
-    parser.add_argument("--output", default=str(DEFAULT_OUTPUT), help=f"JSON result file (default: {DEFAULT_OUTPUT})")
-    parser.add_argument("--log", default=str(DEFAULT_LOG), help=f"the mesh's log, kept (default: {DEFAULT_LOG})")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add("--minutes", type=float, default=30.0, help="how long (default: 30)")
+    add("--clients", type=int, default=3, help="concurrent GenerateUnary clients (default: 3)")
+    add("--think-ms", type=float, default=50.0, help="pause after each served call (default: 50)")
+    add("--size", type=int, default=64, help="width and height (default: 64)")
+    add("--steps", type=int, default=2, help="num_inference_steps (default: 2)")
+    add("--sleep-every-s", type=float, default=20.0, help="Sleep/WakeUp period, 0: none (default: 20)")
+    add("--sleep-hold-s", type=float, default=1.0, help="time asleep each cycle (default: 1)")
+    add("--kill-every-s", type=float, default=45.0, help="worker SIGKILL period, 0: none (default: 45)")
+    add("--chaos-clients", type=int, default=2, help="clients of random Generate calls (default: 2)")
+    add("--stream-fraction", type=float, default=0.5, help="their share of streaming Generate (default: 0.5)")
+    add("--max-size", type=int, default=256, help=f"their largest side, <= {MESH_MAX_SIZE} (default: 256)")
+    add("--max-steps", type=int, default=8, help=f"their most steps, <= {MESH_MAX_STEPS} (default: 8)")
+    add(
+        "--short-deadline-fraction", type=float, default=0.2, help="chaos calls with a 5-500 ms deadline (default: 0.2)"
+    )
+    add("--cancel-fraction", type=float, default=0.2, help="chaos streams and control calls cancelled (default: 0.2)")
+    add("--control-every-s", type=float, default=15.0, help="random control call period, 0: none (default: 15)")
+    add("--stop-every-s", type=float, default=60.0, help="SIGSTOP/SIGCONT period, 0: none (default: 60)")
+    add("--stop-min-s", type=float, default=1.0, help="shortest time stopped (default: 1)")
+    add("--stop-max-s", type=float, default=15.0, help="longest time stopped (default: 15)")
+    add("--kill-service-every-s", type=float, default=180.0, help="service SIGKILL period, 0: none (default: 180)")
+    add("--recovery-s", type=float, default=120.0, help="most time the recovery phase may take (default: 120)")
+    add("--seed", type=int, default=0, help="seed of the control mix and the chaos (default: 0)")
+    add("--model-dir", default=None, help="model folder (default: the embedded model's cache)")
+    add("--output", default=str(DEFAULT_OUTPUT), help=f"JSON result file (default: {DEFAULT_OUTPUT})")
+    add("--log", default=str(DEFAULT_LOG), help=f"the mesh's log, kept (default: {DEFAULT_LOG})")
     args = parser.parse_args(argv)
-    if args.minutes <= 0 or args.clients < 1:
-        parser.error("--minutes must be > 0 and --clients >= 1")
+    if args.minutes <= 0 or args.clients < 1 or args.chaos_clients < 0:
+        parser.error("--minutes must be > 0, --clients >= 1 and --chaos-clients >= 0")
+    if not (16 <= args.max_size <= MESH_MAX_SIZE and 1 <= args.max_steps <= MESH_MAX_STEPS):
+        parser.error(f"--max-size must be 16 to {MESH_MAX_SIZE} and --max-steps 1 to {MESH_MAX_STEPS}")
+    fractions = (args.stream_fraction, args.short_deadline_fraction, args.cancel_fraction)
+    if not all(0 <= f <= 1 for f in fractions) or args.short_deadline_fraction + args.cancel_fraction > 1:
+        parser.error("fractions must be 0 to 1, --short-deadline-fraction + --cancel-fraction at most 1")
+    if not 0 < args.stop_min_s <= args.stop_max_s or args.recovery_s <= 0:
+        parser.error("need 0 < --stop-min-s <= --stop-max-s and --recovery-s > 0")
     return args
+
+
+def warm_up_params(args: argparse.Namespace) -> generation_pb2.GenerationParams:
+    return generation_pb2.GenerationParams(
+        prompt="warm-up", width=args.size, height=args.size, num_inference_steps=args.steps
+    )
 
 
 def warm_up(mesh: Mesh, args: argparse.Namespace, requests: int = 20) -> None:
     """A few requests first, so the start figures are of a mesh that has served, not of one that just loaded."""
-    params = generation_pb2.GenerationParams(
-        prompt="warm-up", width=args.size, height=args.size, num_inference_steps=args.steps
-    )
+    request = gateway_pb2.GenerateUnaryRequest(params=warm_up_params(args))
     with mesh.channel() as channel:
         for _ in range(requests):
-            mesh.gateway(channel).GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=params), timeout=CALL_TIMEOUT_S)
+            mesh.gateway(channel).GenerateUnary(request, timeout=CALL_TIMEOUT_S)
 
 
 def soak(args: argparse.Namespace, mesh: Mesh) -> dict:
-    seen: set[int] = set()
     run = Soak(args, mesh)
     warm_up(mesh, args)
     start = memory_snapshot(mesh)
     started = time.monotonic()
     asyncio.run(run.run())
-    duration_s = time.monotonic() - started
-    seen.update(descendants(mesh.process.pid))
+    duration_s = time.monotonic() - started - run.recovery["seconds"]
+    run.procs.seen.update(descendants(mesh.process.pid))
     end = memory_snapshot(mesh)
     served = run.statuses.get("OK", 0)
     return {
@@ -272,40 +312,14 @@ def soak(args: argparse.Namespace, mesh: Mesh) -> dict:
         "control": dict(run.control),
         "control_latency_ms": {k: common.summarize(v) for k, v in run.control_ms.items()},
         "kills": dict(run.kills),
-        "incidents": run.incidents,
+        "actions": {action: dict(outcomes) for action, outcomes in sorted(run.tally.outcomes.items())},
+        "recovery": run.recovery,
+        "incidents": run.tally.incidents,
+        "incidents_dropped": run.tally.incidents_dropped,
         "slowest_served": [{"ms": ms, "started_s": t} for ms, t in sorted(run.slowest, reverse=True)],
-        "memory": {"start": start, "end": end, "samples": run.samples},
-        "pids_seen": sorted(seen | mesh.child_pids()),
+        "memory": {"start": start, "end": end, "samples": run.samples, "rss_growth": rss_growth(start, end)},
+        "pids_seen": sorted(run.procs.seen | set(start["pids"].values()) | mesh.child_pids()),
     }
-
-
-def report(r: dict) -> None:
-    req, mem = r["requests"], r["memory"]
-    print(
-        f"\nsoak: {r['duration_s'] / 60:.1f} min, {req['total']} requests, {req['served']} served "
-        f"({req['qps_served']:.1f}/s)"
-    )
-    common.print_table(["status", "count"], sorted(req["by_status"].items(), key=lambda kv: -kv[1]))
-    print()
-    common.print_table(["control call -> outcome", "count"], sorted(r["control"].items()))
-    print()
-    common.print_table(["event", "count"], [*sorted(r["kills"].items()), *sorted(r["log"].items())])
-    print()
-    names = sorted(set(mem["start"]["rss_bytes"]) | set(mem["end"]["rss_bytes"]))
-    rows = [[n, mem["start"]["rss_bytes"].get(n, 0) / 1e6, mem["end"]["rss_bytes"].get(n, 0) / 1e6] for n in names]
-    rows += [
-        ["total RSS", mem["start"]["rss_total_bytes"] / 1e6, mem["end"]["rss_total_bytes"] / 1e6],
-        ["/dev/shm (segments)", float(mem["start"]["shm_segments"]), float(mem["end"]["shm_segments"])],
-        ["/dev/shm MB", mem["start"]["shm_bytes"] / 1e6, mem["end"]["shm_bytes"] / 1e6],
-    ]
-    common.print_table(["memory (MB)", "start", "end"], rows, floatfmt=".1f")
-    slow = ", ".join(f"{x['ms']:.0f} ms at {x['started_s']:.0f} s" for x in r["slowest_served"][:3])
-    print(f"\nslowest served: {slow}; incidents recorded: {len(r['incidents'])} (see the JSON)")
-    s = r["stop"]
-    print(
-        f"\nstop: exit code {s['exit_code']}, segments left {len(s['segments_left'])}, "
-        f"processes left {len(s['processes_left'])}"
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         shm_before = shm_entries()
         mesh = start_mesh(write_config(root / "mesh.toml", Path(args.model_dir)), Path(args.log))
-        print(f"mesh up at {mesh.address}; soaking for {args.minutes:g} min", flush=True)
+        print(f"mesh up at {mesh.address}; soaking for {args.minutes:g} min (seed {args.seed})", flush=True)
         try:
             results = soak(args, mesh)
         finally:
@@ -327,9 +341,10 @@ def main(argv: list[str] | None = None) -> int:
             "segments_left": sorted(segments_of(shm_entries() - shm_before, pids)),
             "processes_left": sorted(p for p in pids if alive(p) and "stagemesh" in " ".join(_cmdline(p))),
         }
+    results["failures"] = failures(results)
     report(results)
     print(f"wrote {common.write_json(args.output, 'soak', results)}")
-    return 0
+    return 1 if results["failures"] else 0
 
 
 if __name__ == "__main__":
