@@ -232,6 +232,8 @@ def _sweep(match) -> int:
             if entry.lstat().st_uid != uid:
                 continue
             unlink_segment(entry.name)
+        except FileNotFoundError:
+            continue  # its reader unlinked it meanwhile
         except OSError as exc:
             log.warning("could not remove a shared-memory segment", segment=entry.name, error=str(exc))
             continue

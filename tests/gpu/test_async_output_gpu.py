@@ -10,29 +10,26 @@ import pytest
 import torch
 
 from stage_service.executor.executor import Executor
+from stage_service.models.contract import WorkItem
 from stage_service.models.config import PipelineConfig
 from stage_service.models.weights import ensure_model_dir
 from stage_service.settings import StageSettings
+from stagemesh.core.params import Params
 
 pytestmark = pytest.mark.gpu
 
 
-def _items(rng: random.Random, n: int) -> list[list[dict]]:
+def _items(rng: random.Random, n: int) -> list[list[WorkItem]]:
     batches = []
     for _ in range(n):
         size = rng.choice([64, 128, 256, 512])
         steps = rng.randint(1, 4)
         guidance = rng.choice([1.0, 4.0])  # a batch shares size, steps and guidance
         batch = [
-            dict(
-                request_id=f"r{i}",
-                prompt="",
-                width=size,
-                height=size,
-                num_inference_steps=steps,
-                guidance_scale=guidance,
-                seed=rng.randrange(2**31),
-                inputs={
+            WorkItem(
+                f"r{i}",
+                Params("", size, size, steps, guidance, rng.randrange(2**31), "tensor"),
+                {
                     "hidden_states": torch.randn(
                         rng.randint(1, 12), 64, generator=torch.Generator().manual_seed(rng.randrange(2**31))
                     )
@@ -53,7 +50,7 @@ def _run_all(executor: Executor, batches) -> list[list[torch.Tensor]]:
         if isinstance(done, list):
             results.append([o["image"] for o in done])
             continue
-        ids = executor.outputs.split(done.async_output_id, [item["request_id"] for item in batch])
+        ids = executor.outputs.split(done.async_output_id, [item.request_id for item in batch])
         results.append([executor.outputs.wait_output_ready(i, 300)["image"] for i in ids])
     return results
 
