@@ -7,8 +7,10 @@ import asyncio
 
 from gateway.control import Admission, ControlPlane
 from gateway.metrics import gateway_readings
+from gateway.options import MIN_STAGE_UNRESPONSIVE_S
 from gateway.pipeline import DenoisingStep, Pipeline, StageStarted
 from gateway.stages import StageClient
+from gateway.watch import StageWatch
 from stagemesh.core import auth, errors, logs, serve, tls
 from stagemesh.core.metrics import ServiceMetrics
 from stagemesh.core.params import check_request_id
@@ -87,6 +89,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 async def serve_gateway(args: argparse.Namespace) -> None:
     if not args.stage:
         raise errors.InvalidArgument.field("--stage", "give at least one stage ADDRESS")
+    if not args.stage_unresponsive_s >= MIN_STAGE_UNRESPONSIVE_S:
+        raise errors.InvalidArgument.field(
+            "--stage-unresponsive-s", f"{args.stage_unresponsive_s:g}: allowed {MIN_STAGE_UNRESPONSIVE_S:g} or more"
+        )
     token = auth.load_token(args.token_file)
     credentials = tls.server_credentials(args.tls_cert, args.tls_key)
     stages = [
@@ -109,11 +115,17 @@ async def serve_gateway(args: argparse.Namespace) -> None:
     )
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(pipeline, control), host.server)
 
+    watching: list[asyncio.Task] = []
+
     async def load() -> None:
         await pipeline.wait_until_ready()
         control.restore()
+        watching.append(asyncio.ensure_future(StageWatch(stages, args.stage_unresponsive_s).run()))
 
     async def close() -> None:
+        for task in watching:
+            task.cancel()
+        await asyncio.gather(*watching, return_exceptions=True)
         await asyncio.gather(*(s.close() for s in stages))
 
     await serve.run(host, ready_file=args.ready_file, load=load, close=close, metrics=metrics)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from gateway.options import DEFAULT_STAGE_UNRESPONSIVE_S, MIN_STAGE_UNRESPONSIVE_S
 from stage_service.settings import StageSettings
 from stagemesh.core import logs, metrics
 
@@ -19,9 +20,16 @@ class GatewayConfig:
     port: int = DEFAULT_GATEWAY_PORT
     max_request_bytes: int = 4 * 1024 * 1024
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
+    stage_unresponsive_s: float = DEFAULT_STAGE_UNRESPONSIVE_S  # silent to health checks this long: cut off
 
     def __post_init__(self) -> None:
         metrics.check_port(self.metrics_port, "[gateway] metrics_port")
+        limit = self.stage_unresponsive_s
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= MIN_STAGE_UNRESPONSIVE_S:
+            raise ValueError(
+                f"[gateway] stage_unresponsive_s = {limit!r}: allowed a number of seconds, "
+                f"{MIN_STAGE_UNRESPONSIVE_S:g} or more"
+            )
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,8 @@ def _children(
             str(port),
             "--max-request-bytes",
             str(config.gateway.max_request_bytes),
+            "--stage-unresponsive-s",
+            str(config.gateway.stage_unresponsive_s),
             *[flag for a in stage_addresses for flag in ("--stage", a)],
             *served,
             *_security_flags(config.security, "tls_ca"),
