@@ -6,6 +6,7 @@ import argparse
 import asyncio
 
 from gateway.control import Admission, ControlPlane
+from gateway.delivery import DeliveryBudget
 from gateway.metrics import gateway_readings
 from gateway.options import MIN_STAGE_UNRESPONSIVE_S
 from gateway.pipeline import DenoisingStep, Pipeline, StageStarted
@@ -36,9 +37,10 @@ def _event_proto(event: object) -> gateway_pb2.GenerateResponse:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
-    def __init__(self, pipeline: Pipeline, control: ControlPlane):
+    def __init__(self, pipeline: Pipeline, control: ControlPlane, delivery: DeliveryBudget):
         self._pipeline = pipeline
         self._control = control
+        self._delivery = delivery
 
     def _start(self, request, context):
         check_request_id(request.request_id)
@@ -48,6 +50,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def Generate(self, request: gateway_pb2.GenerateRequest, context):
         request_id, params = self._start(request, context)
         async for event in self._pipeline.generate(request_id, params, context.time_remaining()):
+            if isinstance(event, generation_pb2.GenerationResult):
+                self._delivery.take(event.ByteSize(), context)
             yield _event_proto(event)
 
     @servicer_method
@@ -55,6 +59,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         request_id, params = self._start(request, context)
         async for event in self._pipeline.generate(request_id, params, context.time_remaining()):
             if isinstance(event, generation_pb2.GenerationResult):
+                self._delivery.take(event.ByteSize(), context)
                 return gateway_pb2.GenerateUnaryResponse(result=event)
         raise AssertionError("pipeline ended without a result")
 
@@ -89,6 +94,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 async def serve_gateway(args: argparse.Namespace) -> None:
     if not args.stage:
         raise errors.InvalidArgument.field("--stage", "give at least one stage ADDRESS")
+    if not args.max_undelivered_bytes > 0:
+        raise errors.InvalidArgument.field("--max-undelivered-bytes", f"{args.max_undelivered_bytes}: allowed above 0")
     if not args.stage_unresponsive_s >= MIN_STAGE_UNRESPONSIVE_S:
         raise errors.InvalidArgument.field(
             "--stage-unresponsive-s", f"{args.stage_unresponsive_s:g}: allowed {MIN_STAGE_UNRESPONSIVE_S:g} or more"
@@ -113,7 +120,9 @@ async def serve_gateway(args: argparse.Namespace) -> None:
         interceptors=[*metrics.interceptors(), *auth.interceptors(token, CONTROL_METHODS)],
         credentials=credentials,
     )
-    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(pipeline, control), host.server)
+    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
+        GatewayServicer(pipeline, control, DeliveryBudget(args.max_undelivered_bytes)), host.server
+    )
 
     watching: list[asyncio.Task] = []
 

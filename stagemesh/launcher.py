@@ -101,6 +101,8 @@ def _children(
             str(config.gateway.max_request_bytes),
             "--stage-unresponsive-s",
             str(config.gateway.stage_unresponsive_s),
+            "--max-undelivered-bytes",
+            str(config.gateway.max_undelivered_bytes),
             *[flag for a in stage_addresses for flag in ("--stage", a)],
             *served,
             *_security_flags(config.security, "tls_ca"),
