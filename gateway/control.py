@@ -8,7 +8,9 @@ ResumeGeneration, a diffusion-only pipeline reopens by itself.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from gateway.stages import ReplicaAcks, StageClient
 from stagemesh.core import errors, logs
@@ -19,16 +21,31 @@ log = logs.get_logger("stagemesh.control")
 DEFAULT_SLEEP_LEVEL = 2
 DESCRIBE_TIMEOUT_S = 2.0  # asking a stage whether it sleeps
 NOT_SLEEPING_REASON = "target stages are not sleeping"
+# A Sleep or WakeUp waits for the stages' answers at least this long, even when its caller's
+# deadline is shorter: the stages finish the change anyway, and the record must learn the outcome.
+STAGE_ANSWER_FLOOR_S = 300.0
+
+T = TypeVar("T")
 
 
 class Admission:
     """Who may start a Generate, and how many are between admission and submission."""
 
     def __init__(self) -> None:
-        self.paused = False
+        self._paused = False
+        self._closing = 0  # pauses and sleeps waiting for admitted calls to be submitted
         self.sleeping: dict[int, int] = {}  # stage id -> sleep level
         self._admitting = 0
         self._changed = asyncio.Condition()
+
+    @property
+    def paused(self) -> bool:
+        """Paused, or a pause or sleep is closing admission (new calls are refused meanwhile)."""
+        return self._paused or self._closing > 0
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        self._paused = value
 
     def check(self) -> None:
         if self.sleeping:
@@ -50,10 +67,16 @@ class Admission:
             self._changed.notify_all()
 
     async def close(self) -> None:
-        """Refuse new calls and wait until none is between admission and submission."""
-        self.paused = True
-        async with self._changed:
-            await self._changed.wait_for(lambda: self._admitting == 0)
+        """Refuse new calls and wait until none is between admission and submission; then stay
+        paused. A wait that is cancelled (its caller's deadline passed, or it went away) leaves
+        admission as it was before."""
+        self._closing += 1
+        try:
+            async with self._changed:
+                await self._changed.wait_for(lambda: self._admitting == 0)
+            self._paused = True
+        finally:
+            self._closing -= 1
 
 
 @dataclass
@@ -79,6 +102,7 @@ class ControlPlane:
         self._stages = stages
         self._admission = admission
         self._lock = asyncio.Lock()  # one sleep/wake at a time
+        self._unawaited: set[asyncio.Future] = set()  # changes that go on after their caller left
 
     @property
     def has_ar_stage(self) -> bool:
@@ -102,7 +126,22 @@ class ControlPlane:
             violations.append(errors.FieldViolation("level", f"{level} is not a sleep level; allowed: 1 or 2"))
         return violations
 
+    async def _finish_even_if_cancelled(self, change: Coroutine[Any, Any, T]) -> T:
+        """A sleep or wake that began runs to its end when its caller leaves, so the record of
+        sleeping stages learns what the stages did (they finish the change on their own too)."""
+        task = asyncio.ensure_future(change)
+        self._unawaited.add(task)
+        task.add_done_callback(_finished)
+        task.add_done_callback(self._unawaited.discard)
+        return await asyncio.shield(task)
+
     async def sleep(self, stage_ids: list[int], level: int | None, timeout: float | None) -> ControlResult:
+        return await self._finish_even_if_cancelled(self._sleep(stage_ids, level, _stage_timeout(timeout)))
+
+    async def wake(self, stage_ids: list[int], timeout: float | None) -> ControlResult:
+        return await self._finish_even_if_cancelled(self._wake(stage_ids, _stage_timeout(timeout)))
+
+    async def _sleep(self, stage_ids: list[int], level: int | None, timeout: float | None) -> ControlResult:
         level = DEFAULT_SLEEP_LEVEL if level is None else level
         violations = self._validate(stage_ids, level)
         if violations:
@@ -125,7 +164,7 @@ class ControlPlane:
         acks = _flat(replies)
         return ControlResult(_overall(acks), acks)
 
-    async def wake(self, stage_ids: list[int], timeout: float | None) -> ControlResult:
+    async def _wake(self, stage_ids: list[int], timeout: float | None) -> ControlResult:
         violations = self._validate(stage_ids)
         if violations:
             raise errors.InvalidArgument(violations)
@@ -158,12 +197,23 @@ class ControlPlane:
         }
 
     async def pause(self) -> None:
+        """Cancelled while admitted calls are still being submitted: generation stays as it was."""
         await self._admission.close()
         log.info("generation paused")
 
     def resume(self) -> None:
         self._admission.paused = False
         log.info("generation resumed")
+
+
+def _finished(task: asyncio.Future) -> None:
+    """Log a failure that no caller is left to hear (retrieving it also keeps asyncio quiet)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.info("sleep or wake ended with an error", reason=str(task.exception()))
+
+
+def _stage_timeout(caller_remaining: float | None) -> float | None:
+    return None if caller_remaining is None else max(caller_remaining, STAGE_ANSWER_FLOOR_S)
 
 
 async def _reported_sleep_level(stage: StageClient) -> int:

@@ -7,6 +7,9 @@ import argparse
 from stagemesh.core import auth, logs, metrics, tls
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+DEFAULT_STAGE_UNRESPONSIVE_S = 10.0
+MIN_STAGE_UNRESPONSIVE_S = 2.0
+DEFAULT_MAX_UNDELIVERED_BYTES = 64 * 1024 * 1024
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +28,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_MAX_REQUEST_BYTES,
         help="largest request accepted; larger ones get RESOURCE_EXHAUSTED (default: 4 MiB)",
+    )
+    parser.add_argument(
+        "--stage-unresponsive-s",
+        type=float,
+        default=DEFAULT_STAGE_UNRESPONSIVE_S,
+        help="a stage none of whose replicas answers a health check (asked every second) for this long "
+        "is cut off: its calls in flight end UNAVAILABLE and new ones are refused at once until it "
+        f"answers again; at least {MIN_STAGE_UNRESPONSIVE_S:g} (default: {DEFAULT_STAGE_UNRESPONSIVE_S:g})",
+    )
+    parser.add_argument(
+        "--max-undelivered-bytes",
+        type=int,
+        default=DEFAULT_MAX_UNDELIVERED_BYTES,
+        help="result bytes the gateway holds for calls whose clients have not read them yet (e.g. a "
+        "client that grants no flow-control window); a result over the bound gets RESOURCE_EXHAUSTED "
+        "(default: 64 MiB)",
     )
     tls.add_arguments(parser)  # --tls-ca verifies the stages
     auth.add_arguments(parser)  # the token also authorizes the gateway's control calls to the stages

@@ -6,9 +6,12 @@ import argparse
 import asyncio
 
 from gateway.control import Admission, ControlPlane
+from gateway.delivery import DeliveryBudget
 from gateway.metrics import gateway_readings
+from gateway.options import MIN_STAGE_UNRESPONSIVE_S
 from gateway.pipeline import DenoisingStep, Pipeline, StageStarted
 from gateway.stages import StageClient
+from gateway.watch import StageWatch
 from stagemesh.core import auth, errors, logs, serve, tls
 from stagemesh.core.metrics import ServiceMetrics
 from stagemesh.core.params import check_request_id
@@ -34,9 +37,10 @@ def _event_proto(event: object) -> gateway_pb2.GenerateResponse:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
-    def __init__(self, pipeline: Pipeline, control: ControlPlane):
+    def __init__(self, pipeline: Pipeline, control: ControlPlane, delivery: DeliveryBudget):
         self._pipeline = pipeline
         self._control = control
+        self._delivery = delivery
 
     def _start(self, request, context):
         check_request_id(request.request_id)
@@ -46,6 +50,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def Generate(self, request: gateway_pb2.GenerateRequest, context):
         request_id, params = self._start(request, context)
         async for event in self._pipeline.generate(request_id, params, context.time_remaining()):
+            if isinstance(event, generation_pb2.GenerationResult):
+                self._delivery.take(event.ByteSize(), context)
             yield _event_proto(event)
 
     @servicer_method
@@ -53,6 +59,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         request_id, params = self._start(request, context)
         async for event in self._pipeline.generate(request_id, params, context.time_remaining()):
             if isinstance(event, generation_pb2.GenerationResult):
+                self._delivery.take(event.ByteSize(), context)
                 return gateway_pb2.GenerateUnaryResponse(result=event)
         raise AssertionError("pipeline ended without a result")
 
@@ -87,6 +94,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 async def serve_gateway(args: argparse.Namespace) -> None:
     if not args.stage:
         raise errors.InvalidArgument.field("--stage", "give at least one stage ADDRESS")
+    if not args.max_undelivered_bytes > 0:
+        raise errors.InvalidArgument.field("--max-undelivered-bytes", f"{args.max_undelivered_bytes}: allowed above 0")
+    if not args.stage_unresponsive_s >= MIN_STAGE_UNRESPONSIVE_S:
+        raise errors.InvalidArgument.field(
+            "--stage-unresponsive-s", f"{args.stage_unresponsive_s:g}: allowed {MIN_STAGE_UNRESPONSIVE_S:g} or more"
+        )
     token = auth.load_token(args.token_file)
     credentials = tls.server_credentials(args.tls_cert, args.tls_key)
     stages = [
@@ -107,13 +120,21 @@ async def serve_gateway(args: argparse.Namespace) -> None:
         interceptors=[*metrics.interceptors(), *auth.interceptors(token, CONTROL_METHODS)],
         credentials=credentials,
     )
-    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(pipeline, control), host.server)
+    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
+        GatewayServicer(pipeline, control, DeliveryBudget(args.max_undelivered_bytes)), host.server
+    )
+
+    watching: list[asyncio.Task] = []
 
     async def load() -> None:
         await pipeline.wait_until_ready()
         control.restore()
+        watching.append(asyncio.ensure_future(StageWatch(stages, args.stage_unresponsive_s).run()))
 
     async def close() -> None:
+        for task in watching:
+            task.cancel()
+        await asyncio.gather(*watching, return_exceptions=True)
         await asyncio.gather(*(s.close() for s in stages))
 
     await serve.run(host, ready_file=args.ready_file, load=load, close=close, metrics=metrics)

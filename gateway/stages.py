@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stagemesh.core import auth, errors, logs, rpc, tls
 from stagemesh.core.params import Limits
@@ -132,6 +133,10 @@ class StageClient:
         self._dns = dns_host_port(self.addresses[0]) if len(self.addresses) == 1 else None
         self._channel = self._open(channel_target(self.addresses))
         self._control_metadata = auth.bearer_metadata(self.token)
+        # Why the stage is cut off (see gateway.watch); None while it answers.
+        self.unresponsive: str | None = None
+        # Execute calls in flight -> the reason they were cut off ("" while they run).
+        self._calls: dict[grpc.aio.UnaryStreamCall, str] = {}
         self._stub = stage_pb2_grpc.StageServiceStub(self._channel)
         # Control channels, one per replica address. A single address needs no second channel.
         self._replicas: dict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageServiceStub]] = {}
@@ -169,6 +174,10 @@ class StageClient:
 
     async def _replica_stubs(self) -> dict[str, stage_pb2_grpc.StageServiceStub]:
         """address -> stub of every replica; a DNS name is resolved again on every call."""
+        return {a: stub for a, (_, stub) in (await self._replica_channels()).items()}
+
+    async def _replica_channels(self) -> dict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageServiceStub]]:
+        """address -> (channel, stub) of every replica, resolving a DNS name again."""
         if self._dns is not None:
             try:
                 found = await resolve(*self._dns)
@@ -179,7 +188,36 @@ class StageClient:
                     self._replicas[address] = self._open_replica(address)
             gone = [self._replicas.pop(a)[0] for a in list(self._replicas) if a not in found]
             await asyncio.gather(*(c.close() for c in gone))  # replicas no longer behind the name
-        return {a: stub for a, (_, stub) in self._replicas.items()}
+        return dict(self._replicas)
+
+    async def answers_health_check(self, timeout: float) -> bool:
+        """Whether any replica answers a health Check within `timeout`. Any answer counts, NOT_SERVING
+        too: a stage that answers refuses calls itself; only one that says nothing holds them."""
+        try:
+            replicas = await self._replica_channels()
+        except errors.Unavailable:
+            return False
+        request = health_pb2.HealthCheckRequest()
+
+        async def one(channel: grpc.aio.Channel) -> bool:
+            try:
+                await health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout)
+            except grpc.aio.AioRpcError:
+                return False
+            return True
+
+        return any(await asyncio.gather(*(one(channel) for channel, _ in replicas.values())))
+
+    def mark_unresponsive(self, reason: str) -> int:
+        """Refuse new calls with `reason` and end those in flight UNAVAILABLE; how many were cut."""
+        self.unresponsive = reason
+        for call in self._calls:
+            self._calls[call] = reason
+            call.cancel()
+        return len(self._calls)
+
+    def mark_responsive(self) -> None:
+        self.unresponsive = None
 
     async def _each_replica(self, method: str, request, **kwargs) -> list[tuple[str, Any]]:
         """Call `method` on every replica at once: (address, reply or ReplicaFailure) per replica;
@@ -268,8 +306,11 @@ class StageClient:
         self, request_id: str, params: generation_pb2.GenerationParams, inputs, timeout: float, on_started=None
     ) -> AsyncIterator[stage_pb2.ExecuteResponse]:
         """Stream one request through the stage; `on_started` is awaited once the stage answered."""
+        if self.unresponsive:
+            raise errors.Unavailable(self.unresponsive)
         request = stage_pb2.ExecuteRequest(request_id=request_id, params=params, inputs=inputs)
         call = self._stub.Execute(request, timeout=timeout, metadata=rpc.outgoing_metadata(request_id))
+        self._calls[call] = ""
         try:
             async for response in call:
                 if on_started is not None:
@@ -278,7 +319,14 @@ class StageClient:
                 yield response
         except grpc.aio.AioRpcError as exc:
             raise self._domain_error(exc) from None
+        except asyncio.CancelledError:
+            cut_because = self._calls.get(call)
+            task = asyncio.current_task()
+            if not cut_because or (task is not None and task.cancelling()):
+                raise  # our caller was cancelled, not the stage cut off
+            raise errors.Unavailable(cut_because) from None
         finally:
+            self._calls.pop(call, None)
             call.cancel()  # no-op when finished; frees the stage's slot when we stop early
 
     def _domain_error(self, exc: grpc.aio.AioRpcError, replica: str | None = None) -> errors.StagemeshError:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from gateway.options import DEFAULT_MAX_UNDELIVERED_BYTES, DEFAULT_STAGE_UNRESPONSIVE_S, MIN_STAGE_UNRESPONSIVE_S
 from stage_service.settings import StageSettings
 from stagemesh.core import logs, metrics
 
@@ -19,9 +20,20 @@ class GatewayConfig:
     port: int = DEFAULT_GATEWAY_PORT
     max_request_bytes: int = 4 * 1024 * 1024
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
+    stage_unresponsive_s: float = DEFAULT_STAGE_UNRESPONSIVE_S  # silent to health checks this long: cut off
+    max_undelivered_bytes: int = DEFAULT_MAX_UNDELIVERED_BYTES  # results held for clients not reading
 
     def __post_init__(self) -> None:
         metrics.check_port(self.metrics_port, "[gateway] metrics_port")
+        limit = self.stage_unresponsive_s
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= MIN_STAGE_UNRESPONSIVE_S:
+            raise ValueError(
+                f"[gateway] stage_unresponsive_s = {limit!r}: allowed a number of seconds, "
+                f"{MIN_STAGE_UNRESPONSIVE_S:g} or more"
+            )
+        held = self.max_undelivered_bytes
+        if isinstance(held, bool) or not isinstance(held, int) or held <= 0:
+            raise ValueError(f"[gateway] max_undelivered_bytes = {held!r}: allowed a whole number of bytes above 0")
 
 
 @dataclass(frozen=True)
