@@ -69,7 +69,7 @@ DEFAULT_LOG = Path(tempfile.gettempdir()) / "stagemesh-soak-mesh.log"
 RETRY_PAUSE_S = 0.05
 SAMPLE_EVERY_S = 60.0
 SLOWEST_KEPT = 10
-MESH_MAX_SIZE, MESH_MAX_STEPS = 512, 50  # stage 1's limits in tests.meshproc.write_config
+MESH_MAX_SIZE, MESH_MAX_STEPS = 512, 50  # stage 1's limits in tests.support.meshproc.write_config
 
 
 # the traffic --------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from bench.load import mesh_processes, mesh_segments, process_resources
 from bench.soak_faults import CALL_TIMEOUT_S, Processes, control_outcome, finish
 from stagemesh.core import rpc
 from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
-from tests.meshproc import Mesh
+from tests.support.meshproc import Mesh
 
 RECOVERY_RETRY_S = 1.0
 LIST_TIMEOUT_S = 5.0

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from bench import common
 from stagemesh.v1 import gateway_pb2, generation_pb2
-from tests.meshproc import Mesh, descendants, start_mesh, write_config
-from tests.stalled_h2 import StalledClients
+from tests.support.meshproc import Mesh, descendants, start_mesh, write_config
+from tests.support.stalled_h2 import StalledClients
 
 DEFAULT_OUTPUT = common.RESULTS_DIR / "stalled_clients.json"
 GENERATE_PATH = "/stagemesh.v1.GatewayService/Generate"

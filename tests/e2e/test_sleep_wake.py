@@ -58,10 +58,10 @@ def test_sleep_defaults_to_level_2_acks_every_worker_and_updates_the_sleeping_se
     assert listing.generation_paused
 
 
-def test_sleep_with_no_stage_ids_succeeds_and_puts_nothing_to_sleep(stub, sleepy, reference):
+def test_sleep_with_no_stage_ids_is_refused_and_puts_nothing_to_sleep(stub, sleepy, reference):
     calls = stage_calls(sleepy, "SleepStage")
-    reply = put_to_sleep(stub, [], level=2)
-    assert reply.status == SUCCESS and list(reply.acks) == []
+    error = refused(lambda: put_to_sleep(stub, [], level=2))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "stage_ids" in field_violations(error)
     assert stage_calls(sleepy, "SleepStage") == calls
     assert_all_serving(stub)  # admission untouched, too
     assert generate(stub) == reference
@@ -142,11 +142,11 @@ def test_wake_when_not_sleeping_is_skipped_and_calls_no_stage(stub, sleepy):
     assert stage_calls(sleepy, "WakeUpStage") == calls + 1
 
 
-def test_wake_with_no_stage_ids_is_skipped_and_wakes_nothing(stub, sleepy):
+def test_wake_with_no_stage_ids_is_refused_and_wakes_nothing(stub, sleepy):
     put_to_sleep(stub, [1], level=1)
     calls = stage_calls(sleepy, "WakeUpStage")
-    reply = wake_up(stub, [])
-    assert (reply.status, reply.reason, list(reply.acks)) == (SKIPPED, NOT_SLEEPING, [])
+    error = refused(lambda: wake_up(stub, []))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "stage_ids" in field_violations(error)
     assert stage_calls(sleepy, "WakeUpStage") == calls
     assert states(stub)[1] == (SLEEPING, 1)
 

@@ -182,12 +182,13 @@ def test_grpcurl_sleep_wake_rows(sleepy, stub, reference):
     assert reply["status"] == "CONTROL_STATUS_SUCCESS"
     assert [r[:4] for r in _ack_rows(reply)] == [(0, 0, "ACK_STATUS_SUCCESS", 2), (1, 0, "ACK_STATUS_SUCCESS", 2)]
 
-    for data in ({"stage_ids": [0, 1]}, {}):  # not sleeping / empty list
-        reply = _json(_grpcurl(addr, "WakeUp", data))
-        assert reply == {"status": "CONTROL_STATUS_SKIPPED", "reason": NOT_SLEEPING}, reply
+    reply = _json(_grpcurl(addr, "WakeUp", {"stage_ids": [0, 1]}))  # not sleeping
+    assert reply == {"status": "CONTROL_STATUS_SKIPPED", "reason": NOT_SLEEPING}, reply
 
-    reply = _json(_grpcurl(addr, "Sleep", {"stage_ids": [], "level": 2}))
-    assert reply == {"status": "CONTROL_STATUS_SUCCESS"}, reply  # no ACKs, nothing asleep
+    for method in ("Sleep", "WakeUp"):  # an empty list names no stage: refused, nothing changes
+        done = _grpcurl(addr, method, {"stage_ids": []})
+        assert done.returncode == _exit_code(grpc.StatusCode.INVALID_ARGUMENT), (done.returncode, done.stderr)
+        assert "stage_ids" in done.stderr
 
     reply = _json(_grpcurl(addr, "Sleep", {"stage_ids": [1], "level": 1}))
     assert [r[:4] for r in _ack_rows(reply)] == [(1, 0, "ACK_STATUS_SUCCESS", 1)]

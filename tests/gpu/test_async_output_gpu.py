@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from stage_service.executor.executor import Executor
-from stage_service.models.contract import WorkItem
 from stage_service.models.config import PipelineConfig
+from stage_service.models.contract import WorkItem
 from stage_service.models.weights import ensure_model_dir
 from stage_service.settings import StageSettings
 from stagemesh.core.params import Params

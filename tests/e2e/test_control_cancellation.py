@@ -15,9 +15,11 @@ import grpc
 import pytest
 
 from stagemesh.v1 import gateway_pb2, generation_pb2
-from tests.meshproc import start_mesh, write_config
-from tests.test_faults import child_pid
-from tests.test_lifecycle import generate_until_ok
+from tests.e2e.test_faults import child_pid
+from tests.e2e.test_lifecycle import generate_until_ok
+from tests.support.meshproc import start_mesh, write_config
+
+pytestmark = pytest.mark.mesh
 
 SHORT_DEADLINE_S = 1.0
 SMALL = generation_pb2.GenerationParams(prompt="a boat", width=32, height=32, num_inference_steps=1, seed=3)

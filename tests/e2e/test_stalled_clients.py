@@ -9,8 +9,10 @@ import time
 import pytest
 
 from bench.stalled_clients import GENERATE_PATH, gateway_pid, normal_generate_ok, rss_mb, stalled_request
-from tests.meshproc import start_mesh, write_config
-from tests.stalled_h2 import StalledClients
+from tests.support.meshproc import start_mesh, write_config
+from tests.support.stalled_h2 import StalledClients
+
+pytestmark = pytest.mark.mesh
 
 CLIENTS = 20
 HELD_RESULTS = 4  # the bound below holds this many 512x512 float32 results (3 MiB each)

@@ -14,9 +14,11 @@ import grpc
 import pytest
 
 from stagemesh.v1 import gateway_pb2, generation_pb2
-from tests.meshproc import start_mesh, write_config
-from tests.test_faults import child_pid
-from tests.test_lifecycle import generate_until_ok
+from tests.e2e.test_faults import child_pid
+from tests.e2e.test_lifecycle import generate_until_ok
+from tests.support.meshproc import start_mesh, write_config
+
+pytestmark = pytest.mark.mesh
 
 UNRESPONSIVE_S = 3
 # One check round per second and a check timeout of one second past the bound; slack for a busy host.
