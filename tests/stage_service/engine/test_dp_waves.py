@@ -194,9 +194,10 @@ def test_the_dp_ranks_are_the_workers():
     s = StageSettings(kind="diffusion", enable_dlo=True, dp_size=3)
     assert s.worker_processes() == 3 and s.dp_group_size() == 3
     assert StageSettings(kind="diffusion", enable_dlo=True, dp_size=3, workers=3).worker_processes() == 3
-    # No group without AllGather (or DLO): dp_size does not change the worker count.
-    assert StageSettings(kind="diffusion", enable_dlo=True, dp_size=3, dlo_use_allgather=False).worker_processes() == 1
-    with pytest.raises(ValueError, match="workers = 2 with enable_dlo.*set workers = 3"):
+    # No group without AllGather (or DLO), but dp_size still counts the data-parallel workers.
+    assert StageSettings(kind="diffusion", enable_dlo=True, dp_size=3, dlo_use_allgather=False).worker_processes() == 3
+    assert StageSettings(kind="diffusion", enable_dlo=True, dp_size=3, dlo_use_allgather=False).dp_group_size() == 1
+    with pytest.raises(ValueError, match="workers = 2 with dp_size = 3.*set workers = 3"):
         StageSettings(kind="diffusion", enable_dlo=True, dp_size=3, workers=2)
     with pytest.raises(ValueError, match="every DP rank needs its own GPU"):
         StageSettings(kind="diffusion", device="cuda:1", enable_dlo=True, dp_size=2)
