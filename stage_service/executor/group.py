@@ -15,6 +15,7 @@ import concurrent.futures as cf
 import dataclasses
 import multiprocessing as mp
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,7 +152,7 @@ class GroupCall:
         for part in self.parts:
             part.add_done_callback(self._settle)
         # A caller that gives up cancels every part: their outputs are dropped when they arrive.
-        self.future.add_done_callback(lambda f: f.cancelled() and [p.cancel() for p in self.parts])
+        self.future.add_done_callback(_cancel_parts_of(weakref.ref(self)))
 
     def by_output_rank(self) -> dict[int, cf.Future]:
         """Output rank -> its own answer, failed if its part or a part of a non-output rank failed
@@ -168,6 +169,31 @@ class GroupCall:
             return
         if all(p.done() for p in self.parts) and not self.future.done():
             resolve_future(self.future, result={r: self._by_rank[r].result() for r in self._outputs})
+        if self.future.done():
+            # Answered: the parts (whose callbacks point back here) need not outlive the answer.
+            self.parts, self._by_rank = [], {}
+
+
+# The links back from an answer to what produced it (cancellation) are weak: with strong ones each
+# call would be a reference cycle, and a batch's outputs, with the shared-memory slots under them,
+# would live until the garbage collector ran instead of until their last reader dropped them.
+def _cancel_parts_of(call: weakref.ref[GroupCall]) -> Callable[[cf.Future], None]:
+    def cancel(future: cf.Future) -> None:
+        alive = call()
+        if future.cancelled() and alive is not None:
+            for part in alive.parts:
+                part.cancel()
+
+    return cancel
+
+
+def _cancel_if_cancelled(source: weakref.ref[cf.Future]) -> Callable[[cf.Future], None]:
+    def cancel(future: cf.Future) -> None:
+        alive = source()
+        if future.cancelled() and alive is not None:
+            alive.cancel()
+
+    return cancel
 
 
 def _joined(own: cf.Future, helpers: list[cf.Future]) -> cf.Future:
@@ -178,8 +204,10 @@ def _joined(own: cf.Future, helpers: list[cf.Future]) -> cf.Future:
         failed = next((p for p in parts if p.done() and (p.cancelled() or p.exception() is not None)), None)
         if failed is not None:
             resolve_future(out, exc=failed.exception() if not failed.cancelled() else cf.CancelledError())
-        elif all(p.done() for p in parts):
-            resolve_future(out, result=own.result())
+        elif parts and all(p.done() for p in parts):
+            resolve_future(out, result=parts[0].result())  # parts[0] is `own`
+        if out.done():
+            parts.clear()  # nothing more to wait for: the parts need not outlive the answer
 
     for p in parts:
         p.add_done_callback(settle)
@@ -199,5 +227,5 @@ def first_answer(call: GroupCall) -> cf.Future:
             resolve_future(out, result=next(iter(done.result().values())))
 
     call.future.add_done_callback(forward)
-    out.add_done_callback(lambda f: f.cancelled() and call.future.cancel())
+    out.add_done_callback(_cancel_if_cancelled(weakref.ref(call.future)))
     return out

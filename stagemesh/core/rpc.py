@@ -218,6 +218,17 @@ class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler._replace(**changes)
 
 
+# Overload is answered, never dropped in silence. gRPC's own bound on calls in handling answers
+# RESOURCE_EXHAUSTED at once; without it, a burst past gRPC core's queue of calls not yet handed
+# to the server (1000 by default) had some of them cancelled before any handler ran, CANCELLED
+# and unlogged. Our bound comes first, so that queue never fills.
+MAX_CONCURRENT_RPCS = 1024
+_NO_SILENT_CANCELLATION = [
+    ("grpc.server.max_pending_requests", 4 * MAX_CONCURRENT_RPCS),
+    ("grpc.server.max_pending_requests_hard_limit", 8 * MAX_CONCURRENT_RPCS),
+]
+
+
 class ServiceHost:
     """A grpc.aio server with health (NOT_SERVING until marked ready) and reflection."""
 
@@ -234,7 +245,11 @@ class ServiceHost:
         # credentials: TLS for the port (stagemesh.core.tls); None serves plaintext.
         # Innermost, so the other interceptors (metrics) see its refusals like any other status.
         interceptors = [*interceptors, DecodeErrorInterceptor()]
-        self.server = grpc.aio.server(options=channel_options(max_receive_bytes), interceptors=interceptors)
+        self.server = grpc.aio.server(
+            options=[*channel_options(max_receive_bytes), *_NO_SILENT_CANCELLATION],
+            interceptors=interceptors,
+            maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+        )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)

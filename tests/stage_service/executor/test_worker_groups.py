@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import gc
 import os
 import signal
 import time
+import weakref
 
 import pytest
 import torch
 
 from stage_service.engine.engine import Engine, OutputsEvent
 from stage_service.executor.executor import Executor
-from stage_service.executor.group import GroupCall
+from stage_service.executor.group import GroupCall, first_answer
 from stage_service.models.contract import WorkItem
 from stage_service.settings import StageSettings
 from stagemesh.core import errors
@@ -145,3 +147,28 @@ def test_a_dead_rank_fails_the_group_once_and_the_whole_group_restarts(tiny_mode
         asyncio.run(scenario())
     finally:
         ex.shutdown()
+
+
+class _Answer:
+    """Stands for a batch's outputs (tensors over shared-memory slots the worker reuses)."""
+
+
+@pytest.mark.parametrize("how", ["first answer", "by output rank"])
+def test_an_answer_is_freed_by_reference_counting_once_its_caller_drops_it(how):
+    """A reference cycle through the futures would keep a batch's outputs (and the shared-memory
+    slots under them) alive until the garbage collector runs: the worker, finding no free slot,
+    would fault in a fresh segment for every output."""
+    gc.disable()
+    try:
+        part: cf.Future = cf.Future()
+        call = GroupCall([part], [0], [0])
+        out = first_answer(call) if how == "first answer" else call.by_output_rank()[0]
+        answer = _Answer()
+        alive = weakref.ref(answer)
+        part.set_result(answer)
+        del answer
+        assert out.result(0) is alive()
+        del out, call, part
+        assert alive() is None, "the answer outlived every reference to it"
+    finally:
+        gc.enable()
