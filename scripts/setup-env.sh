@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv (once) with the pinned CPU torch wheel first, then stagemesh with its test and
-# dev (lint, type-check) extras; again whenever pyproject.toml is newer than the last install.
+# Creates .venv (once) with a pinned torch first, then stagemesh with its test and dev (lint,
+# type-check) extras; again whenever pyproject.toml is newer than the last install.
 # Sourced by scripts/up and scripts/test, so each works on a fresh machine.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -9,7 +9,9 @@ STAMP="$VENV/.stagemesh-installed"
 if [[ ! -f "$STAMP" || "$ROOT/pyproject.toml" -nt "$STAMP" ]]; then
   python3 -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  # An unpinned torch would pull a multi-GB CUDA build; the CPU wheel is enough here.
+  # The pin is the version of the local torch wheel this machine's pip finds (a CPU build), so
+  # the install takes it without a download. From a plain package index the same pin is the
+  # multi-GB CUDA build; pick another version (or index) with STAGEMESH_TORCH_VERSION.
   "$VENV/bin/python" -m pip install -q "torch==${STAGEMESH_TORCH_VERSION:-2.13.0}"
   "$VENV/bin/python" -m pip install -q -e "$ROOT[test,dev]"
   touch "$STAMP"

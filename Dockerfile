@@ -1,0 +1,35 @@
+# The stagemesh services on a CUDA runtime: `docker build -t stagemesh:latest .`, then
+# `docker run --gpus all --shm-size=1g stagemesh:latest stage --device cuda ...` (docs/DEPLOY.md).
+FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PATH=/opt/stagemesh/bin:$PATH
+
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+
+# The package with its default dependencies (torch from the package index: its CUDA build).
+WORKDIR /src
+COPY pyproject.toml README.md LICENSE ./
+COPY stagemesh ./stagemesh
+COPY gateway ./gateway
+COPY stage_service ./stage_service
+COPY cache_service ./cache_service
+RUN python3 -m venv /opt/stagemesh \
+    && /opt/stagemesh/bin/pip install --upgrade pip \
+    && /opt/stagemesh/bin/pip install . \
+    && rm -rf /src
+
+# The uid the Kubernetes manifests run as (runAsUser 10001): the cache root must be its own.
+RUN groupadd --gid 10001 stagemesh \
+    && useradd --uid 10001 --gid 10001 --home-dir /home/stagemesh --create-home --shell /usr/sbin/nologin stagemesh
+USER 10001:10001
+WORKDIR /home/stagemesh
+
+EXPOSE 50051 50061 50062 50070
+ENTRYPOINT ["stagemesh"]
+CMD ["--help"]
