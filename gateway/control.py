@@ -8,12 +8,11 @@ ResumeGeneration, a diffusion-only pipeline reopens by itself.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
 from gateway.stages import ReplicaAcks, StageClient
 from stagemesh.core import errors, logs
+from stagemesh.core.tasks import finish_even_if_cancelled
 from stagemesh.v1 import control_pb2
 
 log = logs.get_logger("stagemesh.control")
@@ -24,8 +23,6 @@ NOT_SLEEPING_REASON = "target stages are not sleeping"
 # A Sleep or WakeUp waits for the stages' answers at least this long, even when its caller's
 # deadline is shorter: the stages finish the change anyway, and the record must learn the outcome.
 STAGE_ANSWER_FLOOR_S = 300.0
-
-T = TypeVar("T")
 
 
 class Admission:
@@ -102,7 +99,6 @@ class ControlPlane:
         self._stages = stages
         self._admission = admission
         self._lock = asyncio.Lock()  # one sleep/wake at a time
-        self._unawaited: set[asyncio.Future] = set()  # changes that go on after their caller left
 
     @property
     def has_ar_stage(self) -> bool:
@@ -126,20 +122,12 @@ class ControlPlane:
             violations.append(errors.FieldViolation("level", f"{level} is not a sleep level; allowed: 1 or 2"))
         return violations
 
-    async def _finish_even_if_cancelled(self, change: Coroutine[Any, Any, T]) -> T:
-        """A sleep or wake that began runs to its end when its caller leaves, so the record of
-        sleeping stages learns what the stages did (they finish the change on their own too)."""
-        task = asyncio.ensure_future(change)
-        self._unawaited.add(task)
-        task.add_done_callback(_finished)
-        task.add_done_callback(self._unawaited.discard)
-        return await asyncio.shield(task)
-
     async def sleep(self, stage_ids: list[int], level: int | None, timeout: float | None) -> ControlResult:
-        return await self._finish_even_if_cancelled(self._sleep(stage_ids, level, _stage_timeout(timeout)))
+        # Once begun it runs to its end, so the record of sleeping stages learns what the stages did.
+        return await finish_even_if_cancelled(self._sleep(stage_ids, level, _stage_timeout(timeout)), "sleep")
 
     async def wake(self, stage_ids: list[int], timeout: float | None) -> ControlResult:
-        return await self._finish_even_if_cancelled(self._wake(stage_ids, _stage_timeout(timeout)))
+        return await finish_even_if_cancelled(self._wake(stage_ids, _stage_timeout(timeout)), "wake")
 
     async def _sleep(self, stage_ids: list[int], level: int | None, timeout: float | None) -> ControlResult:
         level = DEFAULT_SLEEP_LEVEL if level is None else level
@@ -204,12 +192,6 @@ class ControlPlane:
     def resume(self) -> None:
         self._admission.paused = False
         log.info("generation resumed")
-
-
-def _finished(task: asyncio.Future) -> None:
-    """Log a failure that no caller is left to hear (retrieving it also keeps asyncio quiet)."""
-    if not task.cancelled() and task.exception() is not None:
-        log.info("sleep or wake ended with an error", reason=str(task.exception()))
 
 
 def _stage_timeout(caller_remaining: float | None) -> float | None:

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
 
 from stage_service.engine.engine import Engine
 from stage_service.executor.executor import Executor
 from stagemesh.core import errors, logs
+from stagemesh.core.tasks import finish_even_if_cancelled
 
 log = logs.get_logger("stagemesh.control")
 
@@ -44,11 +43,11 @@ class StageControl:
         self._require_support()
         if level not in (1, 2):
             raise errors.InvalidArgument.field("level", f"{level} is not a sleep level; allowed: 1 or 2")
-        return await _finish_even_if_cancelled(self._sleep(level))
+        return await finish_even_if_cancelled(self._sleep(level), "sleep")
 
     async def wake(self) -> list[Ack]:
         self._require_support()
-        return await _finish_even_if_cancelled(self._wake())
+        return await finish_even_if_cancelled(self._wake(), "wake")
 
     async def _sleep(self, level: int) -> list[Ack]:
         async with self._lock:
@@ -124,16 +123,3 @@ class StageControl:
         """A group restarted while the stage sleeps comes up with its weights loaded: put it back."""
         if self.level:
             await asyncio.wrap_future(self._executor.control(group, "sleep", level=self.level))
-
-
-async def _finish_even_if_cancelled(change: Coroutine[Any, Any, list[Ack]]) -> list[Ack]:
-    """A sleep or wake that started runs to its end on its own: a caller whose deadline passes
-    (or who went away) while admission is closed and workers are freeing memory must not leave
-    the stage half-asleep. The stage's sleep level reports the outcome to whoever asks next."""
-    task = asyncio.ensure_future(change)
-    _UNAWAITED.add(task)
-    task.add_done_callback(_UNAWAITED.discard)
-    return await asyncio.shield(task)
-
-
-_UNAWAITED: set[asyncio.Future] = set()  # keeps shielded changes alive after their caller left
