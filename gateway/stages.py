@@ -9,9 +9,10 @@ call time to find the replicas behind the name.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,8 +136,8 @@ class StageClient:
         self._control_metadata = auth.bearer_metadata(self.token)
         # Why the stage is cut off (see gateway.watch); None while it answers.
         self.unresponsive: str | None = None
-        # Execute calls in flight -> the reason they were cut off ("" while they run).
-        self._calls: dict[grpc.aio.UnaryStreamCall, str] = {}
+        # Calls in flight (Execute and control) -> the reason they were cut off ("" while they run).
+        self._calls: dict[grpc.aio.Call, str] = {}
         self._stub = stage_pb2_grpc.StageServiceStub(self._channel)
         # Control channels, one per replica address. A single address needs no second channel.
         self._replicas: dict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageServiceStub]] = {}
@@ -227,9 +228,15 @@ class StageClient:
 
         async def one(address: str, stub):
             try:
-                return await getattr(stub, method)(request, **kwargs)
+                if self.unresponsive:
+                    raise errors.Unavailable(self.unresponsive)
+                call = getattr(stub, method)(request, **kwargs)
+                with self._cut_off_as_unavailable(call):
+                    return await call
             except grpc.aio.AioRpcError as exc:
                 return ReplicaFailure(self._domain_error(exc, address if multiple else None), self._domain_error(exc))
+            except errors.Unavailable as exc:  # the watch cut the stage off: no replica answers
+                return ReplicaFailure(exc, exc)
 
         replies = await asyncio.gather(*(one(a, s) for a, s in stubs.items()))
         return list(zip(stubs, replies))
@@ -310,24 +317,33 @@ class StageClient:
             raise errors.Unavailable(self.unresponsive)
         request = stage_pb2.ExecuteRequest(request_id=request_id, params=params, inputs=inputs)
         call = self._stub.Execute(request, timeout=timeout, metadata=rpc.outgoing_metadata(request_id))
-        self._calls[call] = ""
         try:
-            async for response in call:
-                if on_started is not None:
-                    await on_started()
-                    on_started = None
-                yield response
+            with self._cut_off_as_unavailable(call):
+                async for response in call:
+                    if on_started is not None:
+                        await on_started()
+                        on_started = None
+                    yield response
         except grpc.aio.AioRpcError as exc:
             raise self._domain_error(exc) from None
+        finally:
+            call.cancel()  # no-op when finished; frees the stage's slot when we stop early
+
+    @contextlib.contextmanager
+    def _cut_off_as_unavailable(self, call: grpc.aio.Call) -> Iterator[None]:
+        """While `call` runs, the watch may cut the stage off (mark_unresponsive cancels the call):
+        that cancellation ends as UNAVAILABLE naming why. Our own caller's cancellation stays one."""
+        self._calls[call] = ""
+        try:
+            yield
         except asyncio.CancelledError:
             cut_because = self._calls.get(call)
             task = asyncio.current_task()
             if not cut_because or (task is not None and task.cancelling()):
-                raise  # our caller was cancelled, not the stage cut off
+                raise
             raise errors.Unavailable(cut_because) from None
         finally:
             self._calls.pop(call, None)
-            call.cancel()  # no-op when finished; frees the stage's slot when we stop early
 
     def _domain_error(self, exc: grpc.aio.AioRpcError, replica: str | None = None) -> errors.StagemeshError:
         """`replica`: the address to name when the stage has several."""

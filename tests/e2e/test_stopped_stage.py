@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from stagemesh.v1 import gateway_pb2, generation_pb2
+from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2
 from tests.e2e.test_faults import child_pid
 from tests.e2e.test_lifecycle import generate_until_ok
 from tests.support.meshproc import start_mesh, write_config
@@ -86,3 +86,35 @@ def test_a_stopped_stage_fails_calls_in_flight_and_new_ones_until_it_runs_again(
         os.kill(stage, signal.SIGCONT)
     generate_until_ok(mesh)
     assert child_pid(mesh, "stage", 1) == stage, "the stage was restarted instead of served again"
+
+
+def test_a_sleep_of_a_stopped_stage_is_answered_within_the_bound_and_holds_no_control_call(stopped_stage_mesh):
+    """The control lock must not wait on a stopped stage for the gateway's floor on control answers
+    (minutes): the watch cuts control calls off like Execute calls."""
+    mesh = stopped_stage_mesh
+    generate_until_ok(mesh)
+    stage = child_pid(mesh, "stage", 1)
+    assert stage is not None
+    os.kill(stage, signal.SIGSTOP)
+    try:
+        with mesh.channel() as channel:
+            gateway = mesh.gateway(channel)
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as refused:
+                gateway.Sleep(gateway_pb2.SleepRequest(stage_ids=[1], level=1), timeout=120)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+            assert "stage 1 (diffusion)" in refused.value.details()
+            assert time.monotonic() - started <= ANSWER_WITHIN_S
+            # The control lock is free again: a call on the other stage is answered at once.
+            reply = gateway.WakeUp(gateway_pb2.WakeUpRequest(stage_ids=[0]), timeout=10)
+            assert reply.status == control_pb2.CONTROL_STATUS_SKIPPED, reply
+    finally:
+        os.kill(stage, signal.SIGCONT)
+    # The stage may still run the Sleep it finds in its socket once it runs again (a sleep that
+    # began finishes on its own); WakeUp asks it and wakes it if so.
+    with mesh.channel() as channel:
+        gateway = mesh.gateway(channel)
+        woken = gateway.WakeUp(gateway_pb2.WakeUpRequest(stage_ids=[1]), timeout=60)
+        assert woken.status in (control_pb2.CONTROL_STATUS_SUCCESS, control_pb2.CONTROL_STATUS_SKIPPED), woken
+        gateway.ResumeGeneration(gateway_pb2.ResumeGenerationRequest(), timeout=10)
+    generate_until_ok(mesh)
