@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -12,12 +11,12 @@ from torch import nn
 
 from stage_service import platform
 from stage_service.models.config import DiTConfig
+from stage_service.models.contract import Progress
 from stage_service.models.tp import TpGroup, column, row, split
 from stage_service.offload.plan import OffloadPlan
 
 TIME_FREQ_DIM = 256
 MIN_COND_BUCKET = 8
-Progress = Callable[[int, int], None]
 
 
 class CapturedSteps(Protocol):

@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 import torch
 
 from stage_service import platform
+from stage_service.models.contract import Progress
 from stage_service.models.dit import DiT, velocity
 from stagemesh.core import logs
 
 log = logs.get_logger("stagemesh.step_graphs")
 
-Progress = Callable[[int, int], None]
 WARMUP_RUNS = 2  # torch: run a step on a side stream before capturing it (lazy inits, cuBLAS)
 # Each graph keeps its own pool of activation memory; a new shape costs its first batch about
 # WARMUP_RUNS + 1 steps of capture.
