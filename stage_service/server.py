@@ -14,6 +14,7 @@ from stage_service.engine.engine import Engine, OutputsEvent, ProgressEvent
 from stage_service.executor.executor import Executor
 from stage_service.inputs import check_inputs
 from stage_service.metrics import stage_readings
+from stage_service.models.contract import TensorSpec
 from stage_service.models.diffusers_adapter import FolderError
 from stage_service.settings import StageSettings
 from stagemesh.core import auth, codec, converters, logs, serve, tls
@@ -52,14 +53,14 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self._executor = executor
         self._control = control
         self.limits: Limits = settings.limits()
+        self.input_specs: dict[str, TensorSpec] | None = None  # what the loaded model takes
         self.ready = False
 
     @servicer_method
     async def Execute(self, request: stage_pb2.ExecuteRequest, context) -> Any:
         request_id = logs.current_request_id()
         params = converters.params_from_proto(request.params, self.limits)
-        ready = self._executor.ready_info()
-        check_inputs(request.inputs, ready[0].input_specs if ready else None)
+        check_inputs(request.inputs, self.input_specs)
         inputs = {name: codec.from_proto(t, f"inputs[{name}]") for name, t in request.inputs.items()}
         explicit_steps = request.params.HasField("num_inference_steps")
         async for event in self._engine.run(request_id, params, inputs, explicit_steps):
@@ -144,6 +145,7 @@ async def serve_stage(settings: StageSettings) -> None:
         await asyncio.to_thread(settings.prepare_model_dir)
         readies = await asyncio.to_thread(executor.start)
         servicer.limits = settings.limits(readies[0].limits)
+        servicer.input_specs = readies[0].input_specs
         engine.start()
         servicer.ready = True
 
