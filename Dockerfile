@@ -16,9 +16,6 @@ RUN apt-get update \
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE ./
 COPY stagemesh ./stagemesh
-COPY gateway ./gateway
-COPY stage_service ./stage_service
-COPY cache_service ./cache_service
 RUN python3 -m venv /opt/stagemesh \
     && /opt/stagemesh/bin/pip install --upgrade pip \
     && /opt/stagemesh/bin/pip install . \

@@ -36,13 +36,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import print_table, write_json
-from stage_service.engine.engine import Engine, OutputsEvent
-from stage_service.executor.executor import Executor
-from stage_service.models.config import PipelineConfig
-from stage_service.models.runners import DiffusionRunner, WorkItem
-from stage_service.models.weights import ensure_model_dir
-from stage_service.settings import StageSettings
 from stagemesh.core.params import Params
+from stagemesh.stage_service.engine.engine import Engine, OutputsEvent
+from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.models.config import PipelineConfig
+from stagemesh.stage_service.models.runners import DiffusionRunner, WorkItem
+from stagemesh.stage_service.models.weights import ensure_model_dir
+from stagemesh.stage_service.settings import StageSettings
 
 
 def _cond(seed: int) -> torch.Tensor:

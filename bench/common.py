@@ -148,7 +148,7 @@ def prepare_mesh_run(args: Any) -> None:
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
     if args.model_dir is None:
-        from stage_service.models.weights import default_model_dir
+        from stagemesh.stage_service.models.weights import default_model_dir
 
         args.model_dir = str(default_model_dir())
 

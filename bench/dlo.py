@@ -48,8 +48,8 @@ from bench.dlo_timing import (
     step_time,
     store_bandwidth,
 )
-from stage_service.models.config import PipelineConfig
-from stage_service.offload import discover
+from stagemesh.stage_service.models.config import PipelineConfig
+from stagemesh.stage_service.offload import discover
 
 LEFTOVER_WARN_BYTES = 256 << 20
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from stage_service.models.config import DiTConfig, PipelineConfig
-from stage_service.models.dit import DiT
-from stage_service.offload import LayerwiseOffload, OffloadPlan, discover
+from stagemesh.stage_service.models.config import DiTConfig, PipelineConfig
+from stagemesh.stage_service.models.dit import DiT
+from stagemesh.stage_service.offload import LayerwiseOffload, OffloadPlan, discover
 
 TINY_DIT = PipelineConfig(dit=DiTConfig(hidden_size=256, depth=12, num_heads=4, cond_dim=64))
 # Odd block counts (2 + 3), rope axes summing to the head dim.

@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import dlo, dlo_timing
 from bench import dlo_models as models
 from bench.common import RESULTS_DIR, print_table, write_json
-from stage_service.offload.collective import gather_into
 from stagemesh.core.procutil import free_port
+from stagemesh.stage_service.offload.collective import gather_into
 
 
 # ---- per rank --------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from bench import dlo_models as models
-from stage_service import platform
-from stage_service.offload import discover
+from stagemesh.stage_service import platform
+from stagemesh.stage_service.offload import discover
 
 
 def sync(device: torch.device) -> None:

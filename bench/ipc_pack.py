@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import print_table, write_json
-from stage_service.transport import ipc
+from stagemesh.stage_service.transport import ipc
 
 SIZES = {"1 MB": 1_000_000, "16 MB": 16_000_000, "256 MB": 256_000_000}
 

@@ -37,9 +37,9 @@ if str(REPO) not in sys.path:  # run as a script: `python3 bench/mesh_overhead.p
 import grpc
 
 from bench import common
-from gateway.images import encode_png
 from stagemesh.core import codec, converters, logs, rpc
 from stagemesh.core.params import Limits
+from stagemesh.gateway.images import encode_png
 from stagemesh.v1 import (
     gateway_pb2,
     gateway_pb2_grpc,
@@ -176,7 +176,7 @@ class DirectPath:
 
     def _limits(self) -> Limits:
         """What the gateway's Pipeline.limits computes: the last stage's limits, the tightest prompt limit."""
-        from gateway.stages import limits_from_proto
+        from stagemesh.gateway.stages import limits_from_proto
 
         limits = [
             limits_from_proto(s.DescribeStage(stage_pb2.DescribeStageRequest(), timeout=10).limits) for s in self.stubs

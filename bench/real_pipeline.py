@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from bench import common
-from gateway.images import encode_png
-from stage_service.models.diffusers_adapter import synthetic
-from stage_service.models.diffusers_adapter.loading import dtype_kwarg
+from stagemesh.gateway.images import encode_png
+from stagemesh.stage_service.models.diffusers_adapter import synthetic
+from stagemesh.stage_service.models.diffusers_adapter.loading import dtype_kwarg
 from stagemesh.v1 import gateway_pb2, generation_pb2
 from tests.support.meshproc import start_mesh
 

@@ -33,12 +33,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import RESULTS_DIR, print_table, usable_cpus, write_json
-from stage_service.executor.executor import Executor
-from stage_service.models.config import PipelineConfig
-from stage_service.models.contract import WorkItem
-from stage_service.models.weights import ensure_model_dir
-from stage_service.settings import StageSettings
 from stagemesh.core.params import Params
+from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.models.config import PipelineConfig
+from stagemesh.stage_service.models.contract import WorkItem
+from stagemesh.stage_service.models.weights import ensure_model_dir
+from stagemesh.stage_service.settings import StageSettings
 
 MODES = ("private", "cache")
 ENGINES = 2

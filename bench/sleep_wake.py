@@ -23,8 +23,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import print_table, write_json
-from stage_service.models.contract import WeightFile
-from stage_service.worker.sleep import SleepController
+from stagemesh.stage_service.models.contract import WeightFile
+from stagemesh.stage_service.worker.sleep import SleepController
 from stagemesh.weight_store.safetensors_writer import write_streamed
 
 LAYER_SHAPE = (8192, 8192)  # 128 MiB per bf16 weight: FLUX-like large matrices

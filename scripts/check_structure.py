@@ -1,18 +1,19 @@
-"""Check the import structure of stagemesh, gateway, stage_service and cache_service.
+"""Check the import structure of stagemesh: its shared layers, its services and the application.
 
 Usage: python scripts/check_structure.py [ROOT]   (default: the repository root)
 
 Reads every module's imports from its syntax tree, so imports under `if TYPE_CHECKING:` and
 inside functions count as much as those at the top. Prints the layer picture (one line per
-package or stage_service room: what it imports) and exits 1 when any rule is broken:
+package or stage service room: what it imports) and exits 1 when any rule is broken:
 
 - no import cycle between modules;
 - the shared layers (stagemesh.core, stagemesh.v1, stagemesh.weight_store) import no service
   and no application module (the rest of stagemesh: cli, launcher, supervisor, config, ...);
 - stagemesh.core does not import stagemesh.weight_store;
-- a service (gateway, stage_service, cache_service) imports no other service and no
+- a service (stagemesh.gateway, stagemesh.stage_service, stagemesh.cache_service) imports no
+  other service and no
   application module;
-- inside stage_service, imports only go down the rooms in ROOMS; every module is in a room.
+- inside stagemesh.stage_service, imports only go down the rooms in ROOMS; every module is in a room.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("stagemesh", "gateway", "stage_service", "cache_service")
-SERVICES = ("gateway", "stage_service", "cache_service")
+PACKAGES = ("stagemesh",)
+STAGE = "stagemesh.stage_service"
+SERVICES = ("stagemesh.gateway", STAGE, "stagemesh.cache_service")
 SHARED_TOP_DOWN = ("stagemesh.weight_store", "stagemesh.core", "stagemesh.v1")
 SHARED = frozenset(SHARED_TOP_DOWN)
-# stage_service's rooms, top first; one tuple is one tier (its rooms may import one another).
+# the stage service's rooms, top first; one tuple is one tier (its rooms may import one another).
 ROOMS: tuple[tuple[str, ...], ...] = (
     ("server", "control", "settings", "metrics", "inputs"),
     ("engine",),
@@ -157,17 +159,22 @@ def group(module: str) -> str:
     for shared in SHARED:
         if _within(module, shared):
             return shared
-    top, _, rest = module.partition(".")
-    if top == "stagemesh":
-        return "stagemesh (application)"
-    if top == "stage_service" and rest:
-        return f"stage_service.{rest.partition('.')[0]}"
-    return top
+    room = _room(module)
+    if room is not None:
+        return f"{STAGE}.{room}"
+    service = _service(module)
+    return service if service is not None else "stagemesh (application)"
 
 
 def _service(module: str) -> str | None:
-    top = module.partition(".")[0]
-    return top if top in SERVICES else None
+    return next((service for service in SERVICES if _within(module, service)), None)
+
+
+def _room(module: str) -> str | None:
+    """The stage service room a module is in (None: not below the stage service's package)."""
+    if not module.startswith(STAGE + "."):
+        return None
+    return module[len(STAGE) + 1 :].partition(".")[0]
 
 
 def _is_application(module: str) -> bool:
@@ -177,9 +184,9 @@ def _is_application(module: str) -> bool:
 def violations(root: Path, modules: dict[str, Path], imports: list[Import]) -> list[str]:
     found = [f"import cycle: {' <-> '.join(c)}" for c in cycles(modules, imports)]
     for module in sorted(modules):
-        room = module.split(".")[1] if _within(module, "stage_service") and module != "stage_service" else None
+        room = _room(module)
         if room is not None and room not in TIER:
-            found.append(f"{module}: stage_service.{room} is in no room of ROOMS")
+            found.append(f"{module}: {STAGE}.{room} is in no room of ROOMS")
     for imp in sorted(imports, key=lambda i: (i.source, i.line, i.target)):
         where = f"{modules[imp.source].relative_to(root).as_posix()}:{imp.line}: {imp.source} imports {imp.target}"
         source_group = group(imp.source)
@@ -194,20 +201,21 @@ def violations(root: Path, modules: dict[str, Path], imports: list[Import]) -> l
                 found.append(f"{where} (one service imports another)")
             elif _is_application(imp.target):
                 found.append(f"{where} (a service imports the application above it)")
-        if source_service == "stage_service" == target_service:
-            source_tier = TIER.get(imp.source.split(".")[1], -1) if imp.source != "stage_service" else -1
-            target_tier = TIER.get(imp.target.split(".")[1], -1) if imp.target != "stage_service" else -1
+        if source_service == STAGE == target_service:
+            source_tier = TIER.get(_room(imp.source) or "", -1)
+            target_tier = TIER.get(_room(imp.target) or "", -1)
             if 0 <= target_tier < source_tier:
-                found.append(f"{where} (upward between stage_service rooms)")
+                found.append(f"{where} (upward between stage service rooms)")
     return found
 
 
 def _group_order(name: str) -> tuple[int, int, str]:
-    """Top of the picture first: the application, the services (stage_service room by room),
+    """Top of the picture first: the application, the services (the stage service room by room),
     then the shared layers."""
-    order = ["stagemesh (application)", "gateway", "cache_service", "stage_service", *SHARED_TOP_DOWN]
-    top = "stage_service" if name.startswith("stage_service.") else name
-    room = TIER.get(name.partition(".")[2], len(ROOMS)) if top == "stage_service" and top != name else -1
+    order = ["stagemesh (application)", "stagemesh.gateway", "stagemesh.cache_service", STAGE, *SHARED_TOP_DOWN]
+    room_name = _room(name)
+    top = STAGE if room_name is not None else name
+    room = TIER.get(room_name, len(ROOMS)) if room_name is not None else -1
     return (order.index(top) if top in order else len(order), room, name)
 
 

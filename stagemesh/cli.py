@@ -9,11 +9,11 @@ import sys
 
 def _parser() -> argparse.ArgumentParser:
     # Only light modules here: client commands must not pay for importing torch.
-    from cache_service import server as cache_server
-    from gateway import options as gateway_options
-    from stage_service.settings import StageSettings
     from stagemesh import client
+    from stagemesh.cache_service import server as cache_server
     from stagemesh.core import logs
+    from stagemesh.gateway import options as gateway_options
+    from stagemesh.stage_service.settings import StageSettings
 
     parser = argparse.ArgumentParser(prog="stagemesh", description=__doc__)
     parser.add_argument("--version", action="version", version=f"stagemesh {_version()}")
@@ -31,9 +31,14 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     for name, add_arguments, main_module, text in (
-        ("gateway", gateway_options.add_arguments, "gateway.server", "run the public gateway service alone"),
-        ("stage", StageSettings.add_arguments, "stage_service.server", "run one stage service alone"),
-        ("cache", cache_server.add_arguments, "cache_service.server", "run the node-local cache service alone"),
+        ("gateway", gateway_options.add_arguments, "stagemesh.gateway.server", "run the public gateway service alone"),
+        ("stage", StageSettings.add_arguments, "stagemesh.stage_service.server", "run one stage service alone"),
+        (
+            "cache",
+            cache_server.add_arguments,
+            "stagemesh.cache_service.server",
+            "run the node-local cache alone",
+        ),
     ):
         p = sub.add_parser(name, help=text)
         add_arguments(p)

@@ -7,9 +7,13 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from gateway.options import DEFAULT_MAX_UNDELIVERED_BYTES, DEFAULT_STAGE_UNRESPONSIVE_S, MIN_STAGE_UNRESPONSIVE_S
-from stage_service.settings import StageSettings
 from stagemesh.core import logs, metrics
+from stagemesh.gateway.options import (
+    DEFAULT_MAX_UNDELIVERED_BYTES,
+    DEFAULT_STAGE_UNRESPONSIVE_S,
+    MIN_STAGE_UNRESPONSIVE_S,
+)
+from stagemesh.stage_service.settings import StageSettings
 
 DEFAULT_GATEWAY_PORT = 50051
 PROMPT_ENCODERS = ("ar", "encoder")  # kinds whose outputs a diffusion or denoise stage draws from
@@ -189,7 +193,7 @@ def _check_stages(stages: tuple[StageSettings, ...], where: str | Path) -> None:
         # Looked at without importing the adapter (it brings torch) unless a folder is involved.
         folder = Path(s.model_dir).expanduser() if s.model_dir else None
         if s.kind not in ("ar", "diffusion") or (folder and (folder / "model_index.json").is_file()):
-            from stage_service.models import diffusers_adapter
+            from stagemesh.stage_service.models import diffusers_adapter
 
             if folder is None:
                 raise ValueError(

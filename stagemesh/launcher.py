@@ -9,10 +9,10 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 
-from stage_service.offload.config import DEFAULT_RUNTIME_CACHE_DIR
-from stage_service.settings import StageSettings
 from stagemesh.config import MeshConfig, SecurityConfig
 from stagemesh.core import auth, errors, logs, tls
+from stagemesh.stage_service.offload.config import DEFAULT_RUNTIME_CACHE_DIR
+from stagemesh.stage_service.settings import StageSettings
 from stagemesh.supervisor import Child, StartFailed, Supervisor, service_argv
 
 log = logs.get_logger("stagemesh.up")

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from stage_service.models.config import PipelineConfig
-from stage_service.models.weights import ensure_model_dir
+from stagemesh.stage_service.models.config import PipelineConfig
+from stagemesh.stage_service.models.weights import ensure_model_dir
 from tests.support.meshproc import Mesh, segments_of, shm_entries, start_mesh, write_config
 
 

@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.async_output import add_serving_args, serving_options, start_paths
 from bench.common import print_table, write_json
-from stage_service.models.config import PipelineConfig
-from stage_service.models.weights import ensure_model_dir
-from stage_service.transport import protocol
+from stagemesh.stage_service.models.config import PipelineConfig
+from stagemesh.stage_service.models.weights import ensure_model_dir
+from stagemesh.stage_service.transport import protocol
 
 
 class Timeline:

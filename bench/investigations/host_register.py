@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import RESULTS_DIR, print_table, write_json
-from stage_service.platform import REGISTER_READ_ONLY, clear_cuda_error
+from stagemesh.stage_service.platform import REGISTER_READ_ONLY, clear_cuda_error
 
 GIB = 1 << 30
 

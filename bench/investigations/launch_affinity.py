@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.async_output import Forward
 from bench.common import print_table, write_json
-from stage_service.models.config import PipelineConfig
-from stage_service.models.weights import ensure_model_dir
+from stagemesh.stage_service.models.config import PipelineConfig
+from stagemesh.stage_service.models.weights import ensure_model_dir
 
 
 def parse_cpulist(text: str) -> set[int]:

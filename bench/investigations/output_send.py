@@ -33,8 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import print_table, write_json
-from stage_service.transport import ipc, protocol
-from stage_service.transport.result_pipe import result_pipe
+from stagemesh.stage_service.transport import ipc, protocol
+from stagemesh.stage_service.transport.result_pipe import result_pipe
 
 
 def _read(channel, held: int, ready) -> None:

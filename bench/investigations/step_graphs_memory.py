@@ -22,10 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import print_table, write_json
-from stage_service.models.config import PipelineConfig
-from stage_service.models.runners import DiffusionRunner, WorkItem
-from stage_service.models.weights import ensure_model_dir
 from stagemesh.core.params import Params
+from stagemesh.stage_service.models.config import PipelineConfig
+from stagemesh.stage_service.models.runners import DiffusionRunner, WorkItem
+from stagemesh.stage_service.models.weights import ensure_model_dir
 
 MiB = 1 << 20
 

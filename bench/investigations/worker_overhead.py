@@ -43,16 +43,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import print_table, write_json
-from stage_service import platform
-from stage_service.models.config import PipelineConfig
-from stage_service.models.runners import DiffusionRunner, WorkItem
-from stage_service.models.weights import ensure_model_dir
-from stage_service.transport import ipc, protocol
-from stage_service.transport.result_pipe import result_pipe
-from stage_service.worker import async_output
-from stage_service.worker.async_output import AsyncOutputThread, copy_to_host
-from stage_service.worker.worker import Worker
 from stagemesh.core.params import Params
+from stagemesh.stage_service import platform
+from stagemesh.stage_service.models.config import PipelineConfig
+from stagemesh.stage_service.models.runners import DiffusionRunner, WorkItem
+from stagemesh.stage_service.models.weights import ensure_model_dir
+from stagemesh.stage_service.transport import ipc, protocol
+from stagemesh.stage_service.transport.result_pipe import result_pipe
+from stagemesh.stage_service.worker import async_output
+from stagemesh.stage_service.worker.async_output import AsyncOutputThread, copy_to_host
+from stagemesh.stage_service.worker.worker import Worker
 
 BUSY_PROCESSES = 3  # the serving stack's busy threads outside the worker, roughly
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("stagemesh", "gateway", "stage_service", "cache_service")
+PACKAGES = ("stagemesh",)
 BUILD_TIMEOUT_S = 120
 
 

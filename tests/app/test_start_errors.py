@@ -139,8 +139,8 @@ def test_a_refused_option_combination_exits_2_naming_the_option():
 
 
 def test_a_corrupt_checkpoint_fails_the_start_without_a_traceback(tmp_path):
-    from stage_service.models.config import PipelineConfig
-    from stage_service.models.weights import DIT_FILE, ensure_model_dir
+    from stagemesh.stage_service.models.config import PipelineConfig
+    from stagemesh.stage_service.models.weights import DIT_FILE, ensure_model_dir
 
     broken = ensure_model_dir(tmp_path / "model", PipelineConfig.tiny())
     (broken / DIT_FILE).write_bytes((broken / DIT_FILE).read_bytes()[:64])

@@ -28,7 +28,7 @@ def plant(root: Path, files: dict[str, str]) -> Path:
 def test_the_tree_keeps_its_structure():
     result = check(REPO)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "stagemesh.core" in result.stdout and "stage_service.engine" in result.stdout
+    assert "stagemesh.core" in result.stdout and "stagemesh.stage_service.engine" in result.stdout
 
 
 def test_finds_a_cycle_and_an_upward_import(tmp_path):
@@ -40,15 +40,16 @@ def test_finds_a_cycle_and_an_upward_import(tmp_path):
             "stagemesh/core/b.py": (
                 "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from stagemesh.core.a import f\n"
             ),
-            "stage_service/engine/run.py": "",
-            "stage_service/platform.py": "from .engine import run\n",
+            "stagemesh/stage_service/engine/run.py": "",
+            "stagemesh/stage_service/platform.py": "from .engine import run\n",
         },
     )
     result = check(root)
     assert result.returncode == 1, result.stdout
     assert "import cycle: stagemesh.core.a <-> stagemesh.core.b" in result.stdout
-    assert "stage_service.platform imports stage_service.engine.run (upward between stage_service rooms)" in (
-        result.stdout
+    assert (
+        "stagemesh.stage_service.platform imports stagemesh.stage_service.engine.run"
+        " (upward between stage service rooms)" in result.stdout
     )
 
 
@@ -59,20 +60,20 @@ def test_finds_imports_across_layers(tmp_path):
             "stagemesh/config.py": "",
             "stagemesh/weight_store/store.py": "",
             "stagemesh/core/auth.py": (
-                "import gateway.server\nimport stagemesh.config\nfrom stagemesh.weight_store import store\n"
+                "import stagemesh.gateway.server\nimport stagemesh.config\nfrom stagemesh.weight_store import store\n"
             ),
-            "gateway/server.py": "from cache_service.server import serve\n",
-            "cache_service/server.py": "def serve(): ...\n",
-            "stage_service/runner.py": "",
+            "stagemesh/gateway/server.py": "from stagemesh.cache_service.server import serve\n",
+            "stagemesh/cache_service/server.py": "def serve(): ...\n",
+            "stagemesh/stage_service/runner.py": "",
         },
     )
     result = check(root)
     assert result.returncode == 1, result.stdout
     for expected in (
-        "stagemesh.core.auth imports gateway.server (the shared layers import no service or application module)",
+        "stagemesh.core.auth imports stagemesh.gateway.server (the shared layers import no service",
         "stagemesh.core.auth imports stagemesh.config (the shared layers",
         "stagemesh.core.auth imports stagemesh.weight_store.store (stagemesh.core is below",
-        "gateway.server imports cache_service.server (one service imports another)",
-        "stage_service.runner: stage_service.runner is in no room",
+        "stagemesh.gateway.server imports stagemesh.cache_service.server (one service imports another)",
+        "stagemesh.stage_service.runner: stagemesh.stage_service.runner is in no room",
     ):
         assert expected in result.stdout

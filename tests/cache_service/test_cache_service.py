@@ -30,7 +30,17 @@ def start_service(tmp_path: Path, root: Path) -> tuple[subprocess.Popen, Path, P
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cache_service", "--port", "0", "--root", str(root), "--ready-file", str(ready)],
+            [
+                sys.executable,
+                "-m",
+                "stagemesh.cache_service",
+                "--port",
+                "0",
+                "--root",
+                str(root),
+                "--ready-file",
+                str(ready),
+            ],
             cwd=REPO,
             env=env,
             stdout=log,

@@ -13,7 +13,7 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from stage_service.runtime_cache.lookup import RuntimeCache
+from stagemesh.stage_service.runtime_cache.lookup import RuntimeCache
 from stagemesh.v1 import cache_pb2, cache_pb2_grpc
 from stagemesh.weight_store import locks
 from stagemesh.weight_store.store import CacheStore

@@ -17,12 +17,12 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from stage_service.models.config import PipelineConfig
-from stage_service.models.weights import ensure_model_dir
-from stage_service.settings import StageSettings
 from stagemesh import config as mesh_config
 from stagemesh.cli import _parser
 from stagemesh.core import auth, metrics, readyfile
+from stagemesh.stage_service.models.config import PipelineConfig
+from stagemesh.stage_service.models.weights import ensure_model_dir
+from stagemesh.stage_service.settings import StageSettings
 from stagemesh.v1 import cache_pb2, cache_pb2_grpc, gateway_pb2, generation_pb2
 from tests.support.meshproc import (
     REPO,

@@ -20,9 +20,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from stage_service.transport import ipc
 from stagemesh import cli, config, launcher
 from stagemesh.core import auth, errors, rpc, tls
+from stagemesh.stage_service.transport import ipc
 from stagemesh.v1 import cache_pb2, cache_pb2_grpc, gateway_pb2, generation_pb2, stage_pb2, stage_pb2_grpc
 from tests.support.meshproc import Mesh, descendants, segments_of, shm_entries, start_mesh, write_config
 

@@ -44,8 +44,8 @@ def _owner(segment: str) -> int | None:
 def two_meshes(tmp_path_factory, model_dir, request):
     """The session's mesh (async output, the default; tests/conftest.py checks its stop) and a mesh
     with `step_execution = true`, which starts while the session's comes up (unless it runs already)."""
-    from stage_service.models.config import PipelineConfig
-    from stage_service.models.weights import ensure_model_dir
+    from stagemesh.stage_service.models.config import PipelineConfig
+    from stagemesh.stage_service.models.weights import ensure_model_dir
 
     ensure_model_dir(Path(model_dir), PipelineConfig.tiny())  # once, before two meshes look for it
     before = _segments()

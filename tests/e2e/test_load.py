@@ -22,7 +22,7 @@ from bench.load import (
     process_resources,
     run_load,
 )
-from stage_service.transport.ipc import WORKER_POOL_SLOTS
+from stagemesh.stage_service.transport.ipc import WORKER_POOL_SLOTS
 from tests.e2e.test_lifecycle import generate
 
 pytestmark = pytest.mark.mesh

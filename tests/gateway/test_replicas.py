@@ -14,8 +14,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.stages import NO_WORKER_RANK, aggregate, dns_host_port, resolve
 from stagemesh.core import auth, rpc, tls
+from stagemesh.gateway.stages import NO_WORKER_RANK, aggregate, dns_host_port, resolve
 from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2, stage_pb2, stage_pb2_grpc
 from tests.core.test_security import make_certificates
 from tests.support.meshproc import START_TIMEOUT_S, Service, spawn_service
@@ -207,7 +207,7 @@ def test_aggregate_sums_memory_and_sleeps_if_any_replica_sleeps():
 
 def test_a_dns_stage_counts_the_replicas_its_name_resolves_to(monkeypatch):
     # No DNS server with a multi-address name exists here: the resolver's answer is given.
-    from gateway import stages
+    from stagemesh.gateway import stages
 
     async def two_replicas(host: str, port: int) -> list[str]:
         return [f"127.0.0.1:{port}", f"127.0.0.2:{port}"]

@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 
-from stage_service.executor.executor import Executor
-from stage_service.models.config import PipelineConfig
-from stage_service.models.contract import WorkItem
-from stage_service.models.weights import ensure_model_dir
-from stage_service.settings import StageSettings
 from stagemesh.core.params import Params
+from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.models.config import PipelineConfig
+from stagemesh.stage_service.models.contract import WorkItem
+from stagemesh.stage_service.models.weights import ensure_model_dir
+from stagemesh.stage_service.settings import StageSettings
 
 pytestmark = pytest.mark.gpu
 
@@ -76,9 +76,9 @@ def test_async_outputs_equal_the_synchronous_path(tmp_path):
 
 
 def test_a_batch_comes_over_in_one_copy_and_its_slices_go_by_the_batch_storage():
-    from stage_service import platform
-    from stage_service.transport import ipc
-    from stage_service.worker.async_output import copy_to_host
+    from stagemesh.stage_service import platform
+    from stagemesh.stage_service.transport import ipc
+    from stagemesh.stage_service.worker.async_output import copy_to_host
 
     stream = platform.Stream("cuda")
     batch = torch.rand(4, 3, 256, 256, device="cuda").permute(0, 2, 3, 1)  # as the DiT's images

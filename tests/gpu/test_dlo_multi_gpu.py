@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from stage_service.models.config import DiTConfig
-from stage_service.models.dit import DiT
-from stage_service.offload import LayerwiseOffload
 from stagemesh.core.procutil import free_port
+from stagemesh.stage_service.models.config import DiTConfig
+from stagemesh.stage_service.models.dit import DiT
+from stagemesh.stage_service.offload import LayerwiseOffload
 from stagemesh.v1 import gateway_pb2, generation_pb2
 from tests.support.meshproc import start_mesh, write_config
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stage_service.models.config import DiTConfig
-from stage_service.models.dit import DiT
-from stage_service.offload import LayerwiseOffload
+from stagemesh.stage_service.models.config import DiTConfig
+from stagemesh.stage_service.models.dit import DiT
+from stagemesh.stage_service.offload import LayerwiseOffload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

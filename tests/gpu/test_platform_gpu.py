@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from stage_service import platform
+from stagemesh.stage_service import platform
 
 pytestmark = pytest.mark.gpu
 

@@ -7,11 +7,11 @@ import resource
 import pytest
 import torch
 
-from stage_service.models.config import DiTConfig, LMConfig, PipelineConfig
-from stage_service.models.runners import DiffusionRunner, WorkItem
-from stage_service.models.weights import ensure_model_dir
-from stage_service.worker.sleep import SleepController
 from stagemesh.core.params import Params
+from stagemesh.stage_service.models.config import DiTConfig, LMConfig, PipelineConfig
+from stagemesh.stage_service.models.runners import DiffusionRunner, WorkItem
+from stagemesh.stage_service.models.weights import ensure_model_dir
+from stagemesh.stage_service.worker.sleep import SleepController
 
 pytestmark = pytest.mark.gpu
 

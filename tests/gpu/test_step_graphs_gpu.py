@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stage_service.models import DiffusionRunner, WorkItem
-from stage_service.worker.sleep import SleepController
 from stagemesh.core.params import Params
+from stagemesh.stage_service.models import DiffusionRunner, WorkItem
+from stagemesh.stage_service.worker.sleep import SleepController
 
 pytestmark = pytest.mark.gpu
 

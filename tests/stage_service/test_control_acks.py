@@ -9,10 +9,10 @@ import signal
 
 import torch
 
-from stage_service.control import StageControl
-from stage_service.engine.engine import Engine
-from stage_service.executor.executor import Executor
-from stage_service.settings import StageSettings
+from stagemesh.stage_service.control import StageControl
+from stagemesh.stage_service.engine.engine import Engine
+from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.settings import StageSettings
 
 
 def test_a_worker_killed_during_sleep_gets_one_error_ack(tiny_model):

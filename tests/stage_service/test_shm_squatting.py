@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stage_service.transport import ipc
+from stagemesh.stage_service.transport import ipc
 from stagemesh.v1 import generation_pb2, stage_pb2, stage_pb2_grpc
 from tests.e2e.test_lifecycle import wait_until, worker_pids
 from tests.support.meshproc import alive, spawn_service

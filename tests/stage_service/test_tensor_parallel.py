@@ -17,12 +17,12 @@ import pytest
 import torch
 from PIL import Image
 
-from stage_service.executor.executor import Executor
-from stage_service.models.runners import WorkItem, build_runner
-from stage_service.offload.config import DloOptions
-from stage_service.settings import StageSettings
 from stagemesh.core.params import Params
 from stagemesh.core.procutil import free_port
+from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.models.runners import WorkItem, build_runner
+from stagemesh.stage_service.offload.config import DloOptions
+from stagemesh.stage_service.settings import StageSettings
 from stagemesh.v1 import gateway_pb2, generation_pb2
 from tests.support.meshproc import Mesh, segments_of, shm_entries, start_mesh, write_config
 
@@ -41,8 +41,8 @@ def _levels(images: torch.Tensor) -> torch.Tensor:
 
 def _rank_main(rank: int, address: str, model: str, dlo: dict, out) -> None:
     """One TP rank: join the group, load its shards, run the batch, report."""
-    from stage_service.models.tp import TpGroup
-    from stage_service.offload.collective import join_group, leave_group
+    from stagemesh.stage_service.models.tp import TpGroup
+    from stagemesh.stage_service.offload.collective import join_group, leave_group
 
     torch.set_num_threads(1)
     group = join_group(address, rank, 2, "cpu", 60)

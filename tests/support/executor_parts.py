@@ -8,8 +8,8 @@ import os
 
 import torch
 
-from stage_service.executor.executor import _Pending, _Worker
-from stage_service.transport import ipc
+from stagemesh.stage_service.executor.executor import _Pending, _Worker
+from stagemesh.stage_service.transport import ipc
 
 WAIT_S = 10.0
 

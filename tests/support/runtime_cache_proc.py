@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from stage_service.runtime_cache.lookup import RuntimeCache
+from stagemesh.stage_service.runtime_cache.lookup import RuntimeCache
 from stagemesh.weight_store import locks
 
 REPO = Path(__file__).resolve().parents[2]

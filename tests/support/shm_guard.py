@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from stage_service.transport import ipc
+from stagemesh.stage_service.transport import ipc
 
 
 def our_segments(pid: int | None = None) -> set[str]:

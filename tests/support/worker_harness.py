@@ -14,13 +14,13 @@ from pathlib import Path
 
 import torch
 
-from stage_service.models.contract import RunnerBase, WorkItem
-from stage_service.transport import ipc, protocol
-from stage_service.transport.result_pipe import result_pipe
-from stage_service.worker import async_output
-from stage_service.worker.async_output import AsyncOutputThread
-from stage_service.worker.worker import Worker
 from stagemesh.core.params import Params
+from stagemesh.stage_service.models.contract import RunnerBase, WorkItem
+from stagemesh.stage_service.transport import ipc, protocol
+from stagemesh.stage_service.transport.result_pipe import result_pipe
+from stagemesh.stage_service.worker import async_output
+from stagemesh.stage_service.worker.async_output import AsyncOutputThread
+from stagemesh.stage_service.worker.worker import Worker
 
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 CTX = mp.get_context("spawn")
@@ -37,7 +37,7 @@ class StubRunner(RunnerBase):
         self.net = torch.nn.Linear(8, 8)  # a few real weights, for sleep
 
     def weight_files(self):
-        from stage_service.models.contract import WeightFile
+        from stagemesh.stage_service.models.contract import WeightFile
 
         return [WeightFile(Path("/nonexistent/stub.safetensors"), {"": self.net})]
 

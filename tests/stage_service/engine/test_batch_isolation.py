@@ -13,11 +13,11 @@ import torch
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from stage_service.engine.engine import Engine, OutputsEvent
-from stage_service.executor.executor import Executor
-from stage_service.settings import StageSettings
 from stagemesh.core import codec, errors
 from stagemesh.core.params import Params
+from stagemesh.stage_service.engine.engine import Engine, OutputsEvent
+from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.settings import StageSettings
 from stagemesh.v1 import generation_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 
 COND_DIM = 64  # the embedded DiT's conditioning width (PipelineConfig.tiny())

@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from stage_service.control import StageControl
-from stage_service.engine.engine import Engine, OutputsEvent, ProgressEvent
-from stage_service.engine.wave_rules import WAVE_TIMEOUT_ENV, WaveFailed, WaveRequest, run_wave
-from stage_service.executor.executor import Executor
-from stage_service.models.runners import WorkItem, build_runner
-from stage_service.offload.config import DloOptions
-from stage_service.settings import StageSettings
 from stagemesh.core import errors
 from stagemesh.core.params import Params
+from stagemesh.stage_service.control import StageControl
+from stagemesh.stage_service.engine.engine import Engine, OutputsEvent, ProgressEvent
+from stagemesh.stage_service.engine.wave_rules import WAVE_TIMEOUT_ENV, WaveFailed, WaveRequest, run_wave
+from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.models.runners import WorkItem, build_runner
+from stagemesh.stage_service.offload.config import DloOptions
+from stagemesh.stage_service.settings import StageSettings
 from stagemesh.v1 import gateway_pb2, generation_pb2
 from tests.support.meshproc import segments_of, shm_entries, start_mesh, write_config
 

@@ -8,7 +8,8 @@ import time
 import pytest
 from structlog.testing import capture_logs
 
-from stage_service.engine.wave_rules import (
+from stagemesh.core.params import Params
+from stagemesh.stage_service.engine.wave_rules import (
     WAVE_TIMEOUT_ENV,
     WaveFailed,
     WaveRejected,
@@ -16,7 +17,6 @@ from stage_service.engine.wave_rules import (
     run_wave,
     wave_timeout,
 )
-from stagemesh.core.params import Params
 
 
 def _req(rid: str, **kw) -> WaveRequest:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stage_service.executor.executor import Executor, _Worker
-from stage_service.settings import StageSettings
-from stage_service.transport import ipc, protocol
 from stagemesh.core import errors
+from stagemesh.stage_service.executor.executor import Executor, _Worker
+from stagemesh.stage_service.settings import StageSettings
+from stagemesh.stage_service.transport import ipc, protocol
 from tests.support.executor_parts import oid, packed_outputs, pend
 from tests.support.shm_guard import no_segment_left_behind, our_segments  # noqa: F401 - autouse fixture
 

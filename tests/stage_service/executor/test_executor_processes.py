@@ -16,14 +16,14 @@ import time
 import pytest
 import torch
 
-from stage_service.executor import executor as executor_mod
-from stage_service.executor.executor import Executor, _Worker
-from stage_service.models.contract import WorkItem
-from stage_service.settings import StageSettings
-from stage_service.transport import ipc, protocol
-from stage_service.transport.result_pipe import result_pipe
 from stagemesh.core import errors
 from stagemesh.core.params import Params
+from stagemesh.stage_service.executor import executor as executor_mod
+from stagemesh.stage_service.executor.executor import Executor, _Worker
+from stagemesh.stage_service.models.contract import WorkItem
+from stagemesh.stage_service.settings import StageSettings
+from stagemesh.stage_service.transport import ipc, protocol
+from stagemesh.stage_service.transport.result_pipe import result_pipe
 from tests.support.executor_parts import WAIT_S, oid, packed_outputs, pend
 from tests.support.shm_guard import no_segment_left_behind, our_segments  # noqa: F401 - autouse fixture
 

@@ -14,14 +14,14 @@ import time
 import pytest
 from structlog.testing import capture_logs
 
-from stage_service.executor import outputs
-from stage_service.executor.outputs import (
+from stagemesh.core import errors
+from stagemesh.stage_service.executor import outputs
+from stagemesh.stage_service.executor.outputs import (
     DEFAULT_TIMEOUT_S,
     TIMEOUT_ENV,
     OutputRegistry,
     output_timeout,
 )
-from stagemesh.core import errors
 
 STAGE = "stage 1 (diffusion)"
 WAIT_S = 10.0

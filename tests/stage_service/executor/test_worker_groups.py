@@ -17,13 +17,13 @@ import weakref
 import pytest
 import torch
 
-from stage_service.engine.engine import Engine, OutputsEvent
-from stage_service.executor.executor import Executor
-from stage_service.executor.group import GroupCall, first_answer
-from stage_service.models.contract import WorkItem
-from stage_service.settings import StageSettings
 from stagemesh.core import errors
 from stagemesh.core.params import Params
+from stagemesh.stage_service.engine.engine import Engine, OutputsEvent
+from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.executor.group import GroupCall, first_answer
+from stagemesh.stage_service.models.contract import WorkItem
+from stagemesh.stage_service.settings import StageSettings
 
 
 def _groups(**values) -> list[tuple[list[int], list[int], bool]]:

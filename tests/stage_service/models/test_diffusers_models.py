@@ -22,11 +22,11 @@ import grpc
 import pytest
 import torch
 
-from gateway.images import encode_png
-from stage_service.models.diffusers_adapter import FolderError, check_stage_folder
-from stage_service.models.diffusers_adapter.synthetic import write_tiny
 from stagemesh.core import codec
 from stagemesh.core.params import Params
+from stagemesh.gateway.images import encode_png
+from stagemesh.stage_service.models.diffusers_adapter import FolderError, check_stage_folder
+from stagemesh.stage_service.models.diffusers_adapter.synthetic import write_tiny
 from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2
 from tests.support.meshproc import REPO, Mesh, parallel_meshes, start_mesh
 
@@ -137,7 +137,7 @@ def test_image_equals_diffusers_own_pipeline(meshes, reference, name):
 
 def test_runners_in_process_equal_diffusers_own_pipeline(folders, reference):
     """SD3 without DLO: the encoder and diffusion runners a mesh's workers would load."""
-    from stage_service.models.runners import WorkItem, build_runner
+    from stagemesh.stage_service.models.runners import WorkItem, build_runner
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -251,7 +251,7 @@ def test_folder_errors_name_what_is_missing(folders, tmp_path):
     index = json.loads((unknown / "model_index.json").read_text())
     (unknown / "model_index.json").unlink()
     (unknown / "model_index.json").write_text(json.dumps({**index, "_class_name": "OtherPipeline"}))
-    from stage_service.models.diffusers_adapter.families import family_of
+    from stagemesh.stage_service.models.diffusers_adapter.families import family_of
 
     with pytest.raises(FolderError, match="'OtherPipeline' is not supported"):
         family_of(check_stage_folder(unknown, "encoder"))

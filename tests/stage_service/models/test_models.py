@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from stage_service.models import (
+from stagemesh.core.params import Params
+from stagemesh.stage_service.models import (
     ArRunner,
     ByteTokenizer,
     DiffusionRunner,
@@ -25,10 +26,9 @@ from stage_service.models import (
     read_config,
     sample,
 )
-from stage_service.models.config import BOS_ID, DiTConfig, LMConfig
-from stage_service.models.dit import pad_conds
-from stage_service.models.weights import DIT_FILE, LM_FILE, build_dit, build_lm
-from stagemesh.core.params import Params
+from stagemesh.stage_service.models.config import BOS_ID, DiTConfig, LMConfig
+from stagemesh.stage_service.models.dit import pad_conds
+from stagemesh.stage_service.models.weights import DIT_FILE, LM_FILE, build_dit, build_lm
 
 FILES = (LM_FILE, DIT_FILE, Path("config.json"))
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from stage_service.executor.executor import Executor
-from stage_service.models import DiffusionRunner, load_dit
-from stage_service.models.dit import MIN_COND_BUCKET, cond_bucket, pad_conds, sample
-from stage_service.models.step_graphs import StepGraphs
-from stage_service.settings import StageSettings
+from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.models import DiffusionRunner, load_dit
+from stagemesh.stage_service.models.dit import MIN_COND_BUCKET, cond_bucket, pad_conds, sample
+from stagemesh.stage_service.models.step_graphs import StepGraphs
+from stagemesh.stage_service.settings import StageSettings
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_graphs_only_where_they_apply_and_the_flag_reaches_the_worker(tiny_model
 
 def test_a_step_that_cannot_be_captured_runs_eagerly_from_then_on(dit_pair, monkeypatch):
     # No GPU here: the capture itself is replaced by one that fails as a driver would.
-    from stage_service.models import step_graphs
+    from stagemesh.stage_service.models import step_graphs
 
     def refuse(run, device):
         raise RuntimeError("operation not permitted when stream is capturing")

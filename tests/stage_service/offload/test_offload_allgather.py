@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from stage_service.models.config import DiTConfig
-from stage_service.models.dit import DiT
-from stage_service.offload import LayerwiseOffload, collective
-from stage_service.offload.host import shard_nbytes
-from stage_service.offload.layout import ALIGN
 from stagemesh.core.procutil import free_port
+from stagemesh.stage_service.models.config import DiTConfig
+from stagemesh.stage_service.models.dit import DiT
+from stagemesh.stage_service.offload import LayerwiseOffload, collective
+from stagemesh.stage_service.offload.host import shard_nbytes
+from stagemesh.stage_service.offload.layout import ALIGN
 
 # hidden 36: a block whose byte size 3 does not divide (asserted below).
 CFG = DiTConfig(hidden_size=36, num_heads=3, cond_dim=12, decoder_channels=8, depth=5)
@@ -94,7 +94,7 @@ def test_allgather_equals_resident_and_no_allgather(world: int, tmp_path: Path):
 
 
 def test_group_of_one_runs_no_collective(monkeypatch: pytest.MonkeyPatch):
-    from stage_service.offload import engine as engine_module
+    from stagemesh.stage_service.offload import engine as engine_module
 
     calls = []
     monkeypatch.setattr(engine_module, "gather_into", lambda *a: calls.append(a))

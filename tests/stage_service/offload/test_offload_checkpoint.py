@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from structlog.testing import capture_logs
 from torch import nn
 
-from stage_service.offload import load_or_fallback
+from stagemesh.stage_service.offload import load_or_fallback
 from stagemesh.weight_store.checkpoint import CheckpointError, map_tensors, read_index
 
 

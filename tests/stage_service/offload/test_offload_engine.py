@@ -9,9 +9,9 @@ import torch
 from structlog.testing import capture_logs
 from torch import nn
 
-from stage_service.models.config import DiTConfig
-from stage_service.models.dit import DiT
-from stage_service.offload import LayerwiseOffload, OffloadPlan, discover
+from stagemesh.stage_service.models.config import DiTConfig
+from stagemesh.stage_service.models.dit import DiT
+from stagemesh.stage_service.offload import LayerwiseOffload, OffloadPlan, discover
 
 CFG = DiTConfig(hidden_size=32, num_heads=2, cond_dim=16, decoder_channels=8)
 
@@ -204,7 +204,7 @@ def _mapped(model: nn.Module, path) -> nn.Module:
 
 def test_a_locked_mapping_is_copied_from_directly_and_unlocked_once(tmp_path, monkeypatch):
     # No CUDA device here: the page lock itself is replaced by a recorder; the copies are real.
-    from stage_service import platform
+    from stagemesh.stage_service import platform
 
     locked, unlocked = [], []
 
@@ -227,7 +227,7 @@ def test_a_locked_mapping_is_copied_from_directly_and_unlocked_once(tmp_path, mo
 
 
 def test_a_mapping_the_driver_will_not_lock_is_staged(tmp_path, monkeypatch):
-    from stage_service import platform
+    from stagemesh.stage_service import platform
 
     monkeypatch.setattr(platform, "lock_pages_in_place", lambda tensor, device: None)
     model = _mapped(_dit(3), tmp_path / "entry.safetensors")

@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from stage_service.models.config import PipelineConfig
-from stage_service.models.weights import DIT_FILE, ensure_model_dir
+from stagemesh.stage_service.models.config import PipelineConfig
+from stagemesh.stage_service.models.weights import DIT_FILE, ensure_model_dir
 from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2
 from stagemesh.weight_store.checkpoint import read_index
 from tests.support.meshproc import Mesh, parallel_meshes, start_mesh, write_config

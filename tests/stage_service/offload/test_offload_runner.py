@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from stage_service.executor.executor import Executor
-from stage_service.models.config import PipelineConfig
-from stage_service.models.runners import WorkItem, build_runner
-from stage_service.models.weights import ensure_model_dir
-from stage_service.offload import DloOptions
-from stage_service.settings import StageSettings
 from stagemesh import config as mesh_config
 from stagemesh.core.params import Params
+from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.models.config import PipelineConfig
+from stagemesh.stage_service.models.runners import WorkItem, build_runner
+from stagemesh.stage_service.models.weights import ensure_model_dir
+from stagemesh.stage_service.offload import DloOptions
+from stagemesh.stage_service.settings import StageSettings
 
 # ---- options -----------------------------------------------------------------------------
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from stage_service.models.runners import DiffusionRunner, WorkItem
-from stage_service.models.weights import DIT_PREFIX
-from stage_service.offload.config import DloOptions
-from stage_service.worker.sleep import SleepController
 from stagemesh.core.params import Params
+from stagemesh.stage_service.models.runners import DiffusionRunner, WorkItem
+from stagemesh.stage_service.models.weights import DIT_PREFIX
+from stagemesh.stage_service.offload.config import DloOptions
+from stagemesh.stage_service.worker.sleep import SleepController
 
 STAGED = {"enable_dlo": True}
 RESIDENT = {"enable_dlo": True, "dlo_use_allgather": False, "dlo_resident_layers": 1}

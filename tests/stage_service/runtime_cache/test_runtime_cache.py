@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache_service import evict
-from stage_service.runtime_cache.lookup import REASONS, RuntimeCache, content_hash, layout_key
+from stagemesh.cache_service import evict
+from stagemesh.stage_service.runtime_cache.lookup import REASONS, RuntimeCache, content_hash, layout_key
 from stagemesh.weight_store import locks
 from stagemesh.weight_store.store import CacheStore
 from tests.support.runtime_cache_proc import Child, weights

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stage_service.transport import ipc
+from stagemesh.stage_service.transport import ipc
 from tests.support.shm_guard import no_segment_left_behind, our_segments  # noqa: F401 - autouse fixture
 
 SHM = Path("/dev/shm")
@@ -213,7 +213,7 @@ def test_rows_of_a_batch_go_to_reusable_slots_with_their_own_bytes():
 def test_copy_into_writes_exactly_its_bytes_at_the_offset_and_lets_the_mapping_close():
     import mmap
 
-    from stage_service.transport.shm_pool import copy_into
+    from stagemesh.stage_service.transport.shm_pool import copy_into
 
     mapping = mmap.mmap(-1, 4096)
     mapping[:] = b"\xee" * 4096

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from stage_service.transport import protocol
-from stage_service.transport.result_pipe import PIPE_BYTES, result_pipe
+from stagemesh.stage_service.transport import protocol
+from stagemesh.stage_service.transport.result_pipe import PIPE_BYTES, result_pipe
 from tests.support.worker_harness import CTX, WAIT_S
 
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from stage_service import platform
-from stage_service.transport import ipc, protocol
-from stage_service.transport.result_pipe import result_pipe
-from stage_service.worker import async_output
-from stage_service.worker.async_output import AsyncOutputThread, ResultWriter, new_output_id
+from stagemesh.stage_service import platform
+from stagemesh.stage_service.transport import ipc, protocol
+from stagemesh.stage_service.transport.result_pipe import result_pipe
+from stagemesh.stage_service.worker import async_output
+from stagemesh.stage_service.worker.async_output import AsyncOutputThread, ResultWriter, new_output_id
 from tests.support.shm_guard import no_segment_left_behind, our_segments  # noqa: F401 - autouse fixture
 from tests.support.worker_harness import (
     CTX,

@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from stage_service.models.contract import WeightFile
-from stage_service.models.runners import ArRunner, DiffusionRunner, WorkItem
-from stage_service.models.weights import DIT_FILE
-from stage_service.worker.sleep import SleepController
 from stagemesh.core.params import Params
+from stagemesh.stage_service.models.contract import WeightFile
+from stagemesh.stage_service.models.runners import ArRunner, DiffusionRunner, WorkItem
+from stagemesh.stage_service.models.weights import DIT_FILE
+from stagemesh.stage_service.worker.sleep import SleepController
 
 ALIGN = 64
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from stage_service.transport import ipc, protocol
+from stagemesh.stage_service.transport import ipc, protocol
 from tests.support.shm_guard import no_segment_left_behind, our_segments  # noqa: F401 - autouse fixture
 from tests.support.worker_harness import (
     WAIT_S,

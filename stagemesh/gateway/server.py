@@ -1,0 +1,145 @@
+"""The gateway's gRPC surface: thin methods over gateway.pipeline.Pipeline."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from stagemesh.core import auth, errors, logs, serve, tls
+from stagemesh.core.metrics import ServiceMetrics
+from stagemesh.core.params import check_request_id
+from stagemesh.core.rpc import ServiceHost, servicer_method
+from stagemesh.gateway.control import Admission, ControlPlane
+from stagemesh.gateway.delivery import DeliveryBudget
+from stagemesh.gateway.metrics import gateway_readings
+from stagemesh.gateway.options import MIN_STAGE_UNRESPONSIVE_S
+from stagemesh.gateway.pipeline import DenoisingStep, Pipeline, StageStarted
+from stagemesh.gateway.stages import StageClient
+from stagemesh.gateway.watch import StageWatch
+from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
+
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+# Need the bearer token when one is configured; Generate and ListStages stay open.
+CONTROL_METHODS = auth.control_methods(SERVICE_NAME, ("Sleep", "WakeUp", "PauseGeneration", "ResumeGeneration"))
+
+
+def _event_proto(event: object) -> gateway_pb2.GenerateResponse:
+    if isinstance(event, StageStarted):
+        return gateway_pb2.GenerateResponse(
+            stage_started=gateway_pb2.StageStarted(stage_id=event.stage_id, kind=event.kind)
+        )
+    if isinstance(event, DenoisingStep):
+        return gateway_pb2.GenerateResponse(
+            denoising_step=gateway_pb2.DenoisingStep(stage_id=event.stage_id, step=event.step, total=event.total)
+        )
+    assert isinstance(event, generation_pb2.GenerationResult)
+    return gateway_pb2.GenerateResponse(result=event)
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    def __init__(self, pipeline: Pipeline, control: ControlPlane, delivery: DeliveryBudget):
+        self._pipeline = pipeline
+        self._control = control
+        self._delivery = delivery
+
+    def _start(self, request, context):
+        check_request_id(request.request_id)
+        return logs.current_request_id(), self._pipeline.resolve(request.params)
+
+    @servicer_method
+    async def Generate(self, request: gateway_pb2.GenerateRequest, context):
+        request_id, params = self._start(request, context)
+        async for event in self._pipeline.generate(request_id, params, context.time_remaining()):
+            if isinstance(event, generation_pb2.GenerationResult):
+                self._delivery.take(event.ByteSize(), context)
+            yield _event_proto(event)
+
+    @servicer_method
+    async def GenerateUnary(self, request: gateway_pb2.GenerateUnaryRequest, context):
+        request_id, params = self._start(request, context)
+        async for event in self._pipeline.generate(request_id, params, context.time_remaining()):
+            if isinstance(event, generation_pb2.GenerationResult):
+                self._delivery.take(event.ByteSize(), context)
+                return gateway_pb2.GenerateUnaryResponse(result=event)
+        raise AssertionError("pipeline ended without a result")
+
+    @servicer_method
+    async def ListStages(self, request, context) -> gateway_pb2.ListStagesResponse:
+        return gateway_pb2.ListStagesResponse(
+            stages=await self._pipeline.list_stages(), generation_paused=self._pipeline.admission.paused
+        )
+
+    @servicer_method
+    async def Sleep(self, request: gateway_pb2.SleepRequest, context) -> gateway_pb2.SleepResponse:
+        level = request.level if request.HasField("level") else None
+        result = await self._control.sleep(list(request.stage_ids), level, context.time_remaining())
+        return gateway_pb2.SleepResponse(status=result.status, acks=result.acks)
+
+    @servicer_method
+    async def WakeUp(self, request: gateway_pb2.WakeUpRequest, context) -> gateway_pb2.WakeUpResponse:
+        result = await self._control.wake(list(request.stage_ids), context.time_remaining())
+        return gateway_pb2.WakeUpResponse(status=result.status, reason=result.reason, acks=result.acks)
+
+    @servicer_method
+    async def PauseGeneration(self, request, context) -> gateway_pb2.PauseGenerationResponse:
+        await self._control.pause()
+        return gateway_pb2.PauseGenerationResponse()
+
+    @servicer_method
+    async def ResumeGeneration(self, request, context) -> gateway_pb2.ResumeGenerationResponse:
+        self._control.resume()
+        return gateway_pb2.ResumeGenerationResponse()
+
+
+async def serve_gateway(args: argparse.Namespace) -> None:
+    if not args.stage:
+        raise errors.InvalidArgument.field("--stage", "give at least one stage ADDRESS")
+    if not args.max_undelivered_bytes > 0:
+        raise errors.InvalidArgument.field("--max-undelivered-bytes", f"{args.max_undelivered_bytes}: allowed above 0")
+    if not args.stage_unresponsive_s >= MIN_STAGE_UNRESPONSIVE_S:
+        raise errors.InvalidArgument.field(
+            "--stage-unresponsive-s", f"{args.stage_unresponsive_s:g}: allowed {MIN_STAGE_UNRESPONSIVE_S:g} or more"
+        )
+    token = auth.load_token(args.token_file)
+    credentials = tls.server_credentials(args.tls_cert, args.tls_key)
+    stages = [
+        StageClient(i, [a.strip() for a in spec.split(",") if a.strip()], tls_ca=args.tls_ca, token=token)
+        for i, spec in enumerate(args.stage)
+    ]
+    admission = Admission()
+    pipeline = Pipeline(stages, admission)
+    control = ControlPlane(stages, admission)
+    metrics = ServiceMetrics("gateway", args.host, args.metrics_port)
+    metrics.add_readings(gateway_readings(admission, len(stages)))
+    # Metrics first: they also count the calls the auth interceptor refuses.
+    host = ServiceHost(
+        args.host,
+        args.port,
+        [SERVICE_NAME],
+        max_receive_bytes=args.max_request_bytes,
+        interceptors=[*metrics.interceptors(), *auth.interceptors(token, CONTROL_METHODS)],
+        credentials=credentials,
+    )
+    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
+        GatewayServicer(pipeline, control, DeliveryBudget(args.max_undelivered_bytes)), host.server
+    )
+
+    watching: list[asyncio.Task] = []
+
+    async def load() -> None:
+        await pipeline.wait_until_ready()
+        control.restore()
+        watching.append(asyncio.ensure_future(StageWatch(stages, args.stage_unresponsive_s).run()))
+
+    async def close() -> None:
+        for task in watching:
+            task.cancel()
+        await asyncio.gather(*watching, return_exceptions=True)
+        await asyncio.gather(*(s.close() for s in stages))
+
+    await serve.run(host, ready_file=args.ready_file, load=load, close=close, metrics=metrics)
+
+
+def main(args: argparse.Namespace) -> None:
+    logs.configure("gateway", args.log_level)
+    serve.main("gateway", serve_gateway(args))

@@ -1,0 +1,55 @@
+"""Serving diffusers-format checkpoints: a folder with model_index.json and one sub-folder per
+component (safetensors weights).
+
+Importing this package costs nothing: `folder` reads only JSON and safetensors headers. The
+runners (`runners`) import diffusers and transformers, the optional extra
+`pip install stagemesh[diffusers]`, and only a stage configured with such a folder loads them.
+"""
+
+from stagemesh.stage_service.models.diffusers_adapter.folder import (
+    FOLDER_ONLY_KINDS,
+    MODEL_INDEX,
+    STAGE_KINDS,
+    CheckpointFolder,
+    FolderError,
+    check_stage_folder,
+    is_diffusers_folder,
+    open_folder,
+)
+
+__all__ = [
+    "FOLDER_ONLY_KINDS",
+    "MODEL_INDEX",
+    "STAGE_KINDS",
+    "CheckpointFolder",
+    "FolderError",
+    "build_runner",
+    "check_stage_folder",
+    "is_diffusers_folder",
+    "open_folder",
+]
+
+
+def build_runner(kind: str, model_dir, device: str = "cpu", dlo=None, group=None, tp=None):
+    """The runner of a `kind` stage over a diffusers folder (imports diffusers on first use)."""
+    if group is not None or (tp is not None and tp.size > 1):
+        raise ValueError(
+            "DP process groups and tensor parallelism are not available for "
+            "diffusers-format folders; use dp_size = 1 (or dlo_use_allgather = "
+            "false) and tensor_parallel_size = 1"
+        )
+    if kind == "encoder":
+        from stagemesh.stage_service.models.diffusers_adapter.encoder import EncoderRunner
+
+        return EncoderRunner(model_dir, device)
+    if kind in ("diffusion", "denoise"):
+        from stagemesh.stage_service.models.diffusers_adapter.denoise import DenoiseRunner
+
+        return DenoiseRunner(model_dir, device, dlo, kind)
+    if kind == "decode":
+        from stagemesh.stage_service.models.diffusers_adapter.denoise import DecodeRunner
+
+        return DecodeRunner(model_dir, device)
+    raise FolderError(
+        f"kind {kind!r} cannot be served from a diffusers folder ({model_dir}); expected one of {list(STAGE_KINDS)}"
+    )

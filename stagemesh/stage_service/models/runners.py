@@ -1,0 +1,228 @@
+"""What a worker process drives: one runner per stage kind, batch in, device tensors out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from stagemesh.stage_service import platform
+from stagemesh.stage_service.models.contract import (
+    ItemError,
+    Progress,
+    Runner,
+    RunnerBase,
+    TensorSpec,
+    WeightFile,
+    WorkItem,
+    check_batch,
+)
+from stagemesh.stage_service.models.dit import sample
+from stagemesh.stage_service.models.dit_offload import load_offloaded_dit
+from stagemesh.stage_service.models.step_graphs import StepGraphs
+from stagemesh.stage_service.models.tp import TpGroup
+from stagemesh.stage_service.models.weights import (
+    DECODER_PREFIX,
+    DIT_FILE,
+    DIT_PREFIX,
+    LM_FILE,
+    load_dit,
+    load_lm,
+    read_config,
+)
+from stagemesh.stage_service.offload.config import DloOptions
+
+
+def _output(t: torch.Tensor) -> torch.Tensor:
+    # Outputs stay on the device: the worker's output path copies them to the host (on a side
+    # stream in async mode), so the GPU can start the next batch at once.
+    return t.detach()
+
+
+class ArRunner(RunnerBase):
+    """Stage 0: prompt -> LM hidden states (prompt tokens + greedily decoded tokens)."""
+
+    kind = "ar"
+
+    def __init__(self, model_dir: Path, device: str = "cpu") -> None:
+        self.model_dir = Path(model_dir)
+        self.device = device
+        self.config = read_config(self.model_dir)
+        self.lm = load_lm(self.model_dir, device)
+
+    def weight_files(self) -> list[WeightFile]:
+        """Where each weight comes from: what sleep level 2 reloads on wake."""
+        return [WeightFile(self.model_dir / LM_FILE, {"": self.lm})]
+
+    def run(self, batch: list[WorkItem], progress: Progress | None = None) -> list[dict[str, torch.Tensor]]:
+        """One output per item, in order. `progress(k, len(batch))` follows each item and may
+        raise to abort the rest of the batch."""
+        outputs = []
+        for i, item in enumerate(batch):
+            outputs.append({"hidden_states": _output(self.lm.encode_prompt(item.params.prompt))})
+            if progress is not None:
+                progress(i + 1, len(batch))
+        return outputs
+
+    def input_specs(self) -> dict[str, TensorSpec]:
+        return {}  # the prompt is all it reads
+
+    def limits(self) -> dict:
+        lm = self.config.lm
+        return {
+            "max_prompt_bytes": lm.max_prompt_tokens - 1,  # BOS takes one slot
+            "max_seq_len": lm.max_seq_len,
+            "decode_tokens": lm.decode_tokens,
+            "hidden_dim": lm.d_model,
+        }
+
+
+class DiffusionRunner(RunnerBase):
+    """Stage 1: LM hidden states -> images [H, W, 3] float32 in [0, 1]."""
+
+    kind = "diffusion"
+
+    def __init__(
+        self,
+        model_dir: Path,
+        device: str = "cpu",
+        dlo: DloOptions | None = None,
+        group=None,
+        tp: TpGroup | None = None,
+        cuda_graphs: bool = True,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.device = device
+        self.config = read_config(self.model_dir)
+        self.runtime_cache = None  # the runtime-cache result when dlo_enable_runtime_cache is set
+        opts = dlo or DloOptions()
+        self.tp = _tp_coordinate(opts, tp)
+        if opts.enable_dlo:
+            self.dit, self.decoder, self.offload, self.runtime_cache = load_offloaded_dit(
+                self.model_dir, device, opts, group=group, tp=self.tp
+            )
+        else:
+            self.dit, self.decoder = load_dit(self.model_dir, device, tp=self.tp)
+        # Graphs fix the weights' addresses: not with DLO (it streams them) or TP (collectives).
+        self.graphs = (
+            StepGraphs(self.dit)
+            if (cuda_graphs and platform.is_cuda(device) and self.offload is None and self.tp is None)
+            else None
+        )
+
+    def weight_files(self) -> list[WeightFile]:
+        # Under DLO the streamed blocks belong to the offload engine (host copies or the
+        # checkpoint mapping, plus its device slots): sleep manages only what stays resident.
+        streamed = self.offload.streamed if self.offload is not None else ()
+        skip = tuple(f"{DIT_PREFIX}{block.path}." for block in streamed)
+        parts = {DIT_PREFIX: self.dit, DECODER_PREFIX: self.decoder}
+        return [WeightFile(self.model_dir / DIT_FILE, parts, skip)]
+
+    def device_holders(self) -> list:
+        """The DLO engine's device slots sleep and wake with the resident weights; captured
+        step graphs (which point at the weights) are dropped by sleep."""
+        return [h for h in (self.offload, self.graphs) if h is not None]
+
+    def sleep_refusal(self, level: int) -> str | None:
+        if level == 2 and self.tp is not None:
+            # Wake from level 2 reloads whole checkpoint tensors; a TP rank holds shards.
+            return "sleep level 2 is not available with tensor_parallel_size > 1; use level 1"
+        return None
+
+    def input_specs(self) -> dict[str, TensorSpec]:
+        # The conditioning is the language model's hidden states: at most one row per position.
+        return {"hidden_states": TensorSpec((None, self.config.dit.cond_dim), max_size=self.config.lm.max_seq_len)}
+
+    def _cond(self, index: int, item: WorkItem) -> torch.Tensor:
+        cond = item.inputs.get("hidden_states")
+        d = self.config.dit.cond_dim
+        if cond is None:
+            raise ItemError(index, "inputs lack 'hidden_states'")
+        if cond.dim() != 2 or cond.shape[0] < 1 or cond.shape[1] != d:
+            raise ItemError(index, f"hidden_states must be [L>=1, {d}], got {tuple(cond.shape)}")
+        return cond
+
+    def run(self, batch: list[WorkItem], progress: Progress | None = None) -> list[dict[str, torch.Tensor]]:
+        """Sample the whole batch as one; every item must share shape, steps and guidance.
+
+        `progress(step, num_inference_steps)` follows each denoising step and may raise to
+        abort the batch.
+        """
+        if not batch:
+            return []
+        check_batch(batch)
+        head = batch[0]
+        images = sample(
+            self.dit,
+            self.decoder,
+            [self._cond(i, item) for i, item in enumerate(batch)],
+            width=head.params.width,
+            height=head.params.height,
+            num_inference_steps=head.params.num_inference_steps,
+            guidance_scale=head.params.guidance_scale,
+            seeds=[i.params.seed for i in batch],
+            progress=progress,
+            graphs=self.graphs,
+        )
+        return [{"image": _output(img)} for img in images]
+
+    def limits(self) -> dict:
+        dit = self.config.dit
+        return {
+            "pixel_multiple": dit.pixel_multiple,
+            "cond_dim": dit.cond_dim,
+            "latent_channels": dit.latent_channels,
+            "vae_scale": dit.vae_scale,
+        }
+
+
+def _tp_coordinate(opts: DloOptions, tp: TpGroup | None) -> TpGroup | None:
+    """The rank's TP coordinate, checked against tensor_parallel_size; None at TP1."""
+    size = opts.tensor_parallel_size
+    if size == 1 and (tp is None or tp.size == 1):
+        return None
+    if tp is None or tp.size != size:
+        have = "none" if tp is None else f"{tp.size} ranks"
+        raise ValueError(
+            f"tensor_parallel_size = {size} needs the process group of the "
+            f"stage's TP ranks (got {have}): pass tp=, or run it in a stage"
+        )
+    return tp
+
+
+_RUNNERS: dict[str, type[ArRunner | DiffusionRunner]] = {
+    ArRunner.kind: ArRunner,
+    DiffusionRunner.kind: DiffusionRunner,
+}
+
+
+def build_runner(
+    kind: str,
+    model_dir: Path,
+    device: str = "cpu",
+    dlo: DloOptions | None = None,
+    group=None,
+    tp: TpGroup | None = None,
+    cuda_graphs: bool = True,
+) -> Runner:
+    """Load the runner for a stage kind from an existing model folder (see ensure_model_dir).
+    `group`: the stage's DP process group (DLO AllGather with dp_size > 1); `tp`: the rank's
+    TP coordinate (tensor_parallel_size > 1, diffusion only); `cuda_graphs`: the embedded
+    DiT's steps from captured graphs where that applies (DiffusionRunner)."""
+    from stagemesh.stage_service.models.diffusers_adapter import FOLDER_ONLY_KINDS, is_diffusers_folder
+
+    # A diffusers-format folder (model_index.json) goes to the adapter, which alone imports
+    # diffusers; so do the kinds only such a folder serves.
+    if is_diffusers_folder(model_dir) or kind in FOLDER_ONLY_KINDS:
+        from stagemesh.stage_service.models.diffusers_adapter import build_runner as build_diffusers_runner
+
+        return build_diffusers_runner(kind, model_dir, device, dlo, group, tp)
+    try:
+        cls = _RUNNERS[kind]
+    except KeyError:
+        raise ValueError(f"unknown runner kind {kind!r}; expected one of {sorted(_RUNNERS)}") from None
+    if cls is DiffusionRunner:
+        return cls(model_dir, device, dlo, group, tp, cuda_graphs=cuda_graphs)
+    if tp is not None and tp.size > 1:
+        raise ValueError(f"tensor parallelism covers the diffusion stage only, not {kind!r}")
+    return cls(model_dir, device)

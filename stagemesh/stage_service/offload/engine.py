@@ -1,0 +1,357 @@
+"""Layerwise offload of any nn.Module through a fixed two-slot device buffer.
+
+Streamed blocks keep their bytes on the host (see host.py). Two device slots, each sized by the
+largest block, take turns: while block N computes on the compute stream, block N+1 is copied
+host-to-device on a copy stream (and, with AllGather, rebuilt from every rank's shard on a
+communication stream) into the other slot. Events order the streams:
+
+    ready[s]  recorded after slot s is filled      -> the compute stream waits before using it
+    free[s]   recorded after the block in slot s ran -> the copy stream waits before refilling it
+
+A forward pre-hook points the block's parameters at typed views into its slot. Which block runs
+next is learned from the order the blocks actually ran in (first guess: declared order, wrapping
+around), so the first block of the next denoising step is fetched while the last one computes,
+and a mispredicted block is simply loaded on demand. Everything that is not a streamed block
+stays resident on the device. On the CPU events and streams are no-ops and the copies are plain
+memcpy, so results are bit-identical to the resident model.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from stagemesh.core import logs
+from stagemesh.stage_service import platform
+from stagemesh.stage_service.offload.collective import gather_into, group_shape
+from stagemesh.stage_service.offload.host import InitBlock, PackedStore, ShardStore, StagedStore, locked_mapping_store
+from stagemesh.stage_service.offload.layout import BlockLayout
+from stagemesh.stage_service.offload.plan import Block, Discovery, OffloadPlan, discover
+
+log = logs.get_logger("stagemesh.offload")
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    streamed_blocks: int
+    resident_blocks: int
+    block_bytes: int  # packed bytes of every streamed block (one iteration's weights)
+    payload_bytes: int  # the same without alignment padding
+    host_bytes: int  # host buffers this engine owns (pinned for a CUDA target)
+    slot_bytes: int  # device bytes of the two slots (and shard buffers)
+    h2d_bytes_per_iteration: int  # bytes this rank moves over the host link per iteration
+    world: int
+    host_mode: str  # "packed", "sharded", "staged" or "locked"
+    discovery: str
+
+
+def _pick_resident(found: Discovery, n: int, world: int) -> list[Block]:
+    if n < 0:
+        raise ValueError(f"resident_layers must be >= 0, got {n}")
+    if n == 0:
+        return []
+    if world > 1:
+        raise ValueError(
+            "resident layers need no-AllGather: every rank must rebuild the same "
+            "blocks; use dlo_use_allgather = false or resident_layers = 0"
+        )
+    candidates = found.resident_candidates()
+    if not candidates:
+        log.warning(
+            "dlo resident layers ignored: the model declares no resident_paths in its "
+            "OffloadPlan, so every block streams",
+            requested=n,
+        )
+        return []
+    if n > len(candidates):
+        log.warning("dlo resident layers capped", requested=n, eligible=len(candidates))
+    return candidates[:n]
+
+
+def _inside(name: str, roots: set[str]) -> bool:
+    parts = name.split(".")
+    return any(".".join(parts[:k]) in roots for k in range(1, len(parts) + 1))
+
+
+def _check_no_sharing(model: nn.Module, layouts: list[BlockLayout], roots: set[str]) -> None:
+    owner: dict[int, str] = {}
+    for layout in layouts:
+        for key in layout.tensor_ids():
+            if key in owner:
+                raise ValueError(
+                    f"blocks {owner[key]!r} and {layout.path!r} share a tensor; "
+                    "tied weights across blocks cannot be streamed"
+                )
+            owner[key] = layout.path
+    for name, module in model.named_modules(remove_duplicate=False):
+        if _inside(name, roots):
+            continue
+        for t in [*module._parameters.values(), *module._buffers.values()]:
+            if t is not None and id(t) in owner:
+                raise ValueError(
+                    f"{name or type(model).__name__} shares a tensor with streamed "
+                    f"block {owner[id(t)]!r}; tied weights cannot be streamed"
+                )
+
+
+def _move_rest(model: nn.Module, roots: set[str], device: torch.device) -> None:
+    """Everything outside the streamed blocks goes to the device, Parameter objects kept."""
+    for name, module in model.named_modules():
+        if _inside(name, roots):
+            continue
+        for p in module._parameters.values():
+            if p is not None and p.device != device:
+                p.data = p.data.to(device)
+        for key, b in module._buffers.items():
+            if b is not None and b.device != device:
+                module._buffers[key] = b.to(device)
+
+
+class LayerwiseOffload:
+    """Attach layerwise offload to `model` (in place). `group` with `use_allgather`: a
+    torch.distributed group whose ranks each keep 1/world of every block. `keep_source`: blocks
+    stay in their current host tensors (a checkpoint mapping or a runtime-cache entry): on a CUDA
+    device the mapping is page-locked in place and copied from directly (its pages stay the
+    shared page cache); where the driver refuses, each transfer is staged through pinned buffers.
+    `init_block`: materialises a block built on "meta" into host memory, one block at a time."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device: str | torch.device,
+        *,
+        plan: OffloadPlan | None = None,
+        resident_layers: int = 0,
+        group=None,
+        use_allgather: bool = True,
+        keep_source: bool = False,
+        init_block: InitBlock | None = None,
+        background_staging: bool | None = None,
+    ) -> None:
+        self.model = model
+        self.device = torch.device(device)
+        self.discovery = discover(model, plan)
+        self.group = group if use_allgather else None
+        self.world, self.rank = group_shape(self.group)
+        resident = _pick_resident(self.discovery, resident_layers, self.world)
+        resident_paths = {b.path for b in resident}
+        self.streamed = [b for b in self.discovery.blocks if b.path not in resident_paths]
+        self.resident = resident
+        self.layouts = [BlockLayout(b.module, b.path) for b in self.streamed]
+        roots = {b.path for b in self.streamed}
+        _check_no_sharing(model, self.layouts, roots)
+        _move_rest(model, roots, self.device)
+        self._init_state()
+        with torch.inference_mode(False):
+            self.store = self._make_store(keep_source, init_block)
+            self._make_slots()
+        if background_staging is None:
+            background_staging = isinstance(self.store, StagedStore) and platform.is_cuda(device)
+        # Packing from a mapping is host work; a thread keeps it off the compute thread.
+        self._stager = (
+            cf.ThreadPoolExecutor(1, thread_name_prefix="dlo-stage")
+            if background_staging and isinstance(self.store, StagedStore)
+            else None
+        )
+        self._hooks = self._install_hooks()
+        if self.layouts:
+            self._load(0, 0)
+
+    # set-up -------------------------------------------------------------------------------
+    def _make_store(self, keep_source: bool, init_block: InitBlock | None) -> PackedStore:
+        if self.world > 1:
+            self.host_mode = "sharded"
+            return ShardStore(self.layouts, self.device, self.rank, self.world, init_block)
+        locked = locked_mapping_store(self.layouts, self.device) if keep_source else None
+        if locked is not None:
+            self.host_mode = "locked"
+            return locked
+        if keep_source:
+            self.host_mode = "staged"
+            return StagedStore(self.layouts, self.device)
+        self.host_mode = "packed"
+        return PackedStore(self.layouts, self.device, init_block)
+
+    def _make_slots(self) -> None:
+        self._alloc_slots()
+        if self.host_mode == "sharded":
+            # Drop the full private copies (or the mapping): this rank keeps only its shards.
+            for i, (layout, views) in enumerate(zip(self.layouts, self._views)):
+                layout.bind(views[0])
+                self._bound[i] = 0
+
+    def _alloc_slots(self) -> None:
+        n = len(self.layouts)
+        size = max((self.store.slot_nbytes(i) for i in range(n)), default=0)
+        self._slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        shard = max((self.store.h2d_nbytes(i) for i in range(n)), default=0)
+        self._shards = (
+            [torch.empty(shard, dtype=torch.uint8, device=self.device) for _ in range(2)] if self.world > 1 else []
+        )
+        for t in self._slots + self._shards:
+            # Freed slots must not be reused before the side streams' last writes land.
+            platform.record_stream(t, self._copy)
+            if self._comm is not None:
+                platform.record_stream(t, self._comm)
+        self._views = [[layout.views(slot) for slot in self._slots] for layout in self.layouts]
+
+    def _init_state(self) -> None:
+        n = len(self.layouts)
+        dev = self.device
+        self._copy = platform.Stream(dev)
+        self._comm = platform.Stream(dev) if self.world > 1 else None
+        self._ready = [platform.DeviceEvent(dev) for _ in range(2)]
+        self._free = [platform.DeviceEvent(dev) for _ in range(2)]
+        self._copied = [platform.DeviceEvent(dev) for _ in range(2)]
+        self._owner: list[int | None] = [None, None]
+        self._bound: list[int | None] = [None] * n  # slot each block's tensors point at
+        self._pending: list[cf.Future | None] = [None, None]
+        self._next = [(i + 1) % n for i in range(n)]
+        self._current = 1
+        self._prev: int | None = None
+        self._closed = False
+        self._released = False
+        self.transfers = 0
+        self.h2d_bytes = 0  # copied host -> device so far (the stage's offload metric)
+
+    def _install_hooks(self) -> list:
+        hooks = []
+        for i, block in enumerate(self.streamed):
+            hooks.append(block.module.register_forward_pre_hook(functools.partial(self._before, i)))
+            # always_call: a block that raised must still release its slot.
+            hooks.append(block.module.register_forward_hook(functools.partial(self._after, i), always_call=True))
+        return hooks
+
+    # runtime ------------------------------------------------------------------------------
+    def _before(self, i: int, module: nn.Module, args) -> None:
+        if self._closed or self._released:
+            state = "closed" if self._closed else "released (asleep)"
+            raise RuntimeError(f"layerwise offload is {state}; this block has no weights")
+        compute = platform.current_stream(self.device)
+        if self._prev is not None and self._prev != i:
+            self._next[self._prev] = i
+        self._prev = i
+        s = self._slot_of(i)
+        if s is None:
+            s = 1 - self._current
+            self._load(i, s)
+        pending, self._pending[s] = self._pending[s], None
+        if pending is not None:
+            pending.result()
+        compute.wait_event(self._ready[s])
+        if self._bound[i] != s:
+            self.layouts[i].bind(self._views[i][s])
+            self._bound[i] = s
+        self._current = s
+        nxt = self._next[i]
+        if self._slot_of(nxt) is None:
+            self._load(nxt, 1 - s)
+
+    def _after(self, i: int, module: nn.Module, args, output) -> None:
+        s = self._slot_of(i)
+        if s is not None:
+            self._free[s].record(platform.current_stream(self.device))
+
+    def _slot_of(self, i: int) -> int | None:
+        return 0 if self._owner[0] == i else 1 if self._owner[1] == i else None
+
+    def _load(self, i: int, s: int) -> None:
+        self._owner[s] = i
+        self.transfers += 1
+        if self._stager is None:
+            self._issue(i, s)
+        else:
+            self._pending[s] = self._stager.submit(self._issue, i, s)
+
+    def _issue(self, i: int, s: int) -> None:
+        """Fill slot s with block i; every rank calls this in the same order (collectives)."""
+        self._copy.wait_event(self._free[s])
+        with self._copy.active():
+            target = self._slots[s] if self.world == 1 else self._shards[s]
+            sent = self.store.fill(i, target, self._copy)
+            self.h2d_bytes += sent
+            self._copied[s].record(self._copy)
+        if self.world == 1:
+            self._ready[s].record(self._copy)
+            return
+        assert self._comm is not None  # made whenever world > 1
+        self._comm.wait_event(self._copied[s])
+        with self._comm.active():
+            gather_into(self._slots[s][: self.store.slot_nbytes(i)], self._shards[s][:sent], self.group)
+            self._ready[s].record(self._comm)
+
+    # life cycle ---------------------------------------------------------------------------
+    def stats(self) -> OffloadStats:
+        n = len(self.layouts)
+        return OffloadStats(
+            streamed_blocks=n,
+            resident_blocks=len(self.resident),
+            block_bytes=sum(layout.nbytes for layout in self.layouts),
+            payload_bytes=sum(layout.payload_bytes() for layout in self.layouts),
+            host_bytes=self.store.host_bytes,
+            slot_bytes=self._device_bytes(),
+            h2d_bytes_per_iteration=sum(self.store.h2d_nbytes(i) for i in range(n)),
+            world=self.world,
+            host_mode=self.host_mode,
+            discovery=self.discovery.source,
+        )
+
+    def synchronize(self) -> None:
+        """Wait for every transfer in flight (before freeing or reusing memory)."""
+        for k, f in enumerate(self._pending):
+            if f is not None:
+                f.result()
+                self._pending[k] = None
+        self._copy.synchronize()
+        if self._comm is not None:
+            self._comm.synchronize()
+
+    def _device_bytes(self) -> int:
+        return sum(t.numel() for t in self._slots + self._shards)
+
+    def release_device(self) -> int:
+        """Free the device slots (sleep). Host copies stay; streamed blocks point at empty
+        tensors until restore_device(). Returns the slot bytes released."""
+        if self._closed or self._released:
+            return 0
+        self.synchronize()
+        freed = self._device_bytes()
+        for layout in self.layouts:
+            # Views into a slot would keep it alive.
+            layout.bind([torch.empty(0, dtype=e.dtype, device=self.device) for e in layout.entries])
+        self._slots, self._shards, self._views = [], [], []
+        self._owner, self._pending = [None, None], [None, None]
+        self._bound = [None] * len(self.layouts)
+        self._current, self._prev = 1, None
+        self._released = True
+        return freed
+
+    def restore_device(self) -> int:
+        """Re-create the slots after release_device() and prefetch the first block, as at start
+        (every AllGather rank calls it, so the collectives stay in step). Returns slot bytes."""
+        if self._closed or not self._released:
+            return 0
+        with torch.inference_mode(False):
+            self._alloc_slots()
+        self._released = False
+        if self.layouts:
+            self._load(0, 0)
+        return self._device_bytes()
+
+    def close(self) -> None:
+        """Remove the hooks; a packed model is pointed back at its host copy."""
+        if self._closed:
+            return
+        for h in self._hooks:
+            h.remove()
+        self.synchronize()
+        if self._stager is not None:
+            self._stager.shutdown(wait=True)
+        if self.host_mode == "packed":
+            for layout, buf in zip(self.layouts, self.store.buffers):
+                layout.bind(layout.views(buf.tensor))
+        self._closed = True

@@ -1,0 +1,164 @@
+"""The stage's gRPC surface: decode, validate, call the engine, encode. Nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from typing import Any
+
+import torch
+
+from stagemesh.core import auth, codec, converters, logs, serve, tls
+from stagemesh.core.metrics import ServiceMetrics
+from stagemesh.core.params import Limits
+from stagemesh.core.rpc import ServiceHost, servicer_method
+from stagemesh.stage_service.control import Ack, StageControl
+from stagemesh.stage_service.engine.engine import Engine, OutputsEvent, ProgressEvent
+from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.inputs import check_inputs
+from stagemesh.stage_service.metrics import stage_readings
+from stagemesh.stage_service.models.contract import TensorSpec
+from stagemesh.stage_service.models.diffusers_adapter import FolderError
+from stagemesh.stage_service.settings import StageSettings
+from stagemesh.v1 import control_pb2, stage_pb2, stage_pb2_grpc
+from stagemesh.weight_store.checkpoint import CheckpointError
+
+log = logs.get_logger("stagemesh.stage")
+
+SERVICE_NAME = stage_pb2.DESCRIPTOR.services_by_name["StageService"].full_name
+CONTROL_METHODS = auth.control_methods(SERVICE_NAME, ("SleepStage", "WakeUpStage"))
+
+
+def _ack_proto(stage_id: int, ack: Ack) -> control_pb2.WorkerAck:
+    return control_pb2.WorkerAck(
+        stage_id=stage_id,
+        rank=ack.rank,
+        status=control_pb2.ACK_STATUS_SUCCESS if ack.ok else control_pb2.ACK_STATUS_ERROR,
+        freed_bytes=ack.freed_bytes,
+        latency_ms=ack.latency_ms,
+        level=ack.level,
+        error=ack.error,
+    )
+
+
+def _encode_outputs(outputs: dict[str, torch.Tensor]) -> dict[str, Any]:
+    return {name: codec.to_proto(t) for name, t in outputs.items()}
+
+
+class StageServicer(stage_pb2_grpc.StageServiceServicer):
+    def __init__(self, settings: StageSettings, engine: Engine, executor: Executor, control: StageControl):
+        self._settings = settings
+        self._engine = engine
+        self._executor = executor
+        self._control = control
+        self.limits: Limits = settings.limits()
+        self.input_specs: dict[str, TensorSpec] | None = None  # what the loaded model takes
+        self.ready = False
+
+    @servicer_method
+    async def Execute(self, request: stage_pb2.ExecuteRequest, context) -> Any:
+        request_id = logs.current_request_id()
+        params = converters.params_from_proto(request.params, self.limits)
+        check_inputs(request.inputs, self.input_specs)
+        inputs = {name: codec.from_proto(t, f"inputs[{name}]") for name, t in request.inputs.items()}
+        explicit_steps = request.params.HasField("num_inference_steps")
+        async for event in self._engine.run(request_id, params, inputs, explicit_steps):
+            if isinstance(event, ProgressEvent):
+                yield stage_pb2.ExecuteResponse(progress=stage_pb2.StageProgress(step=event.step, total=event.total))
+            elif isinstance(event, OutputsEvent):
+                outputs = await asyncio.to_thread(_encode_outputs, event.outputs)
+                yield stage_pb2.ExecuteResponse(outputs=stage_pb2.StageOutputs(outputs=outputs))
+
+    @servicer_method
+    async def DescribeStage(self, request, context) -> stage_pb2.DescribeStageResponse:
+        s, lim = self._settings, self.limits
+        ready = self._executor.ready_info()
+        return stage_pb2.DescribeStageResponse(
+            stage_id=s.stage_id,
+            kind=s.kind,
+            ready=self.ready and self._engine.serving,
+            limits=stage_pb2.StageLimits(
+                pixel_multiple=lim.pixel_multiple,
+                max_pixels_side=lim.max_pixels_side,
+                max_inference_steps=lim.max_inference_steps,
+                max_prompt_bytes=lim.max_prompt_bytes,
+                default_size=lim.default_size,
+                default_inference_steps=lim.default_inference_steps,
+                default_guidance_scale=lim.default_guidance_scale,
+                max_guidance_scale=lim.max_guidance_scale,
+            ),
+            device=ready[0].device if ready else s.device,
+            device_memory_bytes=self._executor.device_memory_bytes(),
+            workers=s.worker_processes(),
+            max_batch_size=s.max_batch_size,
+            supports_sleep=self._control.supports_sleep,
+            sleep_level=self._control.level,
+        )
+
+    @servicer_method
+    async def SleepStage(self, request: stage_pb2.SleepStageRequest, context) -> stage_pb2.SleepStageResponse:
+        acks = await self._control.sleep(request.level)
+        return stage_pb2.SleepStageResponse(acks=[_ack_proto(self._settings.stage_id, a) for a in acks])
+
+    @servicer_method
+    async def WakeUpStage(self, request, context) -> stage_pb2.WakeUpStageResponse:
+        acks = await self._control.wake()
+        return stage_pb2.WakeUpStageResponse(acks=[_ack_proto(self._settings.stage_id, a) for a in acks])
+
+
+def _export_cache_security(token: str | None, tls_ca: str) -> None:
+    """Workers publish to the cache service with the stage's token and CA; they inherit both
+    through the environment, never through a command line."""
+    if token:
+        os.environ[auth.TOKEN_ENV] = token
+    if tls_ca:
+        tls.read_pem(tls_ca, "--tls-ca")  # an unreadable CA fails the start, not a later publication
+        os.environ[tls.CA_ENV] = os.path.abspath(os.path.expanduser(tls_ca))
+
+
+async def serve_stage(settings: StageSettings) -> None:
+    token = auth.load_token(settings.token_file or None)
+    metrics = ServiceMetrics(f"stage-{settings.stage_id}", settings.host, settings.metrics_port)
+    # Metrics first: they also count the calls the auth interceptor refuses.
+    host = ServiceHost(
+        settings.host,
+        settings.port,
+        [SERVICE_NAME],
+        interceptors=[*metrics.interceptors(), *auth.interceptors(token, CONTROL_METHODS)],
+        credentials=tls.server_credentials(settings.tls_cert, settings.tls_key),
+    )
+    _export_cache_security(token, settings.tls_ca)
+    loop = asyncio.get_running_loop()
+
+    def on_health(serving: bool) -> None:
+        loop.create_task(host.set_serving(serving))
+
+    executor = Executor(settings, on_death=lambda group, why: engine.worker_died(group, why))
+    engine = Engine(executor, settings.kind, settings.max_batch_size, settings.max_queue, on_health)
+    control = StageControl(executor.stage_name, engine, executor, settings.enable_sleep)
+    servicer = StageServicer(settings, engine, executor, control)
+    stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, host.server)
+    metrics.add_readings(stage_readings(engine, executor, control, lambda: servicer.ready and engine.serving))
+
+    async def load() -> None:
+        await asyncio.to_thread(settings.prepare_model_dir)
+        readies = await asyncio.to_thread(executor.start)
+        servicer.limits = settings.limits(readies[0].limits)
+        servicer.input_specs = readies[0].input_specs
+        engine.start()
+        servicer.ready = True
+
+    async def close() -> None:
+        await engine.close()
+        await asyncio.to_thread(executor.shutdown)
+
+    await serve.run(host, ready_file=settings.ready_file, load=load, close=close, metrics=metrics)
+
+
+def main(args: argparse.Namespace) -> None:
+    settings = StageSettings.from_args(args)
+    logs.configure(f"stage-{settings.stage_id}", args.log_level)
+    # An incomplete --model-dir is a refused option (as `stagemesh up --model` treats it); an
+    # unreadable checkpoint fails the start.
+    serve.main("stage service", serve_stage(settings), option_errors=(FolderError,), start_errors=(CheckpointError,))

@@ -1,0 +1,278 @@
+"""Every option of one stage service: flags of `stagemesh stage`, keys of a [[stages]] table."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from stagemesh.core import logs, metrics
+from stagemesh.core.params import Limits
+from stagemesh.stage_service.offload.config import HELP as DLO_HELP
+from stagemesh.stage_service.offload.config import DloOptions
+from stagemesh.stage_service.transport.protocol import HEARTBEAT_S
+
+# encoder / denoise / decode: stages of a diffusers-format folder (docs/MODELS.md)
+KINDS = ("ar", "diffusion", "encoder", "denoise", "decode")
+PRESETS = ("tiny", "flux-sized")
+
+
+@dataclass(frozen=True)
+class StageSettings(DloOptions):
+    """The DLO options (enable_dlo, dp_size, dlo_*, tensor_parallel_size) come from DloOptions,
+    their one definition; the fields below are the stage's own."""
+
+    stage_id: int = 0
+    kind: str = "ar"
+    host: str = "127.0.0.1"
+    port: int = 0
+    workers: int = 1
+    device: str = "cpu"
+    threads: int = 0
+    model_dir: str = ""
+    model_preset: str = "tiny"
+    max_batch_size: int = 4
+    step_execution: bool = False
+    cuda_graphs: bool = True
+    enable_sleep: bool = True
+    hang_timeout_s: float = 30.0
+    max_queue: int = 256
+    max_size: int = 1024
+    max_steps: int = 100
+    max_prompt_bytes: int = 2048
+    default_size: int = 256
+    default_steps: int = 8
+    default_guidance: float = 4.0
+    max_guidance: float = 30.0
+    metrics_port: int | None = None
+    ready_file: str | None = None
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    token_file: str = ""
+
+    _HELP = {
+        "stage_id": "position of this stage in the pipeline (0 = first)",
+        "kind": "what the stage runs: 'ar' (the language model) or 'diffusion' (DiT + decoder); "
+        "for a diffusers-format model_dir also 'encoder' (text encoders), 'denoise' "
+        "(diffusion without the VAE) and 'decode' (the VAE); see MODELS.md",
+        "host": "address to bind (loopback by default)",
+        "port": "port to bind; 0 picks a free one (see --ready-file)",
+        "workers": "worker processes (one per rank / GPU)",
+        "device": "torch device for the workers: 'cpu', 'cuda' (rank i uses cuda:i) or 'cuda:N'",
+        "threads": "torch CPU threads per worker; 0 keeps torch's default",
+        "model_dir": "model folder: the embedded model's (config.json + safetensors) or a diffusers-format "
+        "checkpoint (model_index.json); default: the embedded model's cache folder",
+        "model_preset": "dimensions used when the folder holds no weights yet: 'tiny' or 'flux-sized'",
+        "max_batch_size": "most compatible requests run together as one batch",
+        "enable_sleep": "accept SleepStage/WakeUpStage (freeing device memory on demand); "
+        "--no-enable-sleep makes them UNIMPLEMENTED",
+        "step_execution": "copy and pack outputs on the worker's main thread (synchronous path) instead of "
+        "handing them to the async output thread",
+        "cuda_graphs": "replay each denoising step of the embedded DiT from a captured CUDA graph (one launch "
+        "per step instead of hundreds; on a CUDA device, without DLO or TP); "
+        "--no-cuda-graphs launches every kernel from Python",
+        "hang_timeout_s": "a worker process silent this long (no heartbeat, which it sends every second even "
+        "while a batch runs) is taken as hung (stopped, or stuck outside Python): it is killed, what it "
+        "owed fails with UNAVAILABLE, and its group restarts",
+        "max_queue": "requests waiting beyond this are refused with RESOURCE_EXHAUSTED",
+        "max_size": "largest width/height in pixels accepted",
+        "max_steps": "largest num_inference_steps accepted",
+        "max_prompt_bytes": "longest prompt accepted, in UTF-8 bytes",
+        "default_size": "width/height used when a request leaves them unset",
+        "default_steps": "num_inference_steps used when a request leaves it unset",
+        "default_guidance": "guidance_scale used when a request leaves it unset",
+        "max_guidance": "largest guidance_scale accepted",
+        "metrics_port": metrics.PORT_HELP,
+        "ready_file": (
+            "write {'address', 'pid'} (and 'metrics' with a metrics port) as JSON here once the port is bound"
+        ),
+        "tls_cert": "serve TLS with this certificate chain (PEM); needs --tls-key; empty: plaintext",
+        "tls_key": "private key (PEM) of --tls-cert",
+        "tls_ca": "CA bundle (PEM) verifying the cache service when it serves TLS; empty: plaintext channel",
+        "token_file": "file holding the bearer token that SleepStage/WakeUpStage must carry, also sent to the "
+        "cache service when publishing; empty: $STAGEMESH_TOKEN, or none",
+        **DLO_HELP,
+    }
+
+    def __post_init__(self) -> None:
+        _check_kind(self.kind)  # first: the other checks' advice assumes a known kind
+        _check_counts(self)
+        _check_defaults_within_limits(self)
+        super().__post_init__()  # refused DLO combinations fail at start, saying what to change
+        if self.dp_size > 1 and self.workers not in (1, self.dp_size):
+            raise ValueError(
+                f"workers = {self.workers} with dp_size = {self.dp_size}: both count the stage's "
+                f"data-parallel worker processes; set workers = {self.dp_size} (or leave it at 1)"
+            )
+        if self.dp_group_size() > 1 and self.device.startswith("cuda:"):
+            raise ValueError(
+                f"device = {self.device!r} with enable_dlo, AllGather and dp_size = "
+                f"{self.dp_size}: every DP rank needs its own GPU; use device = 'cuda' "
+                "(rank i uses cuda:i)"
+            )
+        self._check_tp()
+        if not self.hang_timeout_s >= HEARTBEAT_S * 2:
+            raise ValueError(
+                f"hang_timeout_s = {self.hang_timeout_s!r}: allowed {HEARTBEAT_S * 2:g} s or more (workers "
+                f"send a heartbeat every {HEARTBEAT_S:g} s)"
+            )
+        metrics.check_port(self.metrics_port, "metrics_port")
+
+    def _check_tp(self) -> None:
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return
+        if self.kind != "diffusion":
+            raise ValueError(
+                f"tensor_parallel_size = {tp} on a {self.kind!r} stage: tensor "
+                "parallelism covers the diffusion stage only; set it to 1"
+            )
+        if self.dp_size > 1:
+            raise ValueError(
+                f"tensor_parallel_size = {tp} with dp_size = {self.dp_size}: "
+                "run more stage replicas instead, or set dp_size = 1"
+            )
+        if self.workers not in (1, tp):
+            raise ValueError(
+                f"workers = {self.workers} with tensor_parallel_size = {tp}: the "
+                f"TP ranks are the workers; set workers = {tp} (or leave it at 1)"
+            )
+        if self.device.startswith("cuda:"):
+            raise ValueError(
+                f"device = {self.device!r} with tensor_parallel_size = {tp}: every "
+                "TP rank needs its own GPU; use device = 'cuda' (rank i uses cuda:i)"
+            )
+
+    def dp_group_size(self) -> int:
+        """Ranks of the stage's DP group (DLO AllGather on a diffusion stage); 1: no group."""
+        grouped = self.kind == "diffusion" and DloOptions.from_settings(self).forms_dp_group
+        return self.dp_size if grouped else 1
+
+    def worker_processes(self) -> int:
+        """dp_size data-parallel ranks are that many processes, with or without a DP group."""
+        return max(self.workers, self.dp_size, self.tensor_parallel_size)
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        dlo = {f.name for f in fields(DloOptions)}
+        # The stage's own options first in --help, then the offload ones.
+        for f in sorted(fields(cls), key=lambda f: f.name in dlo):
+            flag = "--" + f.name.replace("_", "-")
+            kwargs: dict[str, Any] = {"default": f.default, "help": cls._HELP[f.name] + f" (default: {f.default!r})"}
+            if f.name == "kind":
+                kwargs["choices"] = KINDS
+            elif f.name == "model_preset":
+                kwargs["choices"] = PRESETS
+            elif f.name == "metrics_port":
+                kwargs["type"] = metrics.port_argument  # int | None: unset is off
+            if f.type in ("bool", bool):
+                kwargs["action"] = argparse.BooleanOptionalAction
+            elif f.type in ("int", int):
+                kwargs["type"] = int
+            elif f.type in ("float", float):
+                kwargs["type"] = float
+            parser.add_argument(flag, **kwargs)
+        parser.add_argument(
+            "--dlo-no-use-allgather",
+            dest="dlo_use_allgather",
+            action="store_false",
+            default=argparse.SUPPRESS,
+            help="same as --no-dlo-use-allgather",
+        )
+        parser.add_argument("--log-level", default="info", choices=logs.LOG_LEVELS, help="log level (default: 'info')")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> StageSettings:
+        try:
+            return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        except ValueError as exc:  # a refused combination: say what to change, no traceback
+            print(f"stagemesh stage: error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None  # a usage error, as argparse's own
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any]) -> StageSettings:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown stage option(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+    def to_flags(self) -> list[str]:
+        out: list[str] = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                out.append(flag if value else "--no-" + flag[2:])
+            elif value is not None and value != "":
+                out += [flag, str(value)]
+        return out
+
+    def resolved_model_dir(self) -> Path:
+        from stagemesh.stage_service.models.weights import default_model_dir
+
+        return Path(self.model_dir).expanduser() if self.model_dir else default_model_dir()
+
+    def prepare_model_dir(self) -> Path:
+        """Generate the embedded model's weights on first use (deterministic, no download); a
+        diffusers-format folder is only checked for the components this stage loads."""
+        from stagemesh.stage_service.models import diffusers_adapter
+
+        if (
+            diffusers_adapter.is_diffusers_folder(self.resolved_model_dir())
+            or self.kind in diffusers_adapter.FOLDER_ONLY_KINDS
+        ):
+            return diffusers_adapter.check_stage_folder(self.resolved_model_dir(), self.kind).path
+        from stagemesh.stage_service.models.config import PipelineConfig
+        from stagemesh.stage_service.models.weights import ensure_model_dir
+
+        config = PipelineConfig.tiny() if self.model_preset == "tiny" else PipelineConfig.flux_sized()
+        return ensure_model_dir(self.resolved_model_dir(), config)
+
+    def limits(self, runner_limits: dict[str, Any] | None = None) -> Limits:
+        runner_limits = runner_limits or {}
+        return Limits(
+            pixel_multiple=int(runner_limits.get("pixel_multiple", 16)),
+            max_pixels_side=self.max_size,
+            max_inference_steps=self.max_steps,
+            max_prompt_bytes=min(
+                self.max_prompt_bytes, int(runner_limits.get("max_prompt_bytes", self.max_prompt_bytes))
+            ),
+            default_size=self.default_size,
+            default_inference_steps=self.default_steps,
+            default_guidance_scale=self.default_guidance,
+            max_guidance_scale=self.max_guidance,
+        )
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind = {kind!r}: not a stage kind; allowed: {', '.join(KINDS)}")
+
+
+# Options that count something and mean nothing below 1.
+_AT_LEAST_ONE = ("workers", "max_batch_size", "max_size", "max_steps", "default_size", "default_steps")
+
+
+def _check_counts(settings: StageSettings) -> None:
+    for name in _AT_LEAST_ONE:
+        value = getattr(settings, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} = {value!r}: must be a whole number of at least 1")
+
+
+def _check_defaults_within_limits(settings: StageSettings) -> None:
+    """A default above its limit would refuse every request that leaves the field unset."""
+    for default, limit in (
+        ("default_size", "max_size"),
+        ("default_steps", "max_steps"),
+        ("default_guidance", "max_guidance"),
+    ):
+        if getattr(settings, default) > getattr(settings, limit):
+            raise ValueError(
+                f"{default} = {getattr(settings, default)!r} is above {limit} = {getattr(settings, limit)!r}: "
+                f"every request leaving it unset would be refused; lower {default} or raise {limit}"
+            )

@@ -1,0 +1,309 @@
+"""One worker process per rank: loads the model runner and executes batches from its queue.
+
+Request mode (default): after the forward pass the worker records a device event, answers
+COMPUTE_DONE at once and hands the outputs to the async output thread. Step mode
+(`step_execution`): outputs are copied and packed here and sent as one RESULT.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import queue
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from stagemesh.core import logs
+from stagemesh.stage_service import platform
+from stagemesh.stage_service.models.contract import ItemError, Runner
+from stagemesh.stage_service.transport import ipc, protocol
+from stagemesh.stage_service.worker.async_output import AsyncOutputThread, ResultWriter, new_output_id
+from stagemesh.stage_service.worker.sleep import SleepController
+
+log = logs.get_logger("stagemesh.worker")
+
+
+class _CancelledByCaller(Exception):
+    pass
+
+
+class _Inbox:
+    """The request queue, read so that a Cancel can be noticed between denoising steps."""
+
+    def __init__(self, requests, on_dropped: Callable[[protocol.Execute], None]):
+        self._requests = requests
+        self._backlog: collections.deque = collections.deque()
+        self._on_dropped = on_dropped  # answers a queued batch cancelled before it started
+
+    def next(self):
+        return self._backlog.popleft() if self._backlog else self._requests.get()
+
+    def cancelled(self, rpc_id: str) -> bool:
+        """Drain what arrived without blocking; True if `rpc_id` was cancelled."""
+        hit = False
+        while True:
+            try:
+                msg = self._requests.get_nowait()
+            except queue.Empty:
+                return hit
+            if isinstance(msg, protocol.Cancel):
+                if msg.rpc_id == rpc_id:
+                    hit = True
+                else:
+                    self._drop_queued(msg.rpc_id)
+            else:
+                self._backlog.append(msg)
+
+    def _drop_queued(self, rpc_id: str) -> None:
+        """A queued batch cancelled before it started never runs, but it is answered: the
+        executor's future and the engine's dispatch slot wait for that answer."""
+        dropped = [m for m in self._backlog if isinstance(m, protocol.Execute) and m.rpc_id == rpc_id]
+        self._backlog = collections.deque(m for m in self._backlog if m not in dropped)
+        for msg in dropped:
+            self._on_dropped(msg)
+
+
+class _Heartbeat:
+    """Tells the executor every HEARTBEAT_S that this process runs, even while a batch does: its
+    silence is how the stage tells a stopped or stuck worker from a busy one."""
+
+    def __init__(self, writer: ResultWriter) -> None:
+        self._writer = writer
+        self._stopped = threading.Event()
+        threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self._stopped.wait(protocol.HEARTBEAT_S):
+            try:
+                self._writer.put(protocol.Heartbeat())
+            except (OSError, ValueError):  # the pipe closed: the worker is exiting
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+def resolve_device(device: str, rank: int) -> str:
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        return f"cuda:{rank % torch.cuda.device_count()}"
+    return device
+
+
+class Worker:
+    def __init__(self, spec: protocol.WorkerSpec, runner: Runner, device: str, requests, results):
+        self.spec = spec
+        self.runner = runner
+        self.device = device
+        self.inbox = _Inbox(requests, self._answer_dropped)
+        self.writer = ResultWriter(results)
+        # A rank that is not its group's output rank runs every batch with it (same collectives,
+        # same order); the output rank alone reports progress and outputs.
+        self.packer = ipc.Packer(spec.parent_pid, spec.rank, pool_slots=ipc.WORKER_POOL_SLOTS)
+        self.async_output = (
+            AsyncOutputThread(device, self.packer, self.writer)
+            if spec.output_rank and not spec.step_execution
+            else None
+        )
+        self.sleep = SleepController(runner.weight_files(), device)
+
+    def serve(self) -> None:
+        heartbeat = _Heartbeat(self.writer)
+        try:
+            self._serve()
+        finally:
+            heartbeat.stop()
+        if self.async_output is not None:
+            self.async_output.drain()
+            self.async_output.close()
+
+    def _serve(self) -> None:
+        while True:
+            msg = self.inbox.next()
+            if isinstance(msg, protocol.Shutdown):
+                break
+            if isinstance(msg, protocol.Execute):
+                self.execute(msg)
+            elif isinstance(msg, protocol.Control):
+                self.control(msg)
+            # A Cancel for a batch that already finished needs no answer.
+
+    def execute(self, msg: protocol.Execute) -> None:
+        def progress(step: int, total: int) -> None:
+            if self.inbox.cancelled(msg.rpc_id):
+                raise _CancelledByCaller()
+            self.writer.put(protocol.Progress(msg.rpc_id, step, total))
+
+        if self.sleep.level:
+            self.writer.put(protocol.Failure(msg.rpc_id, f"asleep at level {self.sleep.level}"))
+            return
+        try:
+            items = [dataclasses.replace(item, inputs=ipc.unpack(item.inputs)) for item in msg.items]
+            started = platform.DeviceEvent(self.device, timing=True).record()
+            outputs = self.runner.run(items, progress if self.spec.output_rank else None)
+            if not self.spec.output_rank:
+                return
+            finished = platform.DeviceEvent(self.device, timing=True).record()
+            if self.async_output is None:
+                # One pack call: if any output fails to pack, the segments of the others are unlinked.
+                payload = self.packer.pack(list(outputs))
+                self.writer.put(protocol.Result(msg.rpc_id, payload, self.stats(), finished.seconds_since(started)))
+                return
+            output_id = new_output_id()
+            self.writer.put(protocol.ComputeDone(msg.rpc_id, output_id, self.stats()))
+            self.async_output.submit(output_id, outputs, finished, started)
+        except _CancelledByCaller:
+            self.writer.put(protocol.Failure(msg.rpc_id, "cancelled by the caller", cancelled=True))
+        except ItemError as exc:  # one request's fault: the stage runs the others again without it
+            self.writer.put(protocol.Failure(msg.rpc_id, str(exc), item=exc.index))
+        except Exception as exc:
+            log.exception("batch failed", rpc_id=msg.rpc_id)  # one JSON line, with the stack
+            self.writer.put(protocol.Failure(msg.rpc_id, f"{type(exc).__name__}: {exc}"))
+            if self.spec.tp_group is not None:
+                # The other TP ranks may wait in a collective this rank never reaches: end the
+                # process so the stage restarts the group instead of running out of lockstep.
+                self.writer.close()
+                os._exit(1)
+
+    def _answer_dropped(self, msg: protocol.Execute) -> None:
+        for item in msg.items:
+            ipc.discard(item.inputs)  # its input segments were packed for this rank alone
+        self.writer.put(protocol.Failure(msg.rpc_id, "cancelled by the caller", cancelled=True))
+
+    def control(self, msg: protocol.Control) -> None:
+        """Control calls answer with an Ack straight away; they never go through the output path."""
+        try:
+            result = self._control_ops()[msg.op](**msg.args)
+            self.writer.put(protocol.Ack(msg.rpc_id, result=result, stats=self.stats()))
+        except KeyError:
+            self.writer.put(protocol.Ack(msg.rpc_id, error=f"unknown control operation {msg.op!r}"))
+        except Exception as exc:
+            log.exception("control call failed", op=msg.op)
+            self.writer.put(protocol.Ack(msg.rpc_id, error=f"{type(exc).__name__}: {exc}"))
+
+    def stats(self) -> protocol.WorkerStats:
+        # Cheap: an allocator counter and an int; sent with every reply that ends a batch or a control call.
+        return protocol.WorkerStats(platform.memory_allocated(self.device), self.runner.offload_bytes())
+
+    def _control_ops(self) -> dict[str, Any]:
+        return {"ping": self._ping, "drain": self._drain, "sleep": self._sleep, "wake": self._wake}
+
+    def _ping(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "rank": self.spec.rank,
+            "device_memory_bytes": platform.memory_allocated(self.device),
+            "sleep_level": self.sleep.level,
+        }
+        dlo = self.runner.dlo_stats()
+        if dlo is not None:
+            out["dlo"] = dlo
+        return out
+
+    def _sleep(self, level: int) -> dict[str, Any]:
+        refusal = self.runner.sleep_refusal(level)
+        if refusal is not None:
+            raise RuntimeError(refusal)
+        # Outputs still being copied reference device memory: they must be out before it is freed.
+        drained = self._drain()["drained"]
+        if not drained:
+            raise RuntimeError("async outputs still in flight after 10 s; not sleeping")
+        # DLO: the runner's offload engine frees its device slots within the same measurement.
+        result = self.sleep.sleep(level, holders=self.runner.device_holders())
+        return {"level": result.level, "freed_bytes": result.freed_bytes, "latency_ms": result.latency_ms}
+
+    def _wake(self) -> dict[str, Any]:
+        result = self.sleep.wake()
+        return {"level": result.level, "freed_bytes": result.freed_bytes, "latency_ms": result.latency_ms}
+
+    def _drain(self, timeout_s: float | None = None) -> dict[str, Any]:
+        if self.async_output is None:
+            return {"drained": True}
+        return {"drained": self.async_output.drain(timeout_s if timeout_s is not None else 10.0)}
+
+
+def _exit_orphaned(spec: protocol.WorkerSpec) -> None:
+    try:
+        ipc.sweep(spec.parent_pid, spec.rank)
+    finally:
+        os._exit(0)  # whatever the sweep met: a worker never outlives its stage service
+
+
+def main(spec: protocol.WorkerSpec, requests, results) -> None:
+    from stagemesh.core import procutil
+
+    # Not PR_SET_PDEATHSIG: Linux ties it to the *thread* that spawned us, and the executor may
+    # spawn from a pool thread that ends before the service does.
+    procutil.watch_parent(spec.parent_pid, lambda: _exit_orphaned(spec))
+
+    # A spawned process starts with structlog unconfigured (it would print to stdout).
+    logs.configure(f"stage-{spec.stage_id}-worker-{spec.rank}")
+    # Ctrl-C reaches the whole process group; the service decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM (e.g. to the whole process group): nobody will read our segments any more.
+    signal.signal(signal.SIGTERM, lambda *_: _exit_orphaned(spec))
+    import torch
+
+    if spec.threads > 0:
+        torch.set_num_threads(spec.threads)
+    from stagemesh.stage_service.models.runners import build_runner
+
+    device = resolve_device(spec.device, spec.rank)
+    try:
+        group = _join_dp_group(spec, device)
+        tp = _join_tp_group(spec, device)
+        runner = build_runner(
+            spec.kind, Path(spec.model_dir), device, dlo=spec.dlo, group=group, tp=tp, cuda_graphs=spec.cuda_graphs
+        )
+    except Exception as exc:
+        if not _says_it_all(exc):
+            log.exception("model load failed")  # a bug: its stack is what the log needs
+        results.put(protocol.LoadFailed(spec.rank, f"{type(exc).__name__}: {exc}"))
+        return
+    worker = Worker(spec, runner, device, requests, results)
+    # Ready once the worker can serve: its heartbeats start with serve(), right after.
+    worker.writer.put(
+        protocol.Ready(
+            spec.rank, runner.limits(), device, platform.memory_allocated(device), input_specs=runner.input_specs()
+        )
+    )
+    worker.serve()
+    if group is not None or tp is not None:
+        from stagemesh.stage_service.offload.collective import leave_group
+
+        leave_group()
+
+
+def _says_it_all(exc: Exception) -> bool:
+    """A bad file or option (checkpoint and folder errors are ValueErrors) is explained by its
+    message, which the stage logs; a stack would only bury it."""
+    from safetensors import SafetensorError
+
+    return isinstance(exc, (OSError, ValueError, SafetensorError))
+
+
+def _join_dp_group(spec: protocol.WorkerSpec, device: str):
+    """Before loading: with DLO AllGather each rank keeps only its shard of the weights, so
+    the group must exist when the model is packed."""
+    if spec.dp_group is None:
+        return None
+    from stagemesh.stage_service.offload.collective import join_group
+
+    g = spec.dp_group
+    return join_group(g.address, spec.rank, g.world_size, device, g.timeout_s)
+
+
+def _join_tp_group(spec: protocol.WorkerSpec, device: str):
+    """Before loading: each TP rank builds and loads only its shards of the DiT."""
+    if spec.tp_group is None:
+        return None
+    from stagemesh.stage_service.models.tp import TpGroup
+    from stagemesh.stage_service.offload.collective import join_group
+
+    g = spec.tp_group
+    group = join_group(g.address, spec.rank, g.world_size, device, g.timeout_s)
+    return TpGroup(g.world_size, spec.rank, group)
