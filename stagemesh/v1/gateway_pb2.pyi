@@ -89,14 +89,16 @@ class StageStarted(_message.Message):
     def __init__(self, stage_id: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class DenoisingStep(_message.Message):
-    __slots__ = ("stage_id", "step", "total")
+    __slots__ = ("stage_id", "step", "total", "index")
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     stage_id: int
     step: int
     total: int
-    def __init__(self, stage_id: _Optional[int] = ..., step: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
+    index: int
+    def __init__(self, stage_id: _Optional[int] = ..., step: _Optional[int] = ..., total: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("stage_started", "denoising_step", "result")
@@ -117,10 +119,12 @@ class GenerateUnaryRequest(_message.Message):
     def __init__(self, params: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerateUnaryResponse(_message.Message):
-    __slots__ = ("result",)
+    __slots__ = ("result", "results")
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
     result: _generation_pb2.GenerationResult
-    def __init__(self, result: _Optional[_Union[_generation_pb2.GenerationResult, _Mapping]] = ...) -> None: ...
+    results: _containers.RepeatedCompositeFieldContainer[_generation_pb2.GenerationResult]
+    def __init__(self, result: _Optional[_Union[_generation_pb2.GenerationResult, _Mapping]] = ..., results: _Optional[_Iterable[_Union[_generation_pb2.GenerationResult, _Mapping]]] = ...) -> None: ...
 
 class StageInfo(_message.Message):
     __slots__ = ("stage_id", "kind", "replicas", "state", "sleep_level", "device_memory_bytes", "device")

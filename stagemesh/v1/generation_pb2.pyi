@@ -13,12 +13,16 @@ class OutputFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OUTPUT_FORMAT_UNSPECIFIED: _ClassVar[OutputFormat]
     OUTPUT_FORMAT_PNG: _ClassVar[OutputFormat]
     OUTPUT_FORMAT_TENSOR: _ClassVar[OutputFormat]
+    OUTPUT_FORMAT_JPEG: _ClassVar[OutputFormat]
+    OUTPUT_FORMAT_WEBP: _ClassVar[OutputFormat]
 OUTPUT_FORMAT_UNSPECIFIED: OutputFormat
 OUTPUT_FORMAT_PNG: OutputFormat
 OUTPUT_FORMAT_TENSOR: OutputFormat
+OUTPUT_FORMAT_JPEG: OutputFormat
+OUTPUT_FORMAT_WEBP: OutputFormat
 
 class GenerationParams(_message.Message):
-    __slots__ = ("prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "output_format")
+    __slots__ = ("prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "output_format", "negative_prompt", "num_images", "quality", "init_image", "strength")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +30,11 @@ class GenerationParams(_message.Message):
     GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    NUM_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_FIELD_NUMBER: _ClassVar[int]
+    INIT_IMAGE_FIELD_NUMBER: _ClassVar[int]
+    STRENGTH_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     width: int
     height: int
@@ -33,10 +42,15 @@ class GenerationParams(_message.Message):
     guidance_scale: float
     seed: int
     output_format: OutputFormat
-    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ...) -> None: ...
+    negative_prompt: str
+    num_images: int
+    quality: int
+    init_image: bytes
+    strength: float
+    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., negative_prompt: _Optional[str] = ..., num_images: _Optional[int] = ..., quality: _Optional[int] = ..., init_image: _Optional[bytes] = ..., strength: _Optional[float] = ...) -> None: ...
 
 class GenerationResult(_message.Message):
-    __slots__ = ("request_id", "output_format", "width", "height", "seed", "png", "tensor", "stage_latency_ms")
+    __slots__ = ("request_id", "output_format", "width", "height", "seed", "png", "tensor", "jpeg", "webp", "stage_latency_ms", "index")
     class StageLatencyMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -51,7 +65,10 @@ class GenerationResult(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     PNG_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
+    JPEG_FIELD_NUMBER: _ClassVar[int]
+    WEBP_FIELD_NUMBER: _ClassVar[int]
     STAGE_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     output_format: OutputFormat
     width: int
@@ -59,5 +76,8 @@ class GenerationResult(_message.Message):
     seed: int
     png: bytes
     tensor: _tensor_pb2.Tensor
+    jpeg: bytes
+    webp: bytes
     stage_latency_ms: _containers.ScalarMap[str, float]
-    def __init__(self, request_id: _Optional[str] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ..., png: _Optional[bytes] = ..., tensor: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., stage_latency_ms: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    index: int
+    def __init__(self, request_id: _Optional[str] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ..., png: _Optional[bytes] = ..., tensor: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., jpeg: _Optional[bytes] = ..., webp: _Optional[bytes] = ..., stage_latency_ms: _Optional[_Mapping[str, float]] = ..., index: _Optional[int] = ...) -> None: ...

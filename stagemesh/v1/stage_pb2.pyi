@@ -102,7 +102,7 @@ class DescribeStageRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeStageResponse(_message.Message):
-    __slots__ = ("stage_id", "kind", "ready", "limits", "device", "device_memory_bytes", "workers", "max_batch_size", "supports_sleep", "sleep_level")
+    __slots__ = ("stage_id", "kind", "ready", "limits", "device", "device_memory_bytes", "workers", "max_batch_size", "supports_sleep", "sleep_level", "supports_negative_prompt", "supports_init_image")
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,8 @@ class DescribeStageResponse(_message.Message):
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_SLEEP_FIELD_NUMBER: _ClassVar[int]
     SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_INIT_IMAGE_FIELD_NUMBER: _ClassVar[int]
     stage_id: int
     kind: str
     ready: bool
@@ -123,4 +125,6 @@ class DescribeStageResponse(_message.Message):
     max_batch_size: int
     supports_sleep: bool
     sleep_level: int
-    def __init__(self, stage_id: _Optional[int] = ..., kind: _Optional[str] = ..., ready: _Optional[bool] = ..., limits: _Optional[_Union[StageLimits, _Mapping]] = ..., device: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., supports_sleep: _Optional[bool] = ..., sleep_level: _Optional[int] = ...) -> None: ...
+    supports_negative_prompt: bool
+    supports_init_image: bool
+    def __init__(self, stage_id: _Optional[int] = ..., kind: _Optional[str] = ..., ready: _Optional[bool] = ..., limits: _Optional[_Union[StageLimits, _Mapping]] = ..., device: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., supports_sleep: _Optional[bool] = ..., sleep_level: _Optional[int] = ..., supports_negative_prompt: _Optional[bool] = ..., supports_init_image: _Optional[bool] = ...) -> None: ...
