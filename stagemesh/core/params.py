@@ -31,7 +31,7 @@ class Limits:
 
 
 # What requests sampled together must share, in the order of Params.batch_key().
-BATCH_KEY_FIELDS = ("width", "height", "num_inference_steps", "guidance_scale")
+BATCH_KEY_FIELDS = ("width", "height", "num_inference_steps", "guidance_scale", "strength")
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,14 @@ class Params:
     guidance_scale: float
     seed: int
     output_format: str
+    # What the image should not show; "" means none (the pipeline's own unconditional input).
+    negative_prompt: str = ""
+    # Images from one request; image i is drawn with seed + i.
+    num_images: int = 1
+    # JPEG/WebP quality, 1-100.
+    quality: int = 90
+    # Image-to-image: how far from the starting image, in (0, 1]; None means text-to-image.
+    strength: float | None = None
 
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one diffusion batch (or one DP wave)."""

@@ -15,10 +15,12 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from stagemesh.core.params import Params
+from stagemesh.core.params import BATCH_KEY_FIELDS, Params
 
 # progress(step, total); may raise to abort the batch between steps.
 Progress = Callable[[int, int], None]
+# Image-to-image: the starting image, torch.uint8 [height, width, 3] RGB, decoded by the gateway.
+INIT_IMAGE_INPUT = "init_image"
 
 
 @dataclass
@@ -35,9 +37,7 @@ def check_batch(batch: list[WorkItem]) -> None:
     for item in batch[1:]:
         mine = item.params.batch_key()
         if mine != shared:
-            raise ValueError(
-                f"{item.request_id}: (width, height, steps, guidance) {mine} differs from the batch's {shared}"
-            )
+            raise ValueError(f"{item.request_id}: {BATCH_KEY_FIELDS} {mine} differs from the batch's {shared}")
 
 
 @dataclass(frozen=True)
@@ -81,9 +81,12 @@ class ItemError(ValueError):
 
 
 class Runner(Protocol):
-    """What the worker calls. `kind` names the stage kind the runner serves."""
+    """What the worker calls. `kind` names the stage kind the runner serves; the two flags say
+    whether the pipeline uses a negative prompt and a starting image (INIT_IMAGE_INPUT)."""
 
     kind: str
+    supports_negative_prompt: bool
+    supports_init_image: bool
 
     def run(self, batch: list[WorkItem], progress: Progress | None = None) -> list[dict[str, torch.Tensor]]: ...
 
@@ -107,6 +110,8 @@ class RunnerBase:
     sets `offload`."""
 
     offload: Any = None  # offload.engine.LayerwiseOffload when enable_dlo is set
+    supports_negative_prompt = False
+    supports_init_image = False
 
     def device_holders(self) -> list[DeviceHolder]:
         return []
