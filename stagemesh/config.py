@@ -9,6 +9,7 @@ from typing import Any
 
 from stagemesh.core import logs, metrics
 from stagemesh.gateway.options import (
+    DEFAULT_MAX_IMAGES_PER_REQUEST,
     DEFAULT_MAX_UNDELIVERED_BYTES,
     DEFAULT_STAGE_UNRESPONSIVE_S,
     MIN_STAGE_UNRESPONSIVE_S,
@@ -26,6 +27,7 @@ class GatewayConfig:
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
     stage_unresponsive_s: float = DEFAULT_STAGE_UNRESPONSIVE_S  # silent to health checks this long: cut off
     max_undelivered_bytes: int = DEFAULT_MAX_UNDELIVERED_BYTES  # results held for clients not reading
+    max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST  # GenerationParams.num_images at most
 
     def __post_init__(self) -> None:
         metrics.check_port(self.metrics_port, "[gateway] metrics_port")
@@ -38,6 +40,9 @@ class GatewayConfig:
         held = self.max_undelivered_bytes
         if isinstance(held, bool) or not isinstance(held, int) or held <= 0:
             raise ValueError(f"[gateway] max_undelivered_bytes = {held!r}: allowed a whole number of bytes above 0")
+        images = self.max_images_per_request
+        if isinstance(images, bool) or not isinstance(images, int) or images < 1:
+            raise ValueError(f"[gateway] max_images_per_request = {images!r}: allowed a whole number, 1 or more")
 
 
 @dataclass(frozen=True)

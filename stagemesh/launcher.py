@@ -103,6 +103,8 @@ def _children(
             str(config.gateway.stage_unresponsive_s),
             "--max-undelivered-bytes",
             str(config.gateway.max_undelivered_bytes),
+            "--max-images-per-request",
+            str(config.gateway.max_images_per_request),
             *[flag for a in stage_addresses for flag in ("--stage", a)],
             *served,
             *_security_flags(config.security, "tls_ca"),

@@ -10,12 +10,35 @@ _FORMAT_NAMES = {
     generation_pb2.OUTPUT_FORMAT_UNSPECIFIED: gp.OUTPUT_PNG,
     generation_pb2.OUTPUT_FORMAT_PNG: gp.OUTPUT_PNG,
     generation_pb2.OUTPUT_FORMAT_TENSOR: gp.OUTPUT_TENSOR,
+    generation_pb2.OUTPUT_FORMAT_JPEG: gp.OUTPUT_JPEG,
+    generation_pb2.OUTPUT_FORMAT_WEBP: gp.OUTPUT_WEBP,
 }
-_FORMAT_ENUMS = {gp.OUTPUT_PNG: generation_pb2.OUTPUT_FORMAT_PNG, gp.OUTPUT_TENSOR: generation_pb2.OUTPUT_FORMAT_TENSOR}
+_FORMAT_ENUMS = {
+    gp.OUTPUT_PNG: generation_pb2.OUTPUT_FORMAT_PNG,
+    gp.OUTPUT_TENSOR: generation_pb2.OUTPUT_FORMAT_TENSOR,
+    gp.OUTPUT_JPEG: generation_pb2.OUTPUT_FORMAT_JPEG,
+    gp.OUTPUT_WEBP: generation_pb2.OUTPUT_FORMAT_WEBP,
+}
 
 
-def params_from_proto(msg: generation_pb2.GenerationParams, limits: gp.Limits) -> gp.Params:
+def _decimal(value: float) -> float:
+    """The float32 the wire carries, read back as the decimal a client wrote (0.7, not
+    0.699999988): int(steps * strength) must count the steps the client meant."""
+    return float(f"{value:.7g}")
+
+
+def params_from_proto(
+    msg: generation_pb2.GenerationParams, limits: gp.Limits, init_image: gp.InitImage | None = None
+) -> gp.Params:
+    """`init_image`: the starting image as its reader found it (the gateway probes the bytes of
+    msg.init_image; a stage measures its INIT_IMAGE_INPUT); bytes in msg.init_image alone are refused."""
     fmt = _FORMAT_NAMES.get(msg.output_format)
+    if msg.init_image and init_image is None:
+        raise InvalidArgument.field(
+            "params.init_image",
+            f"a stage takes the starting image decoded, as inputs[{gp.INIT_IMAGE_INPUT}] (uint8 [height, width, 3]); "
+            "allowed here: empty",
+        )
     return gp.resolve(
         prompt=msg.prompt,
         width=msg.width if msg.HasField("width") else None,
@@ -25,10 +48,16 @@ def params_from_proto(msg: generation_pb2.GenerationParams, limits: gp.Limits) -
         seed=msg.seed if msg.HasField("seed") else None,
         output_format=fmt if fmt is not None else f"enum value {msg.output_format}",
         limits=limits,
+        negative_prompt=msg.negative_prompt,
+        num_images=msg.num_images if msg.HasField("num_images") else None,
+        quality=msg.quality if msg.HasField("quality") else None,
+        strength=_decimal(msg.strength) if msg.HasField("strength") else None,
+        init_image=init_image,
     )
 
 
 def params_to_proto(p: gp.Params) -> generation_pb2.GenerationParams:
+    """Every field but the starting image's bytes (stages receive it decoded, as a tensor input)."""
     return generation_pb2.GenerationParams(
         prompt=p.prompt,
         width=p.width,
@@ -37,6 +66,10 @@ def params_to_proto(p: gp.Params) -> generation_pb2.GenerationParams:
         guidance_scale=p.guidance_scale,
         seed=p.seed,
         output_format=_FORMAT_ENUMS[p.output_format],
+        negative_prompt=p.negative_prompt or None,
+        num_images=p.num_images,
+        quality=p.quality if p.output_format in gp.LOSSY_FORMATS else None,
+        strength=p.strength,
     )
 
 

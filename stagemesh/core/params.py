@@ -8,14 +8,26 @@ from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stagemesh.core.errors import FieldViolation, InvalidArgument
 
 OUTPUT_PNG = "png"
 OUTPUT_TENSOR = "tensor"
+OUTPUT_JPEG = "jpeg"
+OUTPUT_WEBP = "webp"
+OUTPUT_FORMATS = (OUTPUT_PNG, OUTPUT_TENSOR, OUTPUT_JPEG, OUTPUT_WEBP)
+# Formats that take a quality.
+LOSSY_FORMATS = (OUTPUT_JPEG, OUTPUT_WEBP)
+DEFAULT_QUALITY = 90
+MAX_QUALITY = 100
+# Image-to-image without a strength: how far from the starting image (diffusers' default).
+DEFAULT_STRENGTH = 0.8
 # The id travels to every stage as x-request-id metadata: printable ASCII, bounded.
 MAX_REQUEST_ID_CHARS = 128
+# Image-to-image: the name of the starting image among a stage's input tensors, torch.uint8
+# [height, width, 3] RGB (decoded by the gateway).
+INIT_IMAGE_INPUT = "init_image"
 
 
 @dataclass(frozen=True)
@@ -28,10 +40,26 @@ class Limits:
     default_inference_steps: int = 8
     default_guidance_scale: float = 4.0
     max_guidance_scale: float = 30.0
+    # Images one request may ask for: the gateway's --max-images-per-request; a stage runs one
+    # image per request (the gateway sends each image on its own).
+    max_num_images: int = 1
+    # What the pipeline (at the gateway) or the stage's model can use beyond a prompt.
+    supports_negative_prompt: bool = False
+    supports_init_image: bool = False
 
 
 # What requests sampled together must share, in the order of Params.batch_key().
 BATCH_KEY_FIELDS = ("width", "height", "num_inference_steps", "guidance_scale", "strength")
+
+
+@dataclass(frozen=True)
+class InitImage:
+    """A request's starting image: its size in pixels and, at the gateway, its encoded bytes
+    (PNG, JPEG or WebP; the gateway decodes them and stages receive INIT_IMAGE_INPUT)."""
+
+    width: int
+    height: int
+    data: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True)
@@ -48,13 +76,23 @@ class Params:
     # Images from one request; image i is drawn with seed + i.
     num_images: int = 1
     # JPEG/WebP quality, 1-100.
-    quality: int = 90
+    quality: int = DEFAULT_QUALITY
     # Image-to-image: how far from the starting image, in (0, 1]; None means text-to-image.
     strength: float | None = None
+    # Image-to-image: the starting image (set exactly when strength is).
+    init_image: InitImage | None = None
 
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one diffusion batch (or one DP wave)."""
         return tuple(getattr(self, name) for name in BATCH_KEY_FIELDS)
+
+    @property
+    def first_step(self) -> int:
+        """Where denoising starts in the schedule of num_inference_steps: 0 for text-to-image;
+        with a starting image the last int(steps * strength) steps run (as diffusers' img2img)."""
+        if self.strength is None:
+            return 0
+        return self.num_inference_steps - min(int(self.num_inference_steps * self.strength), self.num_inference_steps)
 
 
 def check_request_id(value: str) -> None:
@@ -78,6 +116,116 @@ def _check_side(name: str, value: int, limits: Limits, out: list[FieldViolation]
         out.append(FieldViolation(name, f"{value} is not a multiple of {m}; {allowed}"))
 
 
+def _check_text(name: str, text: str, limits: Limits, out: list[FieldViolation]) -> None:
+    size = len(text.encode("utf-8", errors="surrogatepass"))
+    if size > limits.max_prompt_bytes:
+        out.append(FieldViolation(name, f"is {size} bytes; allowed: at most {limits.max_prompt_bytes} UTF-8 bytes"))
+
+
+def _image_size(
+    width: int | None, height: int | None, image: InitImage | None, limits: Limits, out: list[FieldViolation]
+) -> tuple[int, int]:
+    """The output size: the given one, else the starting image's, else the default. A starting
+    image fixes the size: a width or height that differs from it is refused."""
+    if image is None:
+        return (limits.default_size if width is None else width, limits.default_size if height is None else height)
+    m, top = limits.pixel_multiple, limits.max_pixels_side
+    if not all(0 < side <= top and side % m == 0 for side in (image.width, image.height)):
+        out.append(
+            FieldViolation(
+                "params.init_image",
+                f"is {image.width}x{image.height} pixels; allowed: width and height multiples of {m} from {m} to {top}",
+            )
+        )
+    for name, given, own in (("width", width, image.width), ("height", height, image.height)):
+        if given is not None and given != own:
+            out.append(
+                FieldViolation(
+                    f"params.{name}",
+                    f"{given} differs from the init_image's {name} {own}; allowed: unset or {own} "
+                    "(an image-to-image result has its starting image's size)",
+                )
+            )
+    return image.width, image.height
+
+
+def _check_guidance_inputs(negative_prompt: str, guidance: float, limits: Limits, out: list[FieldViolation]) -> None:
+    if not negative_prompt:
+        return
+    _check_text("params.negative_prompt", negative_prompt, limits, out)
+    if not limits.supports_negative_prompt:
+        out.append(
+            FieldViolation(
+                "params.negative_prompt", "this pipeline cannot use a negative prompt; allowed: unset or empty"
+            )
+        )
+    elif guidance == 1.0:
+        out.append(
+            FieldViolation(
+                "params.negative_prompt",
+                "has no effect with guidance_scale 1.0 (no classifier-free guidance); allowed: unset or empty, "
+                "or a guidance_scale above 1.0",
+            )
+        )
+
+
+def _resolve_strength(
+    strength: float | None, image: InitImage | None, steps: int, limits: Limits, out: list[FieldViolation]
+) -> float | None:
+    """The strength of an image-to-image request (default DEFAULT_STRENGTH); None without an image."""
+    if image is None:
+        if strength is not None:
+            out.append(
+                FieldViolation(
+                    "params.strength",
+                    f"{strength:g} given without an init_image; allowed: unset for text-to-image, "
+                    "above 0 up to 1 with an init_image",
+                )
+            )
+        return None
+    if not limits.supports_init_image:
+        out.append(FieldViolation("params.init_image", "this pipeline cannot start from an image; allowed: empty"))
+    strength = DEFAULT_STRENGTH if strength is None else float(strength)
+    if not (math.isfinite(strength) and 0.0 < strength <= 1.0):
+        out.append(FieldViolation("params.strength", f"{strength:g} is out of range; allowed: above 0 up to 1"))
+    elif 1 <= steps and int(steps * strength) < 1:
+        out.append(
+            FieldViolation(
+                "params.strength",
+                f"{strength:g} x num_inference_steps {steps} leaves no denoising step; allowed: at least "
+                f"{1 / steps:g} with {steps} steps (or more steps)",
+            )
+        )
+    return strength
+
+
+def _check_outputs(
+    output_format: str, num_images: int, quality: int | None, limits: Limits, out: list[FieldViolation]
+) -> None:
+    if output_format not in OUTPUT_FORMATS:
+        out.append(
+            FieldViolation(
+                "params.output_format", f"unknown output format {output_format!r}; allowed: PNG, TENSOR, JPEG, WEBP"
+            )
+        )
+    if not 1 <= num_images <= limits.max_num_images:
+        out.append(
+            FieldViolation("params.num_images", f"{num_images} is out of range; allowed: 1 to {limits.max_num_images}")
+        )
+    if quality is None:
+        return
+    if output_format not in LOSSY_FORMATS:
+        out.append(
+            FieldViolation(
+                "params.quality",
+                f"applies to JPEG and WEBP only, not {output_format.upper()}; allowed: unset, or 1 to "
+                f"{MAX_QUALITY} with output_format JPEG or WEBP",
+            )
+        )
+    elif not 1 <= quality <= MAX_QUALITY:
+        out.append(FieldViolation("params.quality", f"{quality} is out of range; allowed: 1 to {MAX_QUALITY}"))
+
+
 def resolve(
     *,
     prompt: str,
@@ -88,23 +236,22 @@ def resolve(
     seed: int | None,
     output_format: str,
     limits: Limits,
+    negative_prompt: str = "",
+    num_images: int | None = None,
+    quality: int | None = None,
+    strength: float | None = None,
+    init_image: InitImage | None = None,
 ) -> Params:
     """Fill defaults (None means default) and validate; raises InvalidArgument listing every bad field."""
     violations: list[FieldViolation] = []
-    width = limits.default_size if width is None else width
-    height = limits.default_size if height is None else height
+    width, height = _image_size(width, height, init_image, limits, violations)
     steps = limits.default_inference_steps if num_inference_steps is None else num_inference_steps
     guidance = limits.default_guidance_scale if guidance_scale is None else float(guidance_scale)
 
-    prompt_bytes = len(prompt.encode("utf-8", errors="surrogatepass"))
-    if prompt_bytes > limits.max_prompt_bytes:
-        violations.append(
-            FieldViolation(
-                "params.prompt", f"is {prompt_bytes} bytes; allowed: at most {limits.max_prompt_bytes} UTF-8 bytes"
-            )
-        )
-    _check_side("params.width", width, limits, violations)
-    _check_side("params.height", height, limits, violations)
+    _check_text("params.prompt", prompt, limits, violations)
+    if init_image is None:  # else the size is the image's, checked as params.init_image
+        _check_side("params.width", width, limits, violations)
+        _check_side("params.height", height, limits, violations)
     if not 1 <= steps <= limits.max_inference_steps:
         violations.append(
             FieldViolation(
@@ -117,10 +264,10 @@ def resolve(
                 "params.guidance_scale", f"{guidance} is out of range; allowed: 1.0 to {limits.max_guidance_scale}"
             )
         )
-    if output_format not in (OUTPUT_PNG, OUTPUT_TENSOR):
-        violations.append(
-            FieldViolation("params.output_format", f"unknown output format {output_format!r}; allowed: PNG, TENSOR")
-        )
+    _check_guidance_inputs(negative_prompt, guidance, limits, violations)
+    strength = _resolve_strength(strength, init_image, steps, limits, violations)
+    num_images = 1 if num_images is None else num_images
+    _check_outputs(output_format, num_images, quality, limits, violations)
     if violations:
         raise InvalidArgument(violations)
     return Params(
@@ -131,4 +278,9 @@ def resolve(
         guidance_scale=guidance,
         seed=secrets.randbits(63) if seed is None else int(seed),
         output_format=output_format,
+        negative_prompt=negative_prompt,
+        num_images=num_images,
+        quality=DEFAULT_QUALITY if quality is None else quality,
+        strength=strength,
+        init_image=init_image,
     )

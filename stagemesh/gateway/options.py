@@ -10,6 +10,7 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 DEFAULT_STAGE_UNRESPONSIVE_S = 10.0
 MIN_STAGE_UNRESPONSIVE_S = 2.0
 DEFAULT_MAX_UNDELIVERED_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_IMAGES_PER_REQUEST = 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="result bytes the gateway holds for calls whose clients have not read them yet (e.g. a "
         "client that grants no flow-control window); a result over the bound gets RESOURCE_EXHAUSTED "
         "(default: 64 MiB)",
+    )
+    parser.add_argument(
+        "--max-images-per-request",
+        type=int,
+        default=DEFAULT_MAX_IMAGES_PER_REQUEST,
+        help="most images one Generate may ask for (GenerationParams.num_images); more get INVALID_ARGUMENT "
+        f"naming params.num_images (default: {DEFAULT_MAX_IMAGES_PER_REQUEST})",
     )
     tls.add_arguments(parser)  # --tls-ca verifies the stages
     auth.add_arguments(parser)  # the token also authorizes the gateway's control calls to the stages

@@ -1,19 +1,24 @@
-"""The request path: validate, run stage 0 -> stage N with the deadline passed on at each hop,
-turn the last stage's image into the requested format."""
+"""The request path: validate, run stage 0 -> stage N for each image of the request (the images
+at once, so a stage batches them) with the deadline passed on at each hop, turn each image into
+the requested format."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from stagemesh.core import codec, converters, errors, logs
-from stagemesh.core.params import OUTPUT_PNG, Limits, Params
-from stagemesh.gateway.control import Admission
-from stagemesh.gateway.images import encode_png
+from stagemesh.core.params import INIT_IMAGE_INPUT, OUTPUT_TENSOR, Limits, Params
+from stagemesh.gateway.control import Admission, AdmissionTicket
+from stagemesh.gateway.fanout import merged
+from stagemesh.gateway.images import decode_init_image, encode, probe_init_image
+from stagemesh.gateway.options import DEFAULT_MAX_IMAGES_PER_REQUEST
 from stagemesh.gateway.stages import StageClient
-from stagemesh.v1 import gateway_pb2, generation_pb2
+from stagemesh.v1 import gateway_pb2, generation_pb2, tensor_pb2
 
 log = logs.get_logger("stagemesh.gateway")
 
@@ -22,6 +27,9 @@ NO_DEADLINE_S = 24 * 3600.0
 # Below this many pixels a PNG encodes in well under a millisecond: cheaper on the event loop
 # than a round trip through a worker thread. Larger images must not block the loop.
 INLINE_ENCODE_PIXELS = 64 * 64
+# Stages that denoise: their progress is reported as denoising steps, and they guide.
+DENOISING_KINDS = ("diffusion", "denoise")
+_SEEDS = 2**64  # a seed is a uint64: image i's seed + i wraps around
 
 
 @dataclass(frozen=True)
@@ -35,14 +43,34 @@ class DenoisingStep:
     stage_id: int
     step: int
     total: int
+    index: int = 0  # which image of the request
+
+
+class _AllStarted:
+    """Releases the admission ticket once every image of the request is in the first stage."""
+
+    def __init__(self, ticket: AdmissionTicket, images: int) -> None:
+        self._ticket = ticket
+        self._waiting = images
+
+    async def __call__(self) -> None:
+        self._waiting -= 1
+        if self._waiting == 0:
+            await self._ticket.release()
 
 
 class Pipeline:
-    def __init__(self, stages: list[StageClient], admission: Admission):
+    def __init__(
+        self,
+        stages: list[StageClient],
+        admission: Admission,
+        max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST,
+    ):
         if not stages:
             raise ValueError("a pipeline needs at least one stage")
         self.stages = stages
         self.admission = admission
+        self.max_images_per_request = max_images_per_request
 
     async def wait_until_ready(self, poll_s: float = 0.5) -> None:
         """Block until every stage has described itself as ready (the gateway's load step)."""
@@ -59,51 +87,106 @@ class Pipeline:
 
     @property
     def limits(self) -> Limits:
-        """The last stage (the one that draws) sets the image limits; the prompt limit is the tightest."""
+        """The last stage (the one that draws) sets the image limits; the prompt limit is the
+        tightest. A negative prompt needs the stage that reads the prompt and every denoising
+        stage to use it; a starting image goes to the stages that take one (at least one)."""
         last = self.stages[-1].limits or Limits()
-        prompt_bytes = min((s.limits or last).max_prompt_bytes for s in self.stages)
-        return Limits(**{**last.__dict__, "max_prompt_bytes": prompt_bytes})
+        guiding = [self.stages[0], *(s for s in self.stages if s.kind in DENOISING_KINDS)]
+        return dataclasses.replace(
+            last,
+            max_prompt_bytes=min((s.limits or last).max_prompt_bytes for s in self.stages),
+            max_num_images=self.max_images_per_request,
+            supports_negative_prompt=all(s.supports_negative_prompt for s in guiding),
+            supports_init_image=any(s.supports_init_image for s in self.stages),
+        )
 
     def resolve(self, params: generation_pb2.GenerationParams) -> Params:
-        return converters.params_from_proto(params, self.limits)
+        """Validate and fill defaults; a starting image is checked from its header here and
+        decoded by `generate`."""
+        limits = self.limits
+        image = probe_init_image(params.init_image, limits) if params.init_image else None
+        return converters.params_from_proto(params, limits, image)
 
     async def generate(self, request_id: str, params: Params, time_remaining: float | None) -> AsyncIterator[object]:
-        """Yield StageStarted / DenoisingStep events, then one GenerationResult."""
+        """Yield StageStarted (once per stage) and DenoisingStep events of every image, and one
+        GenerationResult per image as each is ready. One admission ticket covers the request; if
+        one image fails, the others are cancelled and the error is raised."""
         deadline = time.monotonic() + (time_remaining if time_remaining is not None else NO_DEADLINE_S)
+        start_image = await self._start_image(params)  # a bad image is refused before admission
         ticket = self.admission.enter()  # FAILED_PRECONDITION while paused or a stage sleeps
         try:
-            async for event in self._run_stages(request_id, params, deadline, ticket):
+            started = _AllStarted(ticket, params.num_images)
+            images = [
+                self._run_image(request_id, params, index, start_image, deadline, started)
+                for index in range(params.num_images)
+            ]
+            announced: set[int] = set()
+            stream = _one(images[0]) if len(images) == 1 else merged(images)
+            async for _, event in stream:
+                if isinstance(event, StageStarted):
+                    if event.stage_id in announced:
+                        continue
+                    announced.add(event.stage_id)
                 yield event
         finally:
             await ticket.release()
 
-    async def _run_stages(self, request_id: str, params: Params, deadline: float, ticket) -> AsyncIterator[object]:
-        wire_params = converters.params_to_proto(params)
+    @staticmethod
+    async def _start_image(params: Params) -> tensor_pb2.Tensor | None:
+        if params.init_image is None:
+            return None
+        image = params.init_image
+        return await asyncio.to_thread(lambda: codec.to_proto(decode_init_image(image)))
+
+    def _wire_params(self, stage: StageClient, params: Params) -> generation_pb2.GenerationParams:
+        """What `stage` is told: a stage that cannot use a negative prompt or a starting image
+        does not hear of them (it would refuse them)."""
+        wire = converters.params_to_proto(params)
+        if not stage.supports_negative_prompt:
+            wire.ClearField("negative_prompt")
+        if not stage.supports_init_image:
+            wire.ClearField("strength")
+        return wire
+
+    async def _run_image(
+        self,
+        request_id: str,
+        request: Params,
+        index: int,
+        start_image: tensor_pb2.Tensor | None,
+        deadline: float,
+        on_started: Callable[[], Awaitable[None]],
+    ) -> AsyncGenerator[object, None]:
+        """One image of the request through every stage: image `index` is drawn with seed + index."""
+        params = dataclasses.replace(request, seed=(request.seed + index) % _SEEDS, num_images=1)
         inputs: dict = {}
         latency: dict[str, float] = {}
-        for stage in self.stages:
+        for position, stage in enumerate(self.stages):
             yield StageStarted(stage.stage_id, stage.kind)
             started = time.perf_counter()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise errors.DeadlineExceeded(f"deadline passed before {stage.name}")
-            # Admission ends once the first stage has the request (a Sleep waits for that).
-            async for response in stage.execute(request_id, wire_params, inputs, remaining, ticket.release):
+            if start_image is not None and stage.supports_init_image:
+                inputs[INIT_IMAGE_INPUT] = start_image
+            # Admission ends once the first stage has every image (a Sleep waits for that).
+            first = on_started if position == 0 else None
+            async for response in stage.execute(request_id, self._wire_params(stage, params), inputs, remaining, first):
                 if response.HasField("progress"):
-                    if stage.kind in ("diffusion", "denoise"):  # denoising steps, not encoder items
-                        yield DenoisingStep(stage.stage_id, response.progress.step, response.progress.total)
+                    if stage.kind in DENOISING_KINDS:  # denoising steps, not encoder items
+                        yield DenoisingStep(stage.stage_id, response.progress.step, response.progress.total, index)
                 else:
                     inputs = dict(response.outputs.outputs)
             latency[str(stage.stage_id)] = (time.perf_counter() - started) * 1e3
         if "image" not in inputs:
             raise errors.StagemeshError(f"the last stage returned no image (outputs: {sorted(inputs)})")
         if params.width * params.height <= INLINE_ENCODE_PIXELS:
-            yield self._result(request_id, params, inputs["image"], latency)
+            yield self._result(request_id, params, index, inputs["image"], latency)
         else:
-            yield await asyncio.to_thread(self._result, request_id, params, inputs["image"], latency)
+            yield await asyncio.to_thread(self._result, request_id, params, index, inputs["image"], latency)
 
     @staticmethod
-    def _result(request_id: str, params: Params, image_proto, latency) -> generation_pb2.GenerationResult:
+    def _result(request_id: str, params: Params, index: int, image_proto, latency) -> generation_pb2.GenerationResult:
         result = generation_pb2.GenerationResult(
             request_id=request_id,
             output_format=converters.output_format_enum(params.output_format),
@@ -111,11 +194,13 @@ class Pipeline:
             height=params.height,
             seed=params.seed,
             stage_latency_ms=latency,
+            index=index,
         )
-        if params.output_format == OUTPUT_PNG:
-            result.png = encode_png(codec.from_proto(image_proto, "image"))
-        else:
+        if params.output_format == OUTPUT_TENSOR:
             result.tensor.CopyFrom(image_proto)
+        else:
+            data = encode(codec.from_proto(image_proto, "image"), params.output_format, params.quality)
+            setattr(result, params.output_format, data)  # the oneof's png, jpeg or webp
         return result
 
     async def list_stages(self) -> list[gateway_pb2.StageInfo]:
@@ -138,3 +223,10 @@ class Pipeline:
             return info
 
         return list(await asyncio.gather(*(one(s) for s in self.stages)))
+
+
+async def _one(stream: AsyncGenerator[object, None]) -> AsyncIterator[tuple[int, object]]:
+    """A single image's events, as `merged` would give them, without its task and queue."""
+    async with contextlib.aclosing(stream):
+        async for event in stream:
+            yield 0, event

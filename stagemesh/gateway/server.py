@@ -30,7 +30,9 @@ def _event_proto(event: object) -> gateway_pb2.GenerateResponse:
         )
     if isinstance(event, DenoisingStep):
         return gateway_pb2.GenerateResponse(
-            denoising_step=gateway_pb2.DenoisingStep(stage_id=event.stage_id, step=event.step, total=event.total)
+            denoising_step=gateway_pb2.DenoisingStep(
+                stage_id=event.stage_id, step=event.step, total=event.total, index=event.index
+            )
         )
     assert isinstance(event, generation_pb2.GenerationResult)
     return gateway_pb2.GenerateResponse(result=event)
@@ -57,11 +59,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     @servicer_method
     async def GenerateUnary(self, request: gateway_pb2.GenerateUnaryRequest, context):
         request_id, params = self._start(request, context)
+        results = []
         async for event in self._pipeline.generate(request_id, params, context.time_remaining()):
             if isinstance(event, generation_pb2.GenerationResult):
                 self._delivery.take(event.ByteSize(), context)
-                return gateway_pb2.GenerateUnaryResponse(result=event)
-        raise AssertionError("pipeline ended without a result")
+                results.append(event)
+        if len(results) != params.num_images:
+            raise AssertionError(f"pipeline ended with {len(results)} of {params.num_images} results")
+        results.sort(key=lambda r: r.index)
+        return gateway_pb2.GenerateUnaryResponse(result=results[0], results=results)
 
     @servicer_method
     async def ListStages(self, request, context) -> gateway_pb2.ListStagesResponse:
@@ -94,6 +100,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 async def serve_gateway(args: argparse.Namespace) -> None:
     if not args.stage:
         raise errors.InvalidArgument.field("--stage", "give at least one stage ADDRESS")
+    if not args.max_images_per_request >= 1:
+        raise errors.InvalidArgument.field(
+            "--max-images-per-request", f"{args.max_images_per_request}: allowed 1 or more"
+        )
     if not args.max_undelivered_bytes > 0:
         raise errors.InvalidArgument.field("--max-undelivered-bytes", f"{args.max_undelivered_bytes}: allowed above 0")
     if not args.stage_unresponsive_s >= MIN_STAGE_UNRESPONSIVE_S:
@@ -107,7 +117,7 @@ async def serve_gateway(args: argparse.Namespace) -> None:
         for i, spec in enumerate(args.stage)
     ]
     admission = Admission()
-    pipeline = Pipeline(stages, admission)
+    pipeline = Pipeline(stages, admission, args.max_images_per_request)
     control = ControlPlane(stages, admission)
     metrics = ServiceMetrics("gateway", args.host, args.metrics_port)
     metrics.add_readings(gateway_readings(admission, len(stages)))

@@ -104,6 +104,9 @@ def aggregate(replies: list[stage_pb2.DescribeStageResponse]) -> stage_pb2.Descr
     total.CopyFrom(replies[0])
     total.ready = all(r.ready for r in replies)
     total.supports_sleep = all(r.supports_sleep for r in replies)
+    # What every replica can use: round_robin may send a request to any of them.
+    total.supports_negative_prompt = all(r.supports_negative_prompt for r in replies)
+    total.supports_init_image = all(r.supports_init_image for r in replies)
     total.sleep_level = max(r.sleep_level for r in replies)
     total.device_memory_bytes = sum(r.device_memory_bytes for r in replies)
     total.workers = sum(r.workers for r in replies)
@@ -127,6 +130,8 @@ class StageClient:
     limits: Limits | None = None
     supports_sleep: bool = False
     sleep_level: int = 0
+    supports_negative_prompt: bool = False
+    supports_init_image: bool = False
     tls_ca: str | None = None  # CA bundle verifying the stage's certificate; None: plaintext
     token: str | None = field(default=None, repr=False)  # sent on SleepStage/WakeUpStage
 
@@ -271,6 +276,8 @@ class StageClient:
         self.limits = limits_from_proto(reply.limits)
         self.supports_sleep = reply.supports_sleep
         self.sleep_level = reply.sleep_level
+        self.supports_negative_prompt = reply.supports_negative_prompt
+        self.supports_init_image = reply.supports_init_image
         return reply
 
     async def sleep(self, level: int, timeout: float | None) -> list[ReplicaAcks]:

@@ -7,10 +7,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from stagemesh.core import errors
+from stagemesh.core.params import INIT_IMAGE_INPUT, InitImage
 from stagemesh.stage_service.models.contract import TensorSpec
 from stagemesh.v1 import tensor_pb2
 
 _FLOATING = ("float32", "float16", "bfloat16", "float64")
+_INIT_IMAGE_FIELD = f"inputs[{INIT_IMAGE_INPUT}]"
 
 
 def check_inputs(inputs: Mapping[str, tensor_pb2.Tensor], specs: Mapping[str, TensorSpec] | None) -> None:
@@ -22,13 +24,34 @@ def check_inputs(inputs: Mapping[str, tensor_pb2.Tensor], specs: Mapping[str, Te
         errors.FieldViolation(f"inputs[{name}]", f"this stage takes no such input; it takes: {sorted(specs) or 'none'}")
         for name in sorted(set(inputs) - set(specs))
     ]
-    violations += [errors.FieldViolation(f"inputs[{name}]", "missing") for name in sorted(set(specs) - set(inputs))]
+    violations += [
+        errors.FieldViolation(f"inputs[{name}]", "missing")
+        for name in sorted(set(specs) - set(inputs))
+        if specs[name].required
+    ]
     for name in sorted(set(specs) & set(inputs)):
         problem = _mismatch(inputs[name], specs[name])
         if problem:
             violations.append(errors.FieldViolation(f"inputs[{name}]", problem))
     if violations:
         raise errors.InvalidArgument(violations)
+
+
+def init_image(inputs: Mapping[str, tensor_pb2.Tensor], supported: bool) -> InitImage | None:
+    """The starting image's size, checked to be what the gateway sends (uint8 [height, width, 3]);
+    None when the request has none. Width and height are then checked against the limits and the
+    request's own size with the other parameters (core.params.resolve)."""
+    tensor = inputs.get(INIT_IMAGE_INPUT)
+    if tensor is None:
+        return None
+    if not supported:
+        raise errors.InvalidArgument.field(_INIT_IMAGE_FIELD, "this stage's model cannot start from an image")
+    shape = list(tensor.shape)
+    if tensor.dtype != "uint8" or len(shape) != 3 or shape[2] != 3 or min(shape) < 1:
+        raise errors.InvalidArgument.field(
+            _INIT_IMAGE_FIELD, f"dtype {tensor.dtype!r} shape {shape}; allowed: uint8 [height, width, 3] (RGB)"
+        )
+    return InitImage(width=shape[1], height=shape[0])
 
 
 def _mismatch(tensor: tensor_pb2.Tensor, spec: TensorSpec) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 from typing import Any
 
@@ -16,7 +17,7 @@ from stagemesh.core.rpc import ServiceHost, servicer_method
 from stagemesh.stage_service.control import Ack, StageControl
 from stagemesh.stage_service.engine.engine import Engine, OutputsEvent, ProgressEvent
 from stagemesh.stage_service.executor.executor import Executor
-from stagemesh.stage_service.inputs import check_inputs
+from stagemesh.stage_service.inputs import check_inputs, init_image
 from stagemesh.stage_service.metrics import stage_readings
 from stagemesh.stage_service.models.contract import TensorSpec
 from stagemesh.stage_service.models.diffusers_adapter import FolderError
@@ -59,8 +60,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     @servicer_method
     async def Execute(self, request: stage_pb2.ExecuteRequest, context) -> Any:
         request_id = logs.current_request_id()
-        params = converters.params_from_proto(request.params, self.limits)
         check_inputs(request.inputs, self.input_specs)
+        image = init_image(request.inputs, self.limits.supports_init_image)
+        params = converters.params_from_proto(request.params, self.limits, image)
         inputs = {name: codec.from_proto(t, f"inputs[{name}]") for name, t in request.inputs.items()}
         explicit_steps = request.params.HasField("num_inference_steps")
         async for event in self._engine.run(request_id, params, inputs, explicit_steps):
@@ -94,6 +96,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             max_batch_size=s.max_batch_size,
             supports_sleep=self._control.supports_sleep,
             sleep_level=self._control.level,
+            supports_negative_prompt=lim.supports_negative_prompt,
+            supports_init_image=lim.supports_init_image,
         )
 
     @servicer_method
@@ -144,8 +148,13 @@ async def serve_stage(settings: StageSettings) -> None:
     async def load() -> None:
         await asyncio.to_thread(settings.prepare_model_dir)
         readies = await asyncio.to_thread(executor.start)
-        servicer.limits = settings.limits(readies[0].limits)
-        servicer.input_specs = readies[0].input_specs
+        ready = readies[0]
+        servicer.limits = dataclasses.replace(
+            settings.limits(ready.limits),
+            supports_negative_prompt=ready.supports_negative_prompt,
+            supports_init_image=ready.supports_init_image,
+        )
+        servicer.input_specs = ready.input_specs
         engine.start()
         servicer.ready = True
 

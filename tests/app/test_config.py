@@ -29,6 +29,8 @@ def test_stage_tables_get_ids_in_order_and_the_mesh_host(tmp_path):
         ('[[stages]]\nkind = "diffusion"\nmax_sise = 4\n', "max_sise"),
         ("[nonsense]\n", "nonsense"),
         ('[[stages]]\nkind = "ar"\n', "last stage must be of kind 'diffusion'"),
+        ("[gateway]\nmax_images_per_request = 0\n", "max_images_per_request = 0: allowed a whole number, 1 or more"),
+        ("[gateway]\nmax_images_per_request = 2.5\n", "max_images_per_request = 2.5"),
     ],
 )
 def test_config_errors_name_the_problem(tmp_path, text, needle):
@@ -36,3 +38,10 @@ def test_config_errors_name_the_problem(tmp_path, text, needle):
     path.write_text(text)
     with pytest.raises(ValueError, match=needle):
         config.load(path)
+
+
+def test_gateway_max_images_per_request(tmp_path):
+    assert config.load(None).gateway.max_images_per_request == 8
+    path = tmp_path / "mesh.toml"
+    path.write_text("[gateway]\nmax_images_per_request = 3\n")
+    assert config.load(path).gateway.max_images_per_request == 3

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from stagemesh.core import codec, converters
-from stagemesh.core.errors import InvalidArgument
-from stagemesh.core.params import Limits, resolve
+from stagemesh.core.errors import FieldViolation, InvalidArgument
+from stagemesh.core.params import InitImage, Limits, resolve
 from stagemesh.v1 import generation_pb2
 
 LIMITS = Limits(pixel_multiple=16, max_pixels_side=512, max_inference_steps=50, max_prompt_bytes=10)
@@ -47,7 +48,7 @@ def test_defaults_fill_unset_fields():
         ("num_inference_steps", 51, "allowed: 1 to 50"),
         ("guidance_scale", 0.5, "allowed: 1.0 to 30.0"),
         ("guidance_scale", math.nan, "allowed: 1.0 to 30.0"),
-        ("output_format", "gif", "allowed: PNG, TENSOR"),
+        ("output_format", "gif", "allowed: PNG, TENSOR, JPEG, WEBP"),
         ("prompt", "é" * 6, "at most 10 UTF-8 bytes"),
     ],
 )
@@ -100,3 +101,109 @@ def test_tensor_codec_refuses_inconsistent_messages():
     msg.dtype = "complex128"
     with pytest.raises(InvalidArgument, match="unknown dtype"):
         codec.from_proto(msg)
+
+
+# ---- negative_prompt, num_images, quality, init_image, strength ----------------------------------
+FULL = Limits(
+    pixel_multiple=16,
+    max_pixels_side=512,
+    max_inference_steps=50,
+    max_prompt_bytes=10,
+    max_num_images=4,
+    supports_negative_prompt=True,
+    supports_init_image=True,
+)
+IMAGE = InitImage(64, 48)
+
+
+def _one_violation(**kw) -> FieldViolation:
+    with pytest.raises(InvalidArgument) as info:
+        _resolve(**{"limits": FULL, **kw})
+    [violation] = info.value.violations
+    assert "allowed" in violation.description, violation
+    return violation
+
+
+def test_new_fields_have_defaults():
+    p = _resolve(limits=FULL)
+    assert (p.negative_prompt, p.num_images, p.quality, p.strength, p.init_image) == ("", 1, 90, None, None)
+    assert p.first_step == 0
+    with_image = _resolve(limits=FULL, init_image=IMAGE, num_inference_steps=10)
+    # The size is the starting image's; strength defaults to 0.8: the last 8 of 10 steps run.
+    assert (with_image.width, with_image.height, with_image.strength, with_image.first_step) == (64, 48, 0.8, 2)
+
+
+@pytest.mark.parametrize(
+    "fields,field,needles",
+    [
+        (dict(num_images=0), "num_images", ["0", "1 to 4"]),
+        (dict(num_images=5), "num_images", ["5", "1 to 4"]),
+        (dict(quality=0, output_format="jpeg"), "quality", ["0", "1 to 100"]),
+        (dict(quality=101, output_format="webp"), "quality", ["101", "1 to 100"]),
+        (dict(quality=80), "quality", ["JPEG and WEBP only", "PNG"]),
+        (dict(quality=80, output_format="tensor"), "quality", ["TENSOR"]),
+        (dict(strength=0.5), "strength", ["without an init_image", "unset"]),
+        (dict(strength=0.0, init_image=IMAGE), "strength", ["0", "above 0 up to 1"]),
+        (dict(strength=1.5, init_image=IMAGE), "strength", ["1.5", "above 0 up to 1"]),
+        (dict(strength=math.nan, init_image=IMAGE), "strength", ["nan", "above 0 up to 1"]),
+        (dict(strength=0.05, init_image=IMAGE, num_inference_steps=10), "strength", ["no denoising step", "0.1"]),
+        (dict(init_image=InitImage(60, 48)), "init_image", ["60x48", "multiples of 16"]),
+        (dict(init_image=InitImage(1024, 48)), "init_image", ["1024x48", "512"]),
+        (dict(init_image=IMAGE, width=32), "width", ["32", "init_image's width 64", "unset or 64"]),
+        (dict(init_image=IMAGE, height=64), "height", ["64", "init_image's height 48", "unset or 48"]),
+        (dict(negative_prompt="é" * 6), "negative_prompt", ["12 bytes", "at most 10"]),
+        (dict(negative_prompt="dull", guidance_scale=1.0), "negative_prompt", ["guidance_scale 1.0"]),
+        (dict(output_format="gif"), "output_format", ["PNG, TENSOR, JPEG, WEBP"]),
+    ],
+)
+def test_each_new_bad_field_is_named_with_what_is_allowed(fields, field, needles):
+    violation = _one_violation(**fields)
+    assert violation.field == f"params.{field}"
+    for needle in needles:
+        assert needle in violation.description, (needle, violation.description)
+
+
+def test_what_the_pipeline_cannot_use_is_refused_not_ignored():
+    plain = Limits()  # a stage's own limits: one image, no negative prompt, no starting image
+    for fields, field in [
+        (dict(negative_prompt="dull"), "params.negative_prompt"),
+        (dict(init_image=InitImage(64, 64)), "params.init_image"),
+        (dict(num_images=2), "params.num_images"),
+    ]:
+        with pytest.raises(InvalidArgument) as info:
+            _resolve(limits=plain, **fields)
+        assert [v.field for v in info.value.violations] == [field]
+
+
+def test_new_fields_round_trip_through_proto():
+    p = _resolve(
+        limits=FULL,
+        negative_prompt="dull",
+        num_images=3,
+        quality=70,
+        output_format="webp",
+        strength=0.7,
+        init_image=IMAGE,
+        num_inference_steps=10,
+        seed=5,
+    )
+    wire = converters.params_to_proto(p)
+    assert not wire.init_image  # stages receive the pixels as a tensor input
+    assert converters.params_from_proto(wire, FULL, IMAGE) == replace(p, init_image=IMAGE)
+    # The float32 on the wire reads back as the decimal written: int(10 * 0.7) is 7 steps, not 6.
+    assert converters.params_from_proto(wire, FULL, IMAGE).first_step == 3
+    assert not converters.params_to_proto(replace(p, output_format="png")).HasField("quality")
+
+
+def test_encoded_image_bytes_need_the_reader_to_have_probed_them():
+    msg = generation_pb2.GenerationParams(prompt="a", init_image=b"\x89PNG")
+    with pytest.raises(InvalidArgument) as info:
+        converters.params_from_proto(msg, FULL)
+    assert info.value.violations[0].field == "params.init_image"
+
+
+@pytest.mark.parametrize("name,enum", [("jpeg", 3), ("webp", 4)])
+def test_jpeg_and_webp_formats(name, enum):
+    msg = generation_pb2.GenerationParams(prompt="a", output_format=enum, quality=55)
+    p = converters.params_from_proto(msg, FULL)
+    assert (p.output_format, p.quality) == (name, 55)

@@ -17,10 +17,12 @@ from torch import nn
 
 from stagemesh.core.params import BATCH_KEY_FIELDS, Params
 
+# Image-to-image: the starting image, torch.uint8 [height, width, 3] RGB, decoded by the gateway
+# (named in core.params, which the gateway shares).
+from stagemesh.core.params import INIT_IMAGE_INPUT as INIT_IMAGE_INPUT
+
 # progress(step, total); may raise to abort the batch between steps.
 Progress = Callable[[int, int], None]
-# Image-to-image: the starting image, torch.uint8 [height, width, 3] RGB, decoded by the gateway.
-INIT_IMAGE_INPUT = "init_image"
 
 
 @dataclass
@@ -70,6 +72,7 @@ class TensorSpec:
     sizes: tuple[int | None, ...]
     max_size: int = 1 << 20
     floating: bool = True
+    required: bool = True  # False: a request may leave it out (e.g. INIT_IMAGE_INPUT)
 
 
 class ItemError(ValueError):

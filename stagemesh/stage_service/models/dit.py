@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -30,6 +31,7 @@ class CapturedSteps(Protocol):
         steps: int,
         guidance_scale: float,
         progress: Progress | None = None,
+        start: int = 0,
     ) -> torch.Tensor: ...
 
 
@@ -172,11 +174,15 @@ class LatentDecoder(nn.Module):
     """Latents [B, C, h, w] -> RGB [B, 3, h*s, w*s] in [-1, 1], one 2x stage per factor of 2.
 
     GroupNorm after each conv keeps activations at unit scale whatever the weight scale, so
-    the output still carries the latent's structure.
+    the output still carries the latent's structure. The model has no trained autoencoder: its
+    first three latent channels are also a fixed preview of the picture (RGB before the tanh, at
+    latent resolution) that the learned path adds to, and `encode` inverts that preview. So a
+    starting image has a latent the decoder draws back close to it (image-to-image).
     """
 
     def __init__(self, config: DiTConfig) -> None:
         super().__init__()
+        self.scale = config.vae_scale
         ch = config.decoder_channels
         groups = math.gcd(ch, 8)
         stages = config.vae_scale.bit_length() - 1
@@ -190,7 +196,33 @@ class LatentDecoder(nn.Module):
         h = F.silu(self.norm_in(self.conv_in(z.to(self.conv_in.weight.dtype))))
         for conv, norm in zip(self.ups, self.norms):
             h = F.silu(norm(conv(F.interpolate(h, scale_factor=2, mode="nearest"))))
-        return torch.tanh(self.conv_out(h))
+        preview = F.interpolate(_rgb_channels(z), scale_factor=self.scale, mode="nearest")
+        return torch.tanh(self.conv_out(h) + preview.to(h.dtype))
+
+    def encode(self, images: torch.Tensor, latent_channels: int) -> torch.Tensor:
+        """RGB images [B, H, W, 3] uint8 -> latents [B, C, H/s, W/s] float32 whose preview is
+        the image averaged over s x s blocks (channels past the third are 0)."""
+        rgb = images.permute(0, 3, 1, 2).float() / 127.5 - 1.0
+        pooled = F.avg_pool2d(rgb, self.scale).clamp(-PREVIEW_LIMIT, PREVIEW_LIMIT)
+        latents = torch.zeros(rgb.shape[0], latent_channels, *pooled.shape[2:], device=images.device)
+        pre_tanh = torch.atanh(pooled)
+        if latent_channels >= 3:
+            latents[:, :3] = pre_tanh
+        else:  # too few channels for colour: every one of them holds the grey level
+            latents[:] = pre_tanh.mean(dim=1, keepdim=True)
+        return latents
+
+
+# The preview of a pure white or black block is this close to +-1 (atanh(1) is infinite).
+PREVIEW_LIMIT = 0.995
+
+
+def _rgb_channels(z: torch.Tensor) -> torch.Tensor:
+    """The latent's preview channels as RGB [B, 3, h, w]: the first three, or the grey level of
+    fewer."""
+    if z.shape[1] >= 3:
+        return z[:, :3]
+    return z.mean(dim=1, keepdim=True).expand(-1, 3, -1, -1)
 
 
 def cond_bucket(length: int) -> int:
@@ -217,12 +249,20 @@ def pad_conds(conds: list[torch.Tensor], length: int | None = None) -> tuple[tor
 
 
 def _check_sample_args(
-    dit: DiT, conds: list[torch.Tensor], width: int, height: int, steps: int, seeds: list[int]
+    dit: DiT,
+    conds: list[torch.Tensor],
+    width: int,
+    height: int,
+    steps: int,
+    seeds: list[int],
+    negatives: list[torch.Tensor | None] | None = None,
 ) -> None:
     cfg = dit.config
     if not conds or len(conds) != len(seeds):
         raise ValueError(f"need one seed per cond and at least one ({len(conds)} vs {len(seeds)})")
-    for c in conds:
+    if negatives is not None and len(negatives) != len(conds):
+        raise ValueError(f"need one negative (or None) per cond ({len(negatives)} vs {len(conds)})")
+    for c in conds + [n for n in negatives or () if n is not None]:
         if c.dim() != 2 or c.shape[0] < 1 or c.shape[1] != cfg.cond_dim:
             raise ValueError(f"cond must be [L>=1, {cfg.cond_dim}], got {tuple(c.shape)}")
     m = cfg.pixel_multiple
@@ -266,15 +306,43 @@ def _euler(
     n: int,
     guidance_scale: float,
     progress: Progress | None,
+    start: int = 0,
 ) -> torch.Tensor:
+    """Steps start..n-1 of the n-step schedule from t = 1 to 0; progress counts the steps run."""
     guided = guidance_scale != 1.0
-    for i in range(n):
+    for i in range(start, n):
         t, t_next = 1.0 - i / n, 1.0 - (i + 1) / n
         t_rows = torch.full((cond.shape[0],), t, device=x.device)
         x = x + (t_next - t) * velocity(dit, x, t_rows, cond, mask, guided, guidance_scale)
         if progress is not None:
-            progress(i + 1, n)
+            progress(i + 1 - start, n - start)
     return x
+
+
+@dataclass(frozen=True)
+class StartImages:
+    """Image-to-image: where each row starts. `latents` [B, C, h, w] (LatentDecoder.encode) are
+    noised to the time of step `first_step` of the schedule, and only the steps from there run."""
+
+    latents: torch.Tensor
+    first_step: int
+
+
+def _start_latents(
+    dit: DiT, width: int, height: int, seeds: list[int], steps: int, start: StartImages | None
+) -> tuple[torch.Tensor, int]:
+    """The latents denoising starts from and the step it starts at: noise at t = 1, or the
+    starting images noised to t = 1 - first_step / steps (x_t = (1 - t) x_0 + t noise)."""
+    noise = initial_noise(dit, width, height, seeds)
+    if start is None:
+        return noise, 0
+    if not 0 <= start.first_step < steps or start.latents.shape != noise.shape:
+        raise ValueError(
+            f"start images need latents of shape {tuple(noise.shape)} and a first step in 0..{steps - 1}; "
+            f"got {tuple(start.latents.shape)} and {start.first_step}"
+        )
+    t = 1.0 - start.first_step / steps
+    return (1.0 - t) * start.latents.float().cpu() + t * noise, start.first_step
 
 
 def sample(
@@ -288,22 +356,28 @@ def sample(
     seeds: list[int],
     progress: Progress | None = None,
     graphs: CapturedSteps | None = None,
+    negatives: list[torch.Tensor | None] | None = None,
+    start: StartImages | None = None,
 ) -> torch.Tensor:
     """Euler flow-matching sampler; returns images [B, height, width, 3] float32 in [0, 1].
-    With `graphs` the steps are replayed from captured CUDA graphs (same arithmetic)."""
-    _check_sample_args(dit, conds, width, height, num_inference_steps, seeds)
+    With `graphs` the steps are replayed from captured CUDA graphs (same arithmetic).
+    `negatives`: per row, the conditioning guidance steers away from (a negative prompt's);
+    None (or a None row) means the model's learned unconditional input. `start`: image-to-image."""
+    _check_sample_args(dit, conds, width, height, num_inference_steps, seeds, negatives)
     device, dtype = dit.null_cond.device, dit.null_cond.dtype
     with torch.inference_mode():
         rows = [platform.to_device(c, device).to(dtype) for c in conds]
         if guidance_scale != 1.0:
-            rows += [dit.null_cond] * len(conds)
+            unconditional = negatives or [None] * len(conds)
+            rows += [dit.null_cond if n is None else platform.to_device(n, device).to(dtype) for n in unconditional]
         cond, mask = pad_conds(rows, cond_bucket(max(r.shape[0] for r in rows)))
         # Latents stay float32 so the Euler sum does not drift in low precision.
-        x = platform.to_device(initial_noise(dit, width, height, seeds), device)
+        x, first = _start_latents(dit, width, height, seeds, num_inference_steps, start)
+        x = platform.to_device(x, device)
         if graphs is not None:
-            x = graphs.denoise(x, cond, mask, num_inference_steps, guidance_scale, progress)
+            x = graphs.denoise(x, cond, mask, num_inference_steps, guidance_scale, progress, start=first)
         else:
-            x = _euler(dit, x, cond, mask, num_inference_steps, guidance_scale, progress)
+            x = _euler(dit, x, cond, mask, num_inference_steps, guidance_scale, progress, start=first)
         rgb = decoder(x).float()
         # Channels last on the device: each request's image is then one contiguous slice, which
         # the output path ships without a strided gather on the host.

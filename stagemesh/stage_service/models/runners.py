@@ -8,6 +8,7 @@ import torch
 
 from stagemesh.stage_service import platform
 from stagemesh.stage_service.models.contract import (
+    INIT_IMAGE_INPUT,
     ItemError,
     Progress,
     Runner,
@@ -17,7 +18,7 @@ from stagemesh.stage_service.models.contract import (
     WorkItem,
     check_batch,
 )
-from stagemesh.stage_service.models.dit import sample
+from stagemesh.stage_service.models.dit import StartImages, sample
 from stagemesh.stage_service.models.dit_offload import load_offloaded_dit
 from stagemesh.stage_service.models.step_graphs import StepGraphs
 from stagemesh.stage_service.models.tp import TpGroup
@@ -32,6 +33,10 @@ from stagemesh.stage_service.models.weights import (
 )
 from stagemesh.stage_service.offload.config import DloOptions
 
+# The AR stage's encoding of a negative prompt: the diffusion stage guides away from it in
+# place of the DiT's learned unconditional input.
+NEGATIVE_HIDDEN_STATES = "negative_hidden_states"
+
 
 def _output(t: torch.Tensor) -> torch.Tensor:
     # Outputs stay on the device: the worker's output path copies them to the host (on a side
@@ -40,9 +45,11 @@ def _output(t: torch.Tensor) -> torch.Tensor:
 
 
 class ArRunner(RunnerBase):
-    """Stage 0: prompt -> LM hidden states (prompt tokens + greedily decoded tokens)."""
+    """Stage 0: prompt -> LM hidden states (prompt tokens + greedily decoded tokens); a negative
+    prompt is encoded the same way."""
 
     kind = "ar"
+    supports_negative_prompt = True
 
     def __init__(self, model_dir: Path, device: str = "cpu") -> None:
         self.model_dir = Path(model_dir)
@@ -59,7 +66,10 @@ class ArRunner(RunnerBase):
         raise to abort the rest of the batch."""
         outputs = []
         for i, item in enumerate(batch):
-            outputs.append({"hidden_states": _output(self.lm.encode_prompt(item.params.prompt))})
+            encoded = {"hidden_states": _output(self.lm.encode_prompt(item.params.prompt))}
+            if item.params.negative_prompt:
+                encoded[NEGATIVE_HIDDEN_STATES] = _output(self.lm.encode_prompt(item.params.negative_prompt))
+            outputs.append(encoded)
             if progress is not None:
                 progress(i + 1, len(batch))
         return outputs
@@ -78,9 +88,12 @@ class ArRunner(RunnerBase):
 
 
 class DiffusionRunner(RunnerBase):
-    """Stage 1: LM hidden states -> images [H, W, 3] float32 in [0, 1]."""
+    """Stage 1: LM hidden states -> images [H, W, 3] float32 in [0, 1]; guided away from a
+    negative prompt's hidden states when given, and from a starting image (image-to-image)."""
 
     kind = "diffusion"
+    supports_negative_prompt = True
+    supports_init_image = True
 
     def __init__(
         self,
@@ -131,16 +144,49 @@ class DiffusionRunner(RunnerBase):
 
     def input_specs(self) -> dict[str, TensorSpec]:
         # The conditioning is the language model's hidden states: at most one row per position.
-        return {"hidden_states": TensorSpec((None, self.config.dit.cond_dim), max_size=self.config.lm.max_seq_len)}
+        states = TensorSpec((None, self.config.dit.cond_dim), max_size=self.config.lm.max_seq_len)
+        return {
+            "hidden_states": states,
+            NEGATIVE_HIDDEN_STATES: TensorSpec(states.sizes, states.max_size, required=False),
+            # uint8, sized like the request (stage_service.inputs checks both).
+            INIT_IMAGE_INPUT: TensorSpec((None, None, 3), floating=False, required=False),
+        }
 
-    def _cond(self, index: int, item: WorkItem) -> torch.Tensor:
-        cond = item.inputs.get("hidden_states")
+    def _cond(self, index: int, item: WorkItem, name: str = "hidden_states") -> torch.Tensor:
+        cond = item.inputs.get(name)
         d = self.config.dit.cond_dim
         if cond is None:
-            raise ItemError(index, "inputs lack 'hidden_states'")
+            raise ItemError(index, f"inputs lack {name!r}")
         if cond.dim() != 2 or cond.shape[0] < 1 or cond.shape[1] != d:
-            raise ItemError(index, f"hidden_states must be [L>=1, {d}], got {tuple(cond.shape)}")
+            raise ItemError(index, f"{name} must be [L>=1, {d}], got {tuple(cond.shape)}")
         return cond
+
+    def _negatives(self, batch: list[WorkItem]) -> list[torch.Tensor | None] | None:
+        if not any(NEGATIVE_HIDDEN_STATES in item.inputs for item in batch):
+            return None
+        return [
+            self._cond(i, item, NEGATIVE_HIDDEN_STATES) if NEGATIVE_HIDDEN_STATES in item.inputs else None
+            for i, item in enumerate(batch)
+        ]
+
+    def _start(self, batch: list[WorkItem]) -> StartImages | None:
+        """Image-to-image: the batch's starting images as latents (a batch shares its strength,
+        so either every item has one or none has)."""
+        head = batch[0].params
+        if head.strength is None:
+            return None
+        images = []
+        for i, item in enumerate(batch):
+            image = item.inputs.get(INIT_IMAGE_INPUT)
+            wanted = (head.height, head.width, 3)
+            if image is None or image.dtype != torch.uint8 or tuple(image.shape) != wanted:
+                got = "none" if image is None else f"{image.dtype} {tuple(image.shape)}"
+                raise ItemError(i, f"{INIT_IMAGE_INPUT} must be uint8 {wanted}, got {got}")
+            images.append(image)
+        # On the host, like the noise they are mixed with: the result does not depend on the device.
+        with torch.inference_mode():
+            latents = self.decoder.encode(torch.stack(images).cpu(), self.config.dit.latent_channels)
+        return StartImages(latents, head.first_step)
 
     def run(self, batch: list[WorkItem], progress: Progress | None = None) -> list[dict[str, torch.Tensor]]:
         """Sample the whole batch as one; every item must share shape, steps and guidance.
@@ -163,6 +209,8 @@ class DiffusionRunner(RunnerBase):
             seeds=[i.params.seed for i in batch],
             progress=progress,
             graphs=self.graphs,
+            negatives=self._negatives(batch),
+            start=self._start(batch),
         )
         return [{"image": _output(img)} for img in images]
 

@@ -80,10 +80,11 @@ class StepGraphs:
         steps: int,
         guidance_scale: float,
         progress: Progress | None = None,
+        start: int = 0,
     ) -> torch.Tensor:
-        """The Euler loop of `dit.sample` on `x` [B, C, h, w] (float32); `cond`/`mask` hold the
-        guided rows (conditional then unconditional) when guidance is on. Returns the latents
-        in the step's buffer: read them before the next call."""
+        """The Euler loop of `dit.sample` on `x` [B, C, h, w] (float32), steps start..steps-1;
+        `cond`/`mask` hold the guided rows (conditional then unconditional) when guidance is on.
+        Returns the latents in the step's buffer: read them before the next call."""
         guided = guidance_scale != 1.0
         weights_at = tuple(map(torch.Tensor.data_ptr, self._weights))
         if weights_at != self._weights_at:
@@ -94,13 +95,13 @@ class StepGraphs:
         step.cond.copy_(cond)
         step.mask.copy_(mask)
         step.guidance.fill_(guidance_scale)
-        for i in range(steps):
+        for i in range(start, steps):
             t, t_next = 1.0 - i / steps, 1.0 - (i + 1) / steps
             step.t.fill_(t)
             step.dt.fill_(t_next - t)
             step.replay()
             if progress is not None:
-                progress(i + 1, steps)
+                progress(i + 1 - start, steps - start)
         return step.x
 
     def release_device(self) -> int:

@@ -89,6 +89,9 @@ class Ready:
     device: str
     device_memory_bytes: int
     input_specs: dict[str, Any] | None = None  # models.contract.TensorSpec by input name; None: not declared
+    # What the runner's pipeline can use beyond a prompt (Runner.supports_*).
+    supports_negative_prompt: bool = False
+    supports_init_image: bool = False
 
 
 @dataclass(frozen=True)

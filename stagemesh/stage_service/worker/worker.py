@@ -268,7 +268,13 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
     # Ready once the worker can serve: its heartbeats start with serve(), right after.
     worker.writer.put(
         protocol.Ready(
-            spec.rank, runner.limits(), device, platform.memory_allocated(device), input_specs=runner.input_specs()
+            spec.rank,
+            runner.limits(),
+            device,
+            platform.memory_allocated(device),
+            input_specs=runner.input_specs(),
+            supports_negative_prompt=runner.supports_negative_prompt,
+            supports_init_image=runner.supports_init_image,
         )
     )
     worker.serve()

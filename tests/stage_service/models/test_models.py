@@ -298,3 +298,84 @@ def test_diffusion_runner_rejects_mixed_batches(model_dir: Path) -> None:
         diff.run([_item("c", "p")])
     with pytest.raises(ValueError, match="unknown runner kind"):
         build_runner("tts", model_dir, "cpu")
+
+
+# ---- negative prompt and image-to-image -------------------------------------------------------
+
+
+def _test_image(size: int = 32) -> torch.Tensor:
+    """A picture with structure: colour gradients and a bright disc, uint8 [size, size, 3]."""
+    ys, xs = torch.meshgrid(torch.linspace(0, 1, size), torch.linspace(0, 1, size), indexing="ij")
+    disc = (((xs - 0.6) ** 2 + (ys - 0.4) ** 2) < 0.05).float()
+    return (torch.stack([xs, ys, disc], dim=-1) * 255).round().to(torch.uint8)
+
+
+def _encoded(ar: ArRunner, prompt: str, negative: str = "") -> dict:
+    return ar.run([_item("e", prompt, negative_prompt=negative)])[0]
+
+
+def test_negative_prompt_is_encoded_and_replaces_the_unconditional_input(model_dir: Path) -> None:
+    ar, diff = ArRunner(model_dir), DiffusionRunner(model_dir)
+    assert ar.supports_negative_prompt and diff.supports_negative_prompt and not ar.supports_init_image
+    plain = _encoded(ar, "a red fox")
+    negative = _encoded(ar, "a red fox", "snow")
+    assert set(plain) == {"hidden_states"} and set(negative) == {"hidden_states", "negative_hidden_states"}
+    assert torch.equal(negative["negative_hidden_states"], ar.lm.encode_prompt("snow"))
+    without = diff.run([_item("a", "a red fox", 5, plain)])[0]["image"]
+    steered = diff.run([_item("b", "a red fox", 5, negative, negative_prompt="snow")])[0]["image"]
+    # The tiny model's random weights barely listen to any prompt (test_guidance_changes_the_image).
+    assert (without - steered).abs().max() > 1e-5
+    # Alone or batched with a request that has none, the same image (per-row unconditional input).
+    batch = diff.run([_item("c", "a red fox", 5, plain), _item("d", "a red fox", 5, negative, negative_prompt="snow")])
+    assert torch.allclose(batch[1]["image"], steered, atol=2 / 255)
+    assert torch.allclose(batch[0]["image"], without, atol=2 / 255)
+
+
+def test_encode_inverts_the_decoders_preview(dit_pair) -> None:
+    _, decoder = dit_pair
+    image = _test_image(64)[None]
+    latents = decoder.encode(image, 4)
+    assert latents.shape == (1, 4, 8, 8) and torch.equal(latents[:, 3], torch.zeros(1, 8, 8))
+    with torch.inference_mode():
+        drawn = (decoder(latents) + 1) / 2
+    target = image.permute(0, 3, 1, 2).float() / 255
+    blocks = torch.nn.functional.interpolate(torch.nn.functional.avg_pool2d(target, 8), scale_factor=8)
+    # What the decoder draws from an image's latents is that image at block resolution, plus the
+    # learned path's pattern.
+    assert (drawn - blocks).abs().mean() < 0.1
+
+
+def _img2img(diff: DiffusionRunner, cond: dict, image: torch.Tensor, strength: float | None, seed: int = 3):
+    inputs = dict(cond, init_image=image) if strength is not None else cond
+    item = _item("i", "a lighthouse", seed, inputs, width=32, height=32, num_inference_steps=10, strength=strength)
+    steps: list[tuple[int, int]] = []
+    out = diff.run([item], progress=lambda k, n: steps.append((k, n)))[0]["image"]
+    return out, steps
+
+
+def test_image_to_image_runs_the_last_steps_from_the_noised_image(model_dir: Path) -> None:
+    ar, diff = ArRunner(model_dir), DiffusionRunner(model_dir)
+    assert diff.supports_init_image
+    cond = _encoded(ar, "a lighthouse")
+    image = _test_image(32)
+    target = image.float() / 255
+    text_only, _ = _img2img(diff, cond, image, None)
+    full, full_steps = _img2img(diff, cond, image, 1.0)
+    low, low_steps = _img2img(diff, cond, image, 0.2)
+    # As diffusers' img2img: int(10 * strength) steps run, the last ones of the schedule.
+    assert full_steps[-1] == (10, 10) and low_steps == [(1, 2), (2, 2)]
+    # Strength 1 starts from pure noise: the text-to-image picture, the starting image ignored.
+    assert torch.equal(full, text_only)
+    far, near = (full - target).abs().mean().item(), (low - target).abs().mean().item()
+    assert near < 0.12 and near < far / 2, (near, far)
+    # Deterministic for a seed; another seed draws other noise.
+    assert torch.equal(_img2img(diff, cond, image, 0.2)[0], low)
+    assert not torch.equal(_img2img(diff, cond, image, 0.2, seed=4)[0], low)
+
+
+def test_image_to_image_refuses_an_item_without_its_image(model_dir: Path) -> None:
+    diff = DiffusionRunner(model_dir)
+    cond = {"hidden_states": torch.zeros(3, 64)}
+    item = _item("a", "p", inputs=cond, strength=0.5, num_inference_steps=4)
+    with pytest.raises(ValueError, match="init_image must be uint8"):
+        diff.run([item])
