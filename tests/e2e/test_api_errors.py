@@ -112,7 +112,7 @@ def _expected_violations(p: generation_pb2.GenerationParams) -> set[str]:
     g = _float32(p.guidance_scale)
     if not (math.isfinite(g) and 1.0 <= g <= 30.0):
         bad.add("params.guidance_scale")
-    if p.output_format not in (0, 1, 2):
+    if p.output_format not in (0, 1, 2, 3, 4):
         bad.add("params.output_format")
     return bad
 

@@ -1,6 +1,7 @@
 """Random and malformed input through gRPC against a real mesh: Sleep, WakeUp and the Generate
-fields test_api_errors.py's sweep leaves out (request_id, seed, unset fields, output_format),
-then raw bytes that are no protobuf message at all. Whatever arrives, no service answers
+fields test_api_errors.py's sweep leaves out (request_id, seed, unset fields, output_format, and
+the request features: num_images, quality, negative_prompt, strength, init_image), then raw
+bytes that are no protobuf message at all. Whatever arrives, no service answers
 UNKNOWN or INTERNAL from its own code, none dies, and every refusal names its field.
 
 Sleep mutates the mesh, so this module uses the one the sleep tests share (tests/e2e/conftest.py),
@@ -9,12 +10,16 @@ the next."""
 
 from __future__ import annotations
 
+import io
+import math
+
 import grpc
 import pytest
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
+from PIL import Image
 
 from stagemesh.v1 import cache_pb2, control_pb2, gateway_pb2, generation_pb2, stage_pb2
 from tests.e2e.test_api_errors import _bad_request
@@ -128,7 +133,8 @@ def test_wakeup_with_any_ids_wakes_what_sleeps_or_names_the_bad_field(stub, asle
 _SEEDS = st.one_of(st.none(), st.sampled_from([0, 1, 2**63 - 1, 2**63, 2**64 - 1]), st.integers(0, 2**64 - 1))
 # What x-request-id metadata can carry: printable ASCII (see test_unsendable_request_id_...).
 _REQUEST_IDS = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=64)
-_FORMATS = st.one_of(st.sampled_from([0, 1, 2]), INT32)
+_FORMATS = st.one_of(st.sampled_from([0, 1, 2, 3, 4]), INT32)
+_MAGIC = {0: b"\x89PNG", 1: b"\x89PNG", 3: b"\xff\xd8", 4: b"RIFF"}  # PNG, PNG, JPEG, WebP
 
 
 @FUZZ
@@ -154,10 +160,10 @@ def test_generate_fields_round_trip_or_name_the_bad_field(stub, request_id, seed
     try:
         result = stub.GenerateUnary(request, timeout=TIMEOUT_S).result
     except grpc.RpcError as err:
-        assert output_format not in (0, 1, 2), (err.code(), err.details())
+        assert output_format not in (0, 1, 2, 3, 4), (err.code(), err.details())
         assert violated_fields(err) == {"params.output_format"}
         return
-    assert output_format in (0, 1, 2), f"accepted output_format {output_format}"
+    assert output_format in (0, 1, 2, 3, 4), f"accepted output_format {output_format}"
     if request_id:
         assert result.request_id == request_id
     if seed is not None:
@@ -166,7 +172,127 @@ def test_generate_fields_round_trip_or_name_the_bad_field(stub, request_id, seed
     if output_format == generation_pb2.OUTPUT_FORMAT_TENSOR:
         assert list(result.tensor.shape) == [result.height, result.width, 3]
     else:
-        assert result.png.startswith(b"\x89PNG")
+        assert getattr(result, result.WhichOneof("image")).startswith(_MAGIC[output_format])
+
+
+def _png(side: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (side, side), (200, 40, 90)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+# A usable starting image (32x32, the request's size), one of sides no multiple of 16, and bytes
+# that are no image at all.
+_INIT_IMAGES = {"none": b"", "ok": _png(32), "sides": _png(40), "garbage": b"GIF89a not really"}
+MAX_IMAGES, MAX_PROMPT_BYTES, STEPS = 8, 256, 2
+
+
+def _expected_feature_violations(
+    output_format: int,
+    num_images: int | None,
+    quality: int | None,
+    negative_prompt: str,
+    guidance: float | None,
+    strength: float | None,
+    image: str,
+) -> set[str]:
+    """docs/API.md's rules for the request features, stated independently of core.params."""
+    if image == "garbage":
+        return {"params.init_image"}  # an unreadable image is refused before anything else is looked at
+    bad = set()
+    if output_format not in (0, 1, 2, 3, 4):
+        bad.add("params.output_format")
+    if num_images is not None and not 1 <= num_images <= MAX_IMAGES:
+        bad.add("params.num_images")
+    if quality is not None and (output_format not in (3, 4) or not 1 <= quality <= 100):
+        bad.add("params.quality")
+    if negative_prompt and (len(negative_prompt.encode()) > MAX_PROMPT_BYTES or guidance == 1.0):
+        bad.add("params.negative_prompt")
+    if image == "sides":  # 40x40: no multiple of 16, and not the 32x32 the request asks for
+        bad |= {"params.init_image", "params.width", "params.height"}
+    if image == "none" and strength is not None:
+        bad.add("params.strength")
+    if image != "none" and strength is not None and not (0 < strength <= 1 and int(STEPS * strength) >= 1):
+        bad.add("params.strength")
+    return bad
+
+
+_FEATURES = ("output_format", "num_images", "quality", "negative_prompt", "strength", "init_image")
+_OUT_OF_RANGE = st.one_of(st.integers(-(2**31), 0), st.integers(MAX_IMAGES + 1, 2**31 - 1))
+
+
+@st.composite
+def _feature_requests(draw) -> dict:
+    """Mostly good requests: up to two fields drawn bad on purpose (often none, so that many
+    requests run); the violations expected are worked out separately from the values alone."""
+    bad = draw(st.sets(st.sampled_from(_FEATURES), max_size=2))
+    image = draw(st.sampled_from(["sides", "garbage"] if "init_image" in bad else ["none", "ok"]))
+    output_format = draw(st.one_of(st.integers(-(2**31), -1), st.integers(5, 2**31 - 1)) if "output_format" in bad else st.integers(0, 4))
+    lossy = output_format in (3, 4)
+    guidance = draw(st.sampled_from([None, 1.0, 4.0]))
+    if "num_images" in bad:
+        num_images = draw(_OUT_OF_RANGE)
+    else:
+        num_images = draw(st.one_of(st.none(), st.integers(1, 3)))
+    if "quality" in bad:
+        quality = draw(st.integers(1, 100) if not lossy else st.one_of(st.integers(-(2**31), 0), st.integers(101)))
+    else:
+        quality = draw(st.one_of(st.none(), st.integers(1, 100))) if lossy else None
+    if "negative_prompt" in bad:
+        negative_prompt = draw(st.text(min_size=1, max_size=20)) if guidance == 1.0 else "x" * 257
+    else:
+        negative_prompt = draw(st.text(max_size=20)) if guidance != 1.0 else ""
+    if "strength" in bad:
+        strength = draw(st.sampled_from([0.0, 0.25, 1.5, -1.0, math.nan] if image == "ok" else [0.5, 1.0]))
+    else:
+        strength = draw(st.sampled_from([None, 0.5, 0.8, 1.0])) if image == "ok" else None
+    return dict(
+        output_format=output_format,
+        num_images=num_images,
+        quality=quality,
+        negative_prompt=negative_prompt,
+        guidance=guidance,
+        strength=strength,
+        image=image,
+    )
+
+
+@FUZZ
+@given(request=_feature_requests())
+def test_feature_fields_are_honoured_or_name_the_bad_field(stub, request):
+    output_format, num_images, quality, negative_prompt, guidance, strength, image = request.values()
+    params = generation_pb2.GenerationParams(
+        prompt="fuzz",
+        width=32,
+        height=32,
+        num_inference_steps=STEPS,
+        guidance_scale=guidance,
+        seed=5,
+        output_format=output_format,
+        num_images=num_images,
+        quality=quality,
+        negative_prompt=negative_prompt,
+        strength=strength,
+        init_image=_INIT_IMAGES[image],
+    )
+    expected = _expected_feature_violations(
+        output_format, num_images, quality, negative_prompt, guidance, strength, image
+    )
+    try:
+        reply = stub.GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=params), timeout=TIMEOUT_S)
+    except grpc.RpcError as err:
+        assert violated_fields(err) == expected, (params, err.details())
+        event(f"refused: {sorted(expected)}")
+        return
+    assert not expected, f"accepted although {expected} are bad: {params}"
+    event(f"{num_images or 1} image(s), format {output_format}, init image {image}")
+    assert [(r.index, r.seed) for r in reply.results] == [(i, 5 + i) for i in range(num_images or 1)]
+    field = {0: "png", 1: "png", 2: "tensor", 3: "jpeg", 4: "webp"}[output_format]
+    for result in reply.results:
+        assert result.WhichOneof("image") == field and (result.width, result.height) == (32, 32)
+        if field != "tensor":
+            with Image.open(io.BytesIO(getattr(result, field))) as decoded:
+                assert decoded.size == (32, 32)
 
 
 @pytest.mark.parametrize(
