@@ -227,7 +227,8 @@ def _feature_requests(draw) -> dict:
     requests run); the violations expected are worked out separately from the values alone."""
     bad = draw(st.sets(st.sampled_from(_FEATURES), max_size=2))
     image = draw(st.sampled_from(["sides", "garbage"] if "init_image" in bad else ["none", "ok"]))
-    output_format = draw(st.one_of(st.integers(-(2**31), -1), st.integers(5, 2**31 - 1)) if "output_format" in bad else st.integers(0, 4))
+    unknown_format = st.one_of(st.integers(-(2**31), -1), st.integers(5, 2**31 - 1))
+    output_format = draw(unknown_format if "output_format" in bad else st.integers(0, 4))
     lossy = output_format in (3, 4)
     guidance = draw(st.sampled_from([None, 1.0, 4.0]))
     if "num_images" in bad:
