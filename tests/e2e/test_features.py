@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from stagemesh.core import codec
-from stagemesh.v1 import gateway_pb2, generation_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
+from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 from tests.e2e.test_api_errors import _bad_request
 
 pytestmark = pytest.mark.mesh
@@ -233,3 +233,26 @@ def test_a_stage_runs_an_image_to_image_request_sent_to_it_directly(stages):
     assert [(r.progress.step, r.progress.total) for r in replies if r.HasField("progress")] == [(1, 2), (2, 2)]
     drawn = codec.from_proto(replies[-1].outputs.outputs["image"])
     assert drawn.shape == (32, 32, 3)  # the starting image's size: width and height were left unset
+
+
+# ---- one request, several images: nothing is left behind --------------------------------------------
+def test_a_cancelled_request_of_several_images_leaves_admission_and_stages_free(sleepy):
+    """Sleep waits until every admitted Generate has reached its first stage and every stage has
+    finished what it runs: a ticket or an image left behind by the cancelled request would hold it."""
+    params = _params(num_images=3, width=256, height=256, num_inference_steps=40)
+    with sleepy.channel() as channel:
+        stub = sleepy.gateway(channel)
+        call = stub.Generate(gateway_pb2.GenerateRequest(params=params), timeout=TIMEOUT_S)
+        with pytest.raises(grpc.RpcError) as info:
+            for event in call:
+                if event.HasField("denoising_step"):
+                    call.cancel()
+        assert info.value.code() == grpc.StatusCode.CANCELLED
+        try:
+            reply = stub.Sleep(gateway_pb2.SleepRequest(stage_ids=[0, 1], level=1), timeout=60)
+            assert reply.status == control_pb2.CONTROL_STATUS_SUCCESS
+        finally:
+            stub.WakeUp(gateway_pb2.WakeUpRequest(stage_ids=[0, 1]), timeout=60)
+            stub.ResumeGeneration(gateway_pb2.ResumeGenerationRequest(), timeout=60)
+        after = stub.GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=_params(num_images=2)), timeout=60)
+    assert [r.index for r in after.results] == [0, 1]
