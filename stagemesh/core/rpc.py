@@ -73,8 +73,26 @@ def request_id_of(context: grpc.aio.ServicerContext, explicit: str = "") -> str:
     return logs.new_request_id()
 
 
-def outgoing_metadata(request_id: str) -> tuple[tuple[str, str], ...]:
+# How many requests of one request id the gateway sends a stage at once (the images of one
+# Generate): a hint that lets the stage hold the first briefly so they share a batch.
+IMAGES_HEADER = "x-stagemesh-images"
+MAX_IMAGES_HINT = 1024
+
+
+def outgoing_metadata(request_id: str, images: int = 1) -> tuple[tuple[str, str], ...]:
+    if images > 1:
+        return ((logs.REQUEST_ID_HEADER, request_id), (IMAGES_HEADER, str(images)))
     return ((logs.REQUEST_ID_HEADER, request_id),)
+
+
+def images_hint(context: grpc.aio.ServicerContext) -> int:
+    """The images count a caller announced (IMAGES_HEADER); 1 when absent or not a count from 1
+    to MAX_IMAGES_HINT (a hint only: a wrong one costs at most a short wait)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == IMAGES_HEADER:
+            text = str(value)
+            return int(text) if text.isdigit() and 1 <= int(text) <= MAX_IMAGES_HINT else 1
+    return 1
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:

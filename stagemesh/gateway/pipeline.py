@@ -171,7 +171,8 @@ class Pipeline:
                 inputs[INIT_IMAGE_INPUT] = start_image
             # Admission ends once the first stage has every image (a Sleep waits for that).
             first = on_started if position == 0 else None
-            async for response in stage.execute(request_id, self._wire_params(stage, params), inputs, remaining, first):
+            wire = self._wire_params(stage, params)
+            async for response in stage.execute(request_id, wire, inputs, remaining, first, request.num_images):
                 if response.HasField("progress"):
                     if stage.kind in DENOISING_KINDS:  # denoising steps, not encoder items
                         yield DenoisingStep(stage.stage_id, response.progress.step, response.progress.total, index)

@@ -317,13 +317,20 @@ class StageClient:
         return out
 
     async def execute(
-        self, request_id: str, params: generation_pb2.GenerationParams, inputs, timeout: float, on_started=None
+        self,
+        request_id: str,
+        params: generation_pb2.GenerationParams,
+        inputs,
+        timeout: float,
+        on_started=None,
+        images: int = 1,
     ) -> AsyncIterator[stage_pb2.ExecuteResponse]:
-        """Stream one request through the stage; `on_started` is awaited once the stage answered."""
+        """Stream one request through the stage; `on_started` is awaited once the stage answered.
+        `images`: how many requests of this id are sent at once (the images of one Generate)."""
         if self.unresponsive:
             raise errors.Unavailable(self.unresponsive)
         request = stage_pb2.ExecuteRequest(request_id=request_id, params=params, inputs=inputs)
-        call = self._stub.Execute(request, timeout=timeout, metadata=rpc.outgoing_metadata(request_id))
+        call = self._stub.Execute(request, timeout=timeout, metadata=rpc.outgoing_metadata(request_id, images))
         try:
             with self._cut_off_as_unavailable(call):
                 async for response in call:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from stagemesh.core import auth, codec, converters, logs, serve, tls
+from stagemesh.core import auth, codec, converters, logs, rpc, serve, tls
 from stagemesh.core.metrics import ServiceMetrics
 from stagemesh.core.params import Limits
 from stagemesh.core.rpc import ServiceHost, servicer_method
@@ -65,7 +65,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         params = converters.params_from_proto(request.params, self.limits, image)
         inputs = {name: codec.from_proto(t, f"inputs[{name}]") for name, t in request.inputs.items()}
         explicit_steps = request.params.HasField("num_inference_steps")
-        async for event in self._engine.run(request_id, params, inputs, explicit_steps):
+        images = rpc.images_hint(context)
+        async for event in self._engine.run(request_id, params, inputs, explicit_steps, images):
             if isinstance(event, ProgressEvent):
                 yield stage_pb2.ExecuteResponse(progress=stage_pb2.StageProgress(step=event.step, total=event.total))
             elif isinstance(event, OutputsEvent):

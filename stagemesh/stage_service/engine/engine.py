@@ -20,6 +20,7 @@ import torch
 from stagemesh.core import errors, logs
 from stagemesh.core.backoff import Backoff
 from stagemesh.core.params import Params
+from stagemesh.stage_service.engine.image_groups import ImageGroups
 from stagemesh.stage_service.engine.request import Batch, Dispatcher, OutputsEvent, ProgressEvent, StageRequest
 from stagemesh.stage_service.engine.waves_scheduler import WaveScheduler
 from stagemesh.stage_service.executor.executor import BatchItemFailed, Executor, ProgressFn
@@ -50,6 +51,10 @@ class BatchDispatcher:
         return self._kind not in ("diffusion", "denoise") or a.batch_key() == b.batch_key()
 
     def take(self, waiting: collections.deque[StageRequest]) -> list[StageRequest]:
+        hold = self._engine.groups.hold_for(waiting[0], waiting, self._max_batch, self._engine.now())
+        if hold > 0:  # more images of the head's Generate are on their way: one batch for them
+            self._engine.wake_after(hold)
+            return []
         head = waiting.popleft()
         batch, rest = [head], []
         while waiting:
@@ -90,6 +95,7 @@ class Engine:
         self._admitted = 0  # requests inside run(): waiting, running or delivering
         self._idle = asyncio.Event()
         self._idle.set()
+        self.groups = ImageGroups()
         self.on_worker_restarted: Callable[[int], Awaitable[None]] | None = None  # with the group's index
         self.dispatcher: Dispatcher = (
             WaveScheduler(self, executor)
@@ -125,20 +131,27 @@ class Engine:
 
     # public -----------------------------------------------------------------------------------
     async def run(
-        self, request_id: str, params: Params, inputs: dict[str, torch.Tensor], explicit_steps: bool = True
+        self,
+        request_id: str,
+        params: Params,
+        inputs: dict[str, torch.Tensor],
+        explicit_steps: bool = True,
+        images: int = 1,
     ) -> AsyncIterator[Any]:
         """Admit one request; yield ProgressEvents then one OutputsEvent. Cancelling the
-        consumer frees the request's place in the queue or in its batch."""
+        consumer frees the request's place in the queue or in its batch. `images`: requests of
+        this id sent at once, which wait for one another to share a batch (image_groups.py)."""
         if len(self._waiting) >= self._max_queue:
             raise errors.ResourceExhausted(f"stage queue is full ({self._max_queue} waiting); retry later")
         if self._closed_reason is not None:
             raise errors.FailedPrecondition(self._closed_reason)
         if not self.serving:
             raise errors.Unavailable("no worker of this stage is running")
-        req = StageRequest(request_id, params, inputs, explicit_steps=explicit_steps)
+        req = StageRequest(request_id, params, inputs, explicit_steps=explicit_steps, images=images, arrived=self.now())
         self.dispatcher.admit(req)
         self._waiting.append(req)
         self._admitted += 1
+        self.groups.join(req)
         self._wake.set()
         try:
             while True:
@@ -150,6 +163,7 @@ class Engine:
                     return
         finally:
             self._admitted -= 1
+            self.groups.leave(req)
             req.done = True
             self._abandon(req)
 
@@ -182,8 +196,11 @@ class Engine:
             await self._wake.wait()
             self._wake.clear()
             while self._waiting and (group := self._free_group()) is not None:
+                batch = self.dispatcher.take(self._waiting)
+                if not batch:
+                    break  # held back for a moment; the dispatcher asked for a wake-up
                 self._in_flight[group] += 1
-                self._launch(self.dispatcher.run(group, self.dispatcher.take(self._waiting)))
+                self._launch(self.dispatcher.run(group, batch))
 
     def _free_group(self) -> int | None:
         free = [g for g, n in self._in_flight.items() if n < self.dispatcher.depth and g not in self._dead_groups]
@@ -281,6 +298,12 @@ class Engine:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def wake_after(self, delay_s: float) -> None:
+        asyncio.get_running_loop().call_later(delay_s, self._wake.set)
 
     def _fan_out(self, requests: list[StageRequest], event: Any) -> None:
         for r in requests:

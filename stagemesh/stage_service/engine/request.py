@@ -38,6 +38,10 @@ class StageRequest:
     explicit_steps: bool = True
     # Unique inside the engine (client request ids may repeat): names this request's share of a batch output.
     key: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Requests of this id sent at once (the images of one Generate; image_groups.py), and when
+    # this one was admitted (the event loop's clock).
+    images: int = 1
+    arrived: float = 0.0
 
     def work_item(self) -> WorkItem:
         return WorkItem(self.request_id, self.params, self.inputs)
@@ -58,6 +62,7 @@ class Dispatcher(Protocol):
 
     def admit(self, req: StageRequest) -> None: ...  # raise for a request no dispatch can run
 
-    def take(self, waiting: collections.deque[StageRequest]) -> list[StageRequest]: ...  # in place
+    # In place; [] holds every request back for now (the dispatcher wakes the engine later).
+    def take(self, waiting: collections.deque[StageRequest]) -> list[StageRequest]: ...
 
     async def run(self, group: int, requests: list[StageRequest]) -> None: ...  # releases the group

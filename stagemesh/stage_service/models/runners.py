@@ -65,10 +65,19 @@ class ArRunner(RunnerBase):
         """One output per item, in order. `progress(k, len(batch))` follows each item and may
         raise to abort the rest of the batch."""
         outputs = []
+        # Greedy decoding makes the encoding a function of the text: a text the batch holds more
+        # than once (the images of one Generate share their prompt) is encoded once.
+        seen: dict[str, torch.Tensor] = {}
+
+        def encode(text: str) -> torch.Tensor:
+            if text not in seen:
+                seen[text] = _output(self.lm.encode_prompt(text))
+            return seen[text]
+
         for i, item in enumerate(batch):
-            encoded = {"hidden_states": _output(self.lm.encode_prompt(item.params.prompt))}
+            encoded = {"hidden_states": encode(item.params.prompt)}
             if item.params.negative_prompt:
-                encoded[NEGATIVE_HIDDEN_STATES] = _output(self.lm.encode_prompt(item.params.negative_prompt))
+                encoded[NEGATIVE_HIDDEN_STATES] = encode(item.params.negative_prompt)
             outputs.append(encoded)
             if progress is not None:
                 progress(i + 1, len(batch))
