@@ -1,49 +1,39 @@
-"""Client commands: `stagemesh generate` (with a progress bar) and `stagemesh status`."""
+"""Client commands of the CLI, over stagemesh.Client: `stagemesh generate` (with a progress bar),
+`status`, `sleep`, `wakeup`, `pause` and `resume`."""
 
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
-from typing import cast
 
-import grpc
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
+from stagemesh.client.channel import ADDRESS_ENV, DEFAULT_ADDRESS, default_address
+from stagemesh.client.errors import CallError
+from stagemesh.client.results import ControlResult, DenoisingStep, ProgressEvent, StageStarted
+from stagemesh.client.sync import Client
+from stagemesh.core import auth
 
-from stagemesh.core import auth, rpc, tls
-from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2
-
-ADDRESS_ENV = "STAGEMESH_ADDRESS"
-DEFAULT_ADDRESS = "127.0.0.1:50051"
-_STATE_NAMES = {v.number: v.name.removeprefix("STAGE_STATE_").lower() for v in gateway_pb2.StageState.DESCRIPTOR.values}
+__all__ = ["ADDRESS_ENV", "DEFAULT_ADDRESS", "default_address", "generate", "pause", "resume", "sleep", "status"]
 
 
-def default_address() -> str:
-    return os.environ.get(ADDRESS_ENV, DEFAULT_ADDRESS)
-
-
-def _channel(args) -> grpc.Channel:
-    """TLS verified by --tls-ca (or $STAGEMESH_TLS_CA) when given, else plaintext."""
-    return tls.channel(args.address, args.tls_ca or tls.env_ca(), rpc.channel_options())
-
-
-def describe_error(exc: grpc.RpcError) -> str:
-    """One readable line per problem, field violations included."""
-    lines = [f"{exc.code().name}: {exc.details()}"]
-    # A sync call's RpcError is also its grpc.Call (code, details, trailing metadata).
-    status = rpc_status.from_call(cast(grpc.Call, exc))
-    for detail in status.details if status else ():
-        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad = error_details_pb2.BadRequest()
-            detail.Unpack(bad)
-            lines = [f"{exc.code().name}:"] + [f"  {v.field}: {v.description}" for v in bad.field_violations]
-    return "\n".join(lines)
+def _client(args, *, control: bool = False) -> Client:
+    """--address, --tls-ca (else $STAGEMESH_TLS_CA), --timeout; a control command's --token-file
+    (else the client's own $STAGEMESH_TOKEN_FILE / $STAGEMESH_TOKEN)."""
+    token = auth.load_token(args.token_file) if control and args.token_file else None
+    return Client(args.address, tls_ca=args.tls_ca, token=token, timeout=args.timeout)
 
 
 def _progress_bar(step: int, total: int, width: int = 30) -> str:
     filled = width * step // max(total, 1)
     return f"\r  denoising [{'#' * filled}{'.' * (width - filled)}] {step}/{total}"
+
+
+def _print_progress(event: ProgressEvent) -> None:
+    if isinstance(event, StageStarted):
+        print(f"stage {event.stage_id} ({event.kind}) started", file=sys.stderr, flush=True)
+    elif isinstance(event, DenoisingStep):
+        end = "\n" if event.step == event.total else ""
+        print(_progress_bar(event.step, event.total), end=end, file=sys.stderr, flush=True)
 
 
 def _output_problem(path: Path) -> str | None:
@@ -63,112 +53,96 @@ def generate(args) -> int:
     if problem:
         print(f"stagemesh generate: {problem}", file=sys.stderr)
         return 2
-    params = generation_pb2.GenerationParams(prompt=args.prompt, output_format=generation_pb2.OUTPUT_FORMAT_PNG)
-    for field, value in (
-        ("width", args.width if args.width is not None else args.size),
-        ("height", args.height if args.height is not None else args.size),
-        ("num_inference_steps", args.steps),
-    ):
-        if value is not None:
-            setattr(params, field, value)
-    if args.guidance is not None:
-        params.guidance_scale = args.guidance
-    if args.seed is not None:
-        params.seed = args.seed
-    with _channel(args) as channel:
-        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+    with _client(args) as client:
         try:
-            for event in stub.Generate(gateway_pb2.GenerateRequest(params=params), timeout=args.timeout):
-                which = event.WhichOneof("event")
-                if which == "stage_started":
-                    print(
-                        f"stage {event.stage_started.stage_id} ({event.stage_started.kind}) started",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                elif which == "denoising_step":
-                    s = event.denoising_step
-                    print(
-                        _progress_bar(s.step, s.total),
-                        end="\n" if s.step == s.total else "",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                else:
-                    result = event.result
-        except grpc.RpcError as exc:
-            print(describe_error(exc), file=sys.stderr)
+            result = client.generate(
+                args.prompt,
+                width=args.width if args.width is not None else args.size,
+                height=args.height if args.height is not None else args.size,
+                steps=args.steps,
+                guidance_scale=args.guidance,
+                seed=args.seed,
+                on_progress=_print_progress,
+            )
+        except CallError as exc:
+            print(exc.describe(), file=sys.stderr)
             return 1
-    Path(args.output).write_bytes(result.png)
+    Path(args.output).write_bytes(result.bytes)
     print(f"wrote {args.output} ({result.width}x{result.height}, seed {result.seed}, request {result.request_id})")
     return 0
 
 
 def status(args) -> int:
-    with _channel(args) as channel:
-        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+    with _client(args) as client:
         try:
-            reply = stub.ListStages(gateway_pb2.ListStagesRequest(), timeout=args.timeout)
-        except grpc.RpcError as exc:
-            print(describe_error(exc), file=sys.stderr)
+            listing = client.list_stages()
+        except CallError as exc:
+            print(exc.describe(), file=sys.stderr)
             return 1
     print(f"{'stage':>5}  {'kind':<10} {'state':<12} {'replicas':>8}  {'device':<8} {'device memory':>14}")
-    for s in reply.stages:
+    for s in listing:
         print(
-            f"{s.stage_id:>5}  {s.kind:<10} {_STATE_NAMES.get(s.state, '?'):<12} {s.replicas:>8}  "
+            f"{s.stage_id:>5}  {s.kind:<10} {s.state.value:<12} {s.replicas:>8}  "
             f"{s.device or '-':<8} {s.device_memory_bytes / 2**20:>11.1f} MiB"
             + (f"  (sleep level {s.sleep_level})" if s.sleep_level else "")
         )
-    print(f"generation: {'paused' if reply.generation_paused else 'open'}")
+    print(f"generation: {'paused' if listing.generation_paused else 'open'}")
     return 0
 
 
-_ACK_STATUS = {v.number: v.name.removeprefix("ACK_STATUS_") for v in control_pb2.AckStatus.DESCRIPTOR.values}
-_CONTROL_STATUS = {
-    v.number: v.name.removeprefix("CONTROL_STATUS_") for v in control_pb2.ControlStatus.DESCRIPTOR.values
-}
+def _print_control(result: ControlResult) -> int:
+    reason = f" ({result.reason})" if result.reason else ""
+    print(f"{result.status.name}{reason}")
+    for ack in result.acks:
+        line = (
+            f"  stage {ack.stage_id} rank {ack.rank}: {'SUCCESS' if ack.ok else 'ERROR'} level {ack.level} "
+            f"{ack.freed_bytes / 2**20:.1f} MiB in {ack.latency_ms:.1f} ms"
+        )
+        print(line + (f" ({ack.error})" if ack.error else ""))
+    return 0 if result.ok else 1
 
 
-def _control_call(args, method: str, request) -> int:
-    metadata = auth.bearer_metadata(auth.load_token(args.token_file))
-    with _channel(args) as channel:
-        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+def _stages(args) -> list[int] | None:
+    """--stage ids, or None for --all (every stage the gateway lists)."""
+    return None if args.all else list(args.stage)
+
+
+def sleep(args) -> int:
+    with _client(args, control=True) as client:
         try:
-            if getattr(args, "all", False):  # sleep/wakeup --all: every stage the gateway lists
-                listing = stub.ListStages(gateway_pb2.ListStagesRequest(), timeout=args.timeout)
-                request.stage_ids.extend(s.stage_id for s in listing.stages)
-            reply = getattr(stub, method)(request, timeout=args.timeout, metadata=metadata)
-        except grpc.RpcError as exc:
-            print(describe_error(exc), file=sys.stderr)
+            level = args.level if args.level is not None else 2
+            return _print_control(client.sleep(_stages(args), level))
+        except CallError as exc:
+            print(exc.describe(), file=sys.stderr)
             return 1
-    if hasattr(reply, "status"):
-        reason = f" ({reply.reason})" if getattr(reply, "reason", "") else ""
-        print(f"{_CONTROL_STATUS.get(reply.status, '?')}{reason}")
-        for ack in reply.acks:
-            line = (
-                f"  stage {ack.stage_id} rank {ack.rank}: {_ACK_STATUS.get(ack.status, '?')} level {ack.level} "
-                f"{ack.freed_bytes / 2**20:.1f} MiB in {ack.latency_ms:.1f} ms"
-            )
-            print(line + (f" ({ack.error})" if ack.error else ""))
-        return 0 if reply.status != control_pb2.CONTROL_STATUS_ERROR else 1
+
+
+def wakeup(args) -> int:
+    with _client(args, control=True) as client:
+        try:
+            return _print_control(client.wake_up(_stages(args)))
+        except CallError as exc:
+            print(exc.describe(), file=sys.stderr)
+            return 1
+
+
+def pause(args) -> int:
+    with _client(args, control=True) as client:
+        try:
+            client.pause()
+        except CallError as exc:
+            print(exc.describe(), file=sys.stderr)
+            return 1
     print("ok")
     return 0
 
 
-def sleep(args) -> int:
-    request = gateway_pb2.SleepRequest(stage_ids=args.stage)
-    if args.level is not None:
-        request.level = args.level
-    return _control_call(args, "Sleep", request)
-
-
-def wakeup(args) -> int:
-    return _control_call(args, "WakeUp", gateway_pb2.WakeUpRequest(stage_ids=args.stage))
-
-
-def pause(args) -> int:
-    return _control_call(args, "PauseGeneration", gateway_pb2.PauseGenerationRequest())
-
-
 def resume(args) -> int:
-    return _control_call(args, "ResumeGeneration", gateway_pb2.ResumeGenerationRequest())
+    with _client(args, control=True) as client:
+        try:
+            client.resume()
+        except CallError as exc:
+            print(exc.describe(), file=sys.stderr)
+            return 1
+    print("ok")
+    return 0
