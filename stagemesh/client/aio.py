@@ -9,11 +9,11 @@ from types import TracebackType
 from typing import Any, overload
 
 from stagemesh.client import calls
-from stagemesh.client.channel import Connection, RetryPolicy
+from stagemesh.client.channel import DEFAULT_RETRY, Connection, RetryPolicy
 from stagemesh.client.errors import raising_call_errors
 from stagemesh.client.requests import InitImage, OutputFormat, generation_params
 from stagemesh.client.results import ControlResult, GenerationResult, ProgressEvent, StageListing
-from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc
+from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
 
 
 class AsyncClient:
@@ -38,7 +38,7 @@ class AsyncClient:
         token: str | None = None,
         api_key: str | None = None,
         timeout: float | None = None,
-        retries: int | RetryPolicy = RetryPolicy(),  # noqa: B008 - frozen, shared safely
+        retries: int | RetryPolicy = DEFAULT_RETRY,
     ):
         self.connection = Connection.resolve(address, tls_ca, token, api_key, timeout, retries)
         self._channel = self.connection.open(aio=True)
@@ -154,7 +154,9 @@ class AsyncClient:
             results = await self._generate_streaming(params, request_id, deadline, on_progress)
         return results if num_images is not None else results[0]
 
-    async def _generate_unary(self, params, request_id: str | None, deadline: float) -> list[GenerationResult]:
+    async def _generate_unary(
+        self, params: generation_pb2.GenerationParams, request_id: str | None, deadline: float
+    ) -> list[GenerationResult]:
         with raising_call_errors():
             reply = await self._stub.GenerateUnary(
                 calls.unary_request(params, request_id), timeout=deadline, metadata=self.connection.metadata()
@@ -193,8 +195,9 @@ class AsyncClient:
         self, stage_ids: Iterable[int] | None = None, level: int = 2, *, timeout: float | None = None
     ) -> ControlResult:
         """Put stages to sleep (every stage when `stage_ids` is None): level 1 keeps the weights in
-        host memory, level 2 discards them (reloaded on wake). Generation stays paused until resume()
-        when the pipeline has an AR stage. The result's acks say what each worker freed."""
+        host memory, level 2 discards them (reloaded on wake). Generate is refused while a stage
+        sleeps; after wake_up, a pipeline with an AR stage stays paused until resume(). The
+        result's acks say what each worker freed."""
         ids = await self._stage_ids(stage_ids, timeout)
         with raising_call_errors():
             reply = await self._stub.Sleep(

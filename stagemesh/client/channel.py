@@ -165,3 +165,6 @@ def _header_value(value: str | None, name: str) -> str | None:
     if value is not None and not all(" " <= c <= "~" for c in value):
         raise errors.InvalidArgument.field(name, "printable ASCII on one line only (it is sent as gRPC metadata)")
     return value
+
+
+DEFAULT_RETRY = RetryPolicy()

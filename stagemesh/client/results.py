@@ -104,8 +104,9 @@ class GenerationResult:
             return image
         import numpy as np
 
-        pixels = np.clip(np.asarray(self.tensor, dtype=np.float32), 0.0, 1.0) * 255.0
-        return Image.fromarray(np.rint(pixels).astype(np.uint8))
+        # As the gateway encodes its PNGs: scale, round half to even, clamp.
+        pixels = np.clip(np.rint(np.asarray(self.tensor, dtype=np.float32) * np.float32(255.0)), 0, 255)
+        return Image.fromarray(pixels.astype(np.uint8))
 
     def save(self, path: str | Path) -> Path:
         """Write the image to `path`: the bytes as sent when the suffix matches the result's format

@@ -8,11 +8,11 @@ from types import TracebackType
 from typing import Any, overload
 
 from stagemesh.client import calls
-from stagemesh.client.channel import Connection, RetryPolicy
+from stagemesh.client.channel import DEFAULT_RETRY, Connection, RetryPolicy
 from stagemesh.client.errors import raising_call_errors
 from stagemesh.client.requests import InitImage, OutputFormat, generation_params
 from stagemesh.client.results import ControlResult, GenerationResult, ProgressEvent, StageListing
-from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc
+from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
 
 
 class Client:
@@ -36,7 +36,7 @@ class Client:
         token: str | None = None,
         api_key: str | None = None,
         timeout: float | None = None,
-        retries: int | RetryPolicy = RetryPolicy(),  # noqa: B008 - frozen, shared safely
+        retries: int | RetryPolicy = DEFAULT_RETRY,
     ):
         self.connection = Connection.resolve(address, tls_ca, token, api_key, timeout, retries)
         self._channel = self.connection.open(aio=False)
@@ -150,7 +150,9 @@ class Client:
             results = self._generate_streaming(params, request_id, deadline, on_progress)
         return results if num_images is not None else results[0]
 
-    def _generate_unary(self, params, request_id: str | None, deadline: float) -> list[GenerationResult]:
+    def _generate_unary(
+        self, params: generation_pb2.GenerationParams, request_id: str | None, deadline: float
+    ) -> list[GenerationResult]:
         with raising_call_errors():
             reply = self._stub.GenerateUnary(
                 calls.unary_request(params, request_id), timeout=deadline, metadata=self.connection.metadata()
@@ -158,7 +160,11 @@ class Client:
         return calls.unary_results(reply)
 
     def _generate_streaming(
-        self, params, request_id: str | None, deadline: float, on_progress: Callable[[ProgressEvent], Any]
+        self,
+        params: generation_pb2.GenerationParams,
+        request_id: str | None,
+        deadline: float,
+        on_progress: Callable[[ProgressEvent], Any],
     ) -> list[GenerationResult]:
         collected = calls.Collected()
         with raising_call_errors():
@@ -187,8 +193,9 @@ class Client:
         self, stage_ids: Iterable[int] | None = None, level: int = 2, *, timeout: float | None = None
     ) -> ControlResult:
         """Put stages to sleep (every stage when `stage_ids` is None): level 1 keeps the weights in
-        host memory, level 2 discards them (reloaded on wake). Generation stays paused until resume()
-        when the pipeline has an AR stage. The result's acks say what each worker freed."""
+        host memory, level 2 discards them (reloaded on wake). Generate is refused while a stage
+        sleeps; after wake_up, a pipeline with an AR stage stays paused until resume(). The
+        result's acks say what each worker freed."""
         ids = self._stage_ids(stage_ids, timeout)
         with raising_call_errors():
             reply = self._stub.Sleep(

@@ -294,6 +294,14 @@ def test_unavailable_is_retried_until_the_server_answers(client, recorder, strea
     assert len(recorder.of(method)) == 3
 
 
+def test_a_request_larger_than_grpcs_default_retry_buffer_is_retried_too(client, recorder):
+    recorder.failures["GenerateUnary"] = unavailable(1)
+    init = bytes(range(256)) * 4096  # 1 MiB; gRPC's default buffer (256 KiB) would commit it unretried
+    assert client.generate("big start", init_image=init, strength=0.5).width == 32
+    attempts = recorder.of("GenerateUnary")
+    assert len(attempts) == 2 and attempts[1].request.params.init_image == init
+
+
 def test_retries_stop_at_max_attempts_and_the_error_says_when_to_retry(server, recorder):
     recorder.failures["GenerateUnary"] = unavailable(10)
     with Client(server.address, timeout=30, retries=RetryPolicy(max_attempts=3, initial_backoff_s=0.01)) as client:
