@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import io
 import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -431,6 +433,12 @@ def test_a_cancelled_async_generate_cancels_its_call_on_the_server(server, recor
 
 
 def test_the_package_exports_the_client_lazily():
+    light = "import sys, stagemesh; print(sorted(m for m in ('grpc', 'numpy', 'PIL', 'torch') if m in sys.modules))"
+    repo = Path(__file__).resolve().parents[2]  # "-c" imports from the working directory first
+    done = subprocess.run(
+        [sys.executable, "-c", light], cwd=repo, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout
     assert stagemesh.Client is Client and stagemesh.AsyncClient is AsyncClient
     assert stagemesh.StagemeshError is errors.StagemeshError
     assert "Client" in dir(stagemesh)
