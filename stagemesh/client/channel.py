@@ -23,6 +23,7 @@ API_KEY_HEADER = "x-api-key"
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 # gRPC caps a retry policy's attempts at 5 (gRFC A6); more would be cut silently.
 MAX_ATTEMPTS = 5
+MIN_BACKOFF_S = 0.001  # gRPC refuses a service config whose backoff is 0
 # gRPC keeps a request until the call commits, so that it can send it again; past this size it
 # does not retry. Room for an init_image as large as the gateway accepts by default (4 MiB).
 RETRY_BUFFER_BYTES = 4 * 1024 * 1024
@@ -54,8 +55,8 @@ class RetryPolicy:
             raise ValueError(f"max_attempts = {self.max_attempts}: allowed 2 to {MAX_ATTEMPTS} (gRPC's cap)")
         for name in ("initial_backoff_s", "max_backoff_s"):
             value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} = {value!r}: allowed a number of seconds above 0")
+            if not (math.isfinite(value) and value >= MIN_BACKOFF_S):
+                raise ValueError(f"{name} = {value!r}: allowed {MIN_BACKOFF_S:g} seconds or more")
         if not (math.isfinite(self.backoff_multiplier) and self.backoff_multiplier > 0):
             raise ValueError(f"backoff_multiplier = {self.backoff_multiplier!r}: allowed above 0")
         known = {c.name for c in grpc.StatusCode} - {"OK"}
@@ -79,8 +80,8 @@ class RetryPolicy:
                     "name": [{"service": SERVICE_NAME}],
                     "retryPolicy": {
                         "maxAttempts": self.max_attempts,
-                        "initialBackoff": f"{self.initial_backoff_s:g}s",
-                        "maxBackoff": f"{self.max_backoff_s:g}s",
+                        "initialBackoff": _duration(self.initial_backoff_s),
+                        "maxBackoff": _duration(self.max_backoff_s),
                         "backoffMultiplier": self.backoff_multiplier,
                         "retryableStatusCodes": list(self.retryable_codes),
                     },
@@ -147,6 +148,11 @@ class Connection:
             return self.timeout
         check_timeout(timeout)
         return timeout
+
+
+def _duration(seconds: float) -> str:
+    """A protobuf JSON Duration ("0.2s"): decimal seconds, never an exponent."""
+    return f"{seconds:.9f}".rstrip("0").rstrip(".") + "s"
 
 
 def check_timeout(timeout: float) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import re
 import socket
 import subprocess
 import sys
@@ -256,6 +257,13 @@ def test_unusable_settings_are_refused_at_construction(tmp_path, monkeypatch):
         Client("127.0.0.1:1", api_key="k\u00e9y")
     with pytest.raises(ValueError, match="retries = 5"):
         Client("127.0.0.1:1", retries=5)
+    for bad, words in (
+        ({"max_attempts": 6}, "max_attempts = 6: allowed 2 to 5"),
+        ({"initial_backoff_s": 0.0}, "initial_backoff_s = 0.0: allowed 0.001 seconds or more"),
+        ({"retryable_codes": ("UNAVAILBLE",)}, "retryable_codes ['UNAVAILBLE']"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            RetryPolicy(**bad)
 
 
 # ---- errors ---------------------------------------------------------------------------------------
