@@ -9,8 +9,8 @@ import sys
 
 def _parser() -> argparse.ArgumentParser:
     # Only light modules here: client commands must not pay for importing torch.
-    from stagemesh import client
     from stagemesh.cache_service import server as cache_server
+    from stagemesh.client import commands as client
     from stagemesh.core import logs
     from stagemesh.gateway import options as gateway_options
     from stagemesh.stage_service.settings import StageSettings
@@ -70,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
                 "--token-file",
                 default=None,
                 metavar="PATH",
-                help="file holding the bearer token for control calls (default: $STAGEMESH_TOKEN)",
+                help="file holding the bearer token for control calls (default: $STAGEMESH_TOKEN_FILE, else "
+                "$STAGEMESH_TOKEN)",
             )
         p.set_defaults(client_main=getattr(client, name))
         if name in ("sleep", "wakeup"):
