@@ -150,13 +150,14 @@ def test_level_1_host_buffer_is_exact_and_reused_across_cycles(diffusion):
     expected = _expected_host_bytes(files)
     assert expected % ALIGN == 0 and expected >= controller.weight_bytes
     controller.sleep(1)
-    host = controller._host  # the buffer itself is under test
-    assert host is not None and host.dtype == torch.uint8 and host.numel() == expected
+    assert controller.host_bytes == expected
+    host = controller._host.tensor  # the buffer itself is under test
+    assert host.dtype == torch.uint8 and host.numel() == expected
     pointer = host.data_ptr()
     controller.wake()
     for _ in range(3):
         controller.sleep(1)
-        assert controller._host.data_ptr() == pointer and controller._host.numel() == expected
+        assert controller._host.tensor.data_ptr() == pointer and controller.host_bytes == expected
         controller.wake()
 
 
