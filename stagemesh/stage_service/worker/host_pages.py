@@ -30,7 +30,7 @@ log = logs.get_logger("stagemesh.worker.sleep")
 
 PIECE_BYTES = 256 << 20  # small enough that the first piece is ready in milliseconds
 LOCK_THREADS = 2  # registrations the driver may serve at once; more only queue
-FAULT_THREADS = max(1, min(8, os.cpu_count() or 1))  # page faults scale with cores, up to memory bandwidth
+FAULT_THREADS = max(1, min(8, len(os.sched_getaffinity(0))))  # faults scale with cores, up to memory bandwidth
 
 Prefetch = Callable[[int, int], None]  # (start, end) of a piece: start reading it from disk
 
