@@ -203,7 +203,7 @@ def lock_pages_in_place(tensor: torch.Tensor, device: str | torch.device) -> Cal
 
 # ---- host memory prepared ahead of copies -----------------------------------------------------------
 HUGE_PAGE = 2 << 20
-_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a range in, writable, in one call
+_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux 5.14: fault a range in with one call
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -220,21 +220,25 @@ def anonymous_buffer(nbytes: int) -> torch.Tensor:
     return whole[skip : skip + nbytes]
 
 
-def fault_in(tensor: torch.Tensor) -> None:
-    """Make the pages under `tensor` (a contiguous slice of an `anonymous_buffer`) resident now,
-    so that neither a copy nor cudaHostRegister takes their page faults later. Their contents
-    are undefined afterwards. Threads may fault disjoint slices at once: neither path holds the GIL."""
+def fault_in(tensor: torch.Tensor, write: bool = True) -> None:
+    """Map the pages under `tensor` (a contiguous slice of an `anonymous_buffer`, or of a file
+    mapping with `write=False`) into this process now, so that neither a copy nor
+    cudaHostRegister takes their page faults one by one later. A written buffer's contents are
+    undefined afterwards. Threads may fault disjoint slices at once: neither path holds the GIL."""
     nbytes = tensor.numel() * tensor.element_size()
     if not nbytes:
         return
     start = tensor.data_ptr() - tensor.data_ptr() % mmap.PAGESIZE
     length = tensor.data_ptr() + nbytes - start
-    if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE) == 0:
+    advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
+    if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice) == 0:
         return
     err = ctypes.get_errno()
     if err != errno.EINVAL:  # out of memory, say: touching the pages would only summon the OOM killer
         raise OSError(err, f"cannot fault in {nbytes} bytes of host memory: {os.strerror(err)}")
-    # An older kernel (or a sandbox) without MADV_POPULATE_WRITE: write one byte in every page.
+    if not write:
+        return  # an older kernel (or a sandbox): the copy will fault the pages in itself
+    # Without MADV_POPULATE_WRITE: write one byte in every page.
     flat = tensor.reshape(-1).view(torch.uint8)
     flat[:: mmap.PAGESIZE].zero_()
     flat[-1:].zero_()

@@ -198,6 +198,9 @@ class LockedPieces:
             )
             p.locked = p.undo is not None
             p.direct = p.locked or not self._must_lock
+            if p.direct and not p.locked and not self._fault:
+                # Nothing locks it (a CPU target): map it in here, off the copying thread.
+                platform.fault_in(self.region[p.start : p.end], write=not self._read_only)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the piece
             p.error = exc
         finally:
