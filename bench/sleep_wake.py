@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import print_table, write_json
 from stagemesh.stage_service import platform
 from stagemesh.stage_service.models.contract import WeightFile
+from stagemesh.stage_service.worker import host_pages
 from stagemesh.stage_service.worker.sleep import SleepController
 from stagemesh.weight_store.safetensors_writer import write_streamed
 
@@ -157,6 +158,7 @@ class Run:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.device = args.device
+        self.piece_bytes = args.piece_mib << 20
         self.cuda = platform.is_cuda(self.device)
         self.h2d, self.d2h = floor_bandwidth(self.device, min(4 << 30, int(args.gib * 2**30)))
         self.model = build_model(args.gib, args.dim, self.device)
@@ -191,7 +193,7 @@ class Run:
         self.checks.append((what, value, target, ok))
 
     def lazy_first_sleep(self) -> list:
-        controller = SleepController(self.files(), self.device)  # "first_sleep"
+        controller = SleepController(self.files(), self.device, piece_bytes=self.piece_bytes)  # "first_sleep"
         sleep_s = timed(self.device, lambda: controller.sleep(1))
         stats = controller.host_stats()
         wake_s = timed(self.device, controller.wake)
@@ -213,7 +215,7 @@ class Run:
 
     def prepared_first_sleep(self) -> tuple[SleepController, list]:
         started = time.perf_counter()
-        controller = SleepController(self.files(), self.device, host_buffer="at_start")
+        controller = SleepController(self.files(), self.device, host_buffer="at_start", piece_bytes=self.piece_bytes)
         prepare_s = time.perf_counter() - started
         stats = controller.host_stats()
         sleep_s = timed(self.device, lambda: controller.sleep(1))
@@ -290,6 +292,20 @@ class Run:
                 spread = max(abs(v / series[0] - 1) for v in series)
                 self.check(f"{key} over {len(series)} cycles (max change)", spread, f"<= {FLAT}", spread <= FLAT)
 
+    def level_2_breakdown(self) -> str:
+        hot = [s for s in self.report["cycles"] if s["level"] == 2]
+        if not hot:
+            return ""
+
+        def med(key: str) -> float:
+            return statistics.median(s.get(key, 0.0) for s in hot)
+
+        return (
+            f"level-2 hot wake, median: {med('fill_locked_bytes') / 1e9:.2f} GB copied from locked pieces, "
+            f"{med('fill_staged_bytes') / 1e9:.2f} GB staged; locking {med('fill_lock_s'):.3f} s summed over "
+            f"{host_pages.LOCK_THREADS} threads; unlocking {med('fill_unlock_s'):.3f} s after the wake returned"
+        )
+
     def cold_wake(self, controller: SleepController) -> list:
         controller.sleep(2)
         how = evict(self.ckpt)
@@ -332,9 +348,12 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=20, help="measured sleep/wake cycles (levels 2 and 1 in turn)")
     parser.add_argument("--warmup", type=int, default=2, help="cycles before them, not counted")
     parser.add_argument("--no-naive", dest="naive", action="store_false", help="skip module.to() (about a minute)")
+    parser.add_argument("--piece-mib", type=int, default=host_pages.PIECE_BYTES >> 20, help="unit of locking")
+    parser.add_argument("--lock-threads", type=int, default=host_pages.LOCK_THREADS, help="threads locking pieces")
     parser.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temp dir)")
     parser.add_argument("--output", default="bench/results/sleep_wake.json")
     args = parser.parse_args()
+    host_pages.LOCK_THREADS = args.lock_threads  # a study of the driver's concurrency, not a setting
     run = Run(args)
     try:
         rows = run.lazy_first_sleep()
@@ -356,6 +375,7 @@ def main() -> None:
         ["cycle", "level", "sleep s", "x D2H", "wake s", "x H2D", "RSS GB", "device GB", ""], cycle_rows, floatfmt=".3f"
     )
     print(f"host memory held by the level-1 buffer when prepared ahead: {run.report['host_bytes_held'] / 1e9:.2f} GB")
+    print(run.level_2_breakdown())
     missed = [c for c in run.checks if not c[3]]
     print_table(
         ["target", "value", "bound", "result"],

@@ -165,7 +165,11 @@ class MappedFill:
         self._piece_bytes = piece_bytes
         self._must_lock = must_lock
         self._files: list[tuple[torch.Tensor, LockedPieces, int]] = []
+        # What run() did, kept past close(): bytes copied from locked pieces, bytes staged,
+        # seconds the locking threads took, seconds close() took.
+        self.locked_bytes = 0
         self.staged_bytes = 0
+        self.lock_s = 0.0
         self.unlock_s = 0.0
 
     def run(self, flat: torch.Tensor, staged: Reloader) -> None:
@@ -199,20 +203,14 @@ class MappedFill:
                                 fallback.append(Copy(c.path, lo, at, hi - lo))
         finally:
             stream.synchronize()  # also on failure: no copy may still read a page close() unlocks
+        self.locked_bytes = sum(pieces.locked_bytes for _, pieces, _ in self._files)
+        self.lock_s = sum(pieces.lock_s for _, pieces, _ in self._files)
         if fallback:
             self.staged_bytes = sum(c.nbytes for c in fallback)
             try:
                 staged.fill(flat, fallback)
             finally:
                 staged.release()
-
-    @property
-    def locked_bytes(self) -> int:
-        return sum(pieces.locked_bytes for _, pieces, _ in self._files)
-
-    @property
-    def lock_s(self) -> float:
-        return sum(pieces.lock_s for _, pieces, _ in self._files)
 
     def close(self) -> None:
         """Undo the locks, then drop the mappings (idempotent)."""

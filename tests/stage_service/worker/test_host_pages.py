@@ -184,9 +184,9 @@ def test_a_mapped_fill_copies_every_tensor_and_stages_the_pieces_the_driver_refu
     data_start = min(c.file_offset for c in copies)
     assert fill.staged_bytes == refused - (data_start if 0 in refuse else 0)  # the header is never copied
     assert all(read_only for _, _, read_only in recorder.locked)  # the mapping is never made writable
-    assert fill.locked_bytes == sum(n for _, n, _ in recorder.locked)
     fill.close()
     fill.close()
+    assert fill.locked_bytes == sum(n for _, n, _ in recorder.locked)  # still known after close()
     assert sorted(recorder.unlocked) == sorted(o for o, _, _ in recorder.locked)
 
 
