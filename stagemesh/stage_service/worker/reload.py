@@ -14,6 +14,7 @@ same paths run with plain host memory and no streams.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -142,7 +143,8 @@ def _pread_exact(fd: int, target: memoryview, offset: int) -> None:
 def _prefetch(fd: int):
     def start_reading(start: int, end: int) -> None:
         # Asynchronous readahead: a cold piece is on its way from disk before its lock faults it in.
-        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+        with contextlib.suppress(OSError):  # a hint; a sandbox may not take it
+            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
 
     return start_reading
 
@@ -165,8 +167,8 @@ class MappedFill:
         self._piece_bytes = piece_bytes
         self._must_lock = must_lock
         self._files: list[tuple[torch.Tensor, LockedPieces, int]] = []
-        # What run() did, kept past close(): bytes copied from locked pieces, bytes staged,
-        # seconds the locking threads took, seconds close() took.
+        # What run() did, kept past close(): bytes of the pieces locked, bytes staged instead,
+        # seconds the locking threads took (summed), seconds close() took.
         self.locked_bytes = 0
         self.staged_bytes = 0
         self.lock_s = 0.0

@@ -193,18 +193,18 @@ class SleepController:
             self._host = HostCopy(self._total, self.device, self._piece_bytes).prepare()
         host = self._host
         if self._device_flat is not None:  # after a wake: one range, copied piece by piece
-            sources, ranges = [self._device_flat], Ranges([(0, self._total)])
+            sources, spans = [self._device_flat], [(0, self._total)]
         else:
             sources = [_bytes(e.tensor.data) for e in self._entries]
-            ranges = Ranges([(e.offset, e.nbytes) for e in self._entries])
-        starts = [0] if self._device_flat is not None else [e.offset for e in self._entries]
+            spans = [(e.offset, e.nbytes) for e in self._entries]
+        ranges = Ranges(spans)
         stream = platform.Stream(self.device)
         stream.wait_event(platform.DeviceEvent(self.device).record())  # weights are final
         try:
             with stream.active():
                 for piece in host.ready():  # each as soon as it is faulted in and locked
-                    for i, lo, hi in ranges.within(piece):
-                        src = sources[i][lo - starts[i] : hi - starts[i]]
+                    for i, lo, hi in ranges.within(piece):  # a copy stays inside one locked piece
+                        src = sources[i][lo - spans[i][0] : hi - spans[i][0]]
                         host.tensor[lo:hi].copy_(src, non_blocking=piece.locked)
         except BaseException:
             stream.synchronize()
