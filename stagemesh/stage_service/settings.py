@@ -12,7 +12,7 @@ from stagemesh.core import logs, metrics
 from stagemesh.core.params import Limits
 from stagemesh.stage_service.offload.config import HELP as DLO_HELP
 from stagemesh.stage_service.offload.config import DloOptions
-from stagemesh.stage_service.transport.protocol import HEARTBEAT_S
+from stagemesh.stage_service.transport.protocol import HEARTBEAT_S, SLEEP_HOST_BUFFERS
 
 # encoder / denoise / decode: stages of a diffusers-format folder (docs/MODELS.md)
 KINDS = ("ar", "diffusion", "encoder", "denoise", "decode")
@@ -37,6 +37,7 @@ class StageSettings(DloOptions):
     step_execution: bool = False
     cuda_graphs: bool = True
     enable_sleep: bool = True
+    sleep_host_buffer: str = "first_sleep"
     hang_timeout_s: float = 30.0
     max_queue: int = 256
     max_size: int = 1024
@@ -69,6 +70,12 @@ class StageSettings(DloOptions):
         "max_batch_size": "most compatible requests run together as one batch",
         "enable_sleep": "accept SleepStage/WakeUpStage (freeing device memory on demand); "
         "--no-enable-sleep makes them UNIMPLEMENTED",
+        "sleep_host_buffer": "when each worker prepares the host buffer a level-1 sleep copies the weights into "
+        "(page-locked, the size of the weights the sleep manages): 'first_sleep' (the first level-1 sleep "
+        "also faults its pages in and locks them: seconds per 20 GB), 'at_start' (before the worker "
+        "reports ready) or 'background' (on threads once the model is loaded, while the worker serves); "
+        "prepared ahead, the first sleep copies at link speed and the buffer holds that host memory for "
+        "the worker's life",
         "step_execution": "copy and pack outputs on the worker's main thread (synchronous path) instead of "
         "handing them to the async output thread",
         "cuda_graphs": "replay each denoising step of the embedded DiT from a captured CUDA graph (one launch "
@@ -100,6 +107,7 @@ class StageSettings(DloOptions):
     def __post_init__(self) -> None:
         _check_kind(self.kind)  # first: the other checks' advice assumes a known kind
         _check_counts(self)
+        _check_sleep_host_buffer(self)
         _check_defaults_within_limits(self)
         super().__post_init__()  # refused DLO combinations fail at start, saying what to change
         if self.dp_size > 1 and self.workers not in (1, self.dp_size):
@@ -166,6 +174,8 @@ class StageSettings(DloOptions):
                 kwargs["choices"] = KINDS
             elif f.name == "model_preset":
                 kwargs["choices"] = PRESETS
+            elif f.name == "sleep_host_buffer":
+                kwargs["choices"] = SLEEP_HOST_BUFFERS
             elif f.name == "metrics_port":
                 kwargs["type"] = metrics.port_argument  # int | None: unset is off
             if f.type in ("bool", bool):
@@ -251,6 +261,17 @@ class StageSettings(DloOptions):
 def _check_kind(kind: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"kind = {kind!r}: not a stage kind; allowed: {', '.join(KINDS)}")
+
+
+def _check_sleep_host_buffer(settings: StageSettings) -> None:
+    mode = settings.sleep_host_buffer
+    if mode not in SLEEP_HOST_BUFFERS:
+        raise ValueError(f"sleep_host_buffer = {mode!r}: allowed: {', '.join(SLEEP_HOST_BUFFERS)}")
+    if mode != "first_sleep" and not settings.enable_sleep:
+        raise ValueError(
+            f"sleep_host_buffer = {mode!r} with enable_sleep = false: it would hold host memory for a "
+            "sleep that never comes; enable sleep or leave sleep_host_buffer at 'first_sleep'"
+        )
 
 
 # Options that count something and mean nothing below 1.

@@ -45,6 +45,8 @@ class StageOptions(Protocol):
     @property
     def cuda_graphs(self) -> bool: ...
     @property
+    def sleep_host_buffer(self) -> str: ...
+    @property
     def tensor_parallel_size(self) -> int: ...
     @property
     def hang_timeout_s(self) -> float: ...
@@ -127,6 +129,7 @@ def build_groups(settings: StageOptions, parent_pid: int) -> list[WorkerGroup]:
         settings.threads,
         settings.step_execution,
         cuda_graphs=settings.cuda_graphs,
+        sleep_host_buffer=settings.sleep_host_buffer,
         dlo=DloOptions.from_settings(settings),
     )
     ranks = range(settings.worker_processes())

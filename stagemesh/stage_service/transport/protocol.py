@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# When a worker prepares the level-1 sleep host buffer: by the first level-1 sleep, before it
+# reports ready, or on threads once its model is loaded (worker/sleep.py).
+SLEEP_HOST_BUFFERS = ("first_sleep", "at_start", "background")
+
 
 @dataclass(frozen=True)
 class DpGroup:
@@ -29,6 +33,8 @@ class WorkerSpec:
     step_execution: bool = False
     # Denoising steps from captured CUDA graphs (embedded DiT, CUDA, no DLO or TP).
     cuda_graphs: bool = True
+    # When the level-1 sleep host buffer is prepared: one of SLEEP_HOST_BUFFERS.
+    sleep_host_buffer: str = "first_sleep"
     # The stage's offload.config.DloOptions (frozen; typed loosely: transport sits below offload).
     dlo: Any = None
     # Set when the ranks form one process group; a fresh address for every (re)start of it.

@@ -1,14 +1,22 @@
-"""Reload weights from a safetensors checkpoint into one device buffer at copy-engine speed.
+"""Reload weights from safetensors checkpoints into one device buffer at copy-engine speed.
 
-Copying from a memory map faults every 4 KiB page and goes through pageable-memory transfers.
-Instead, file ranges are read (pread, in parallel threads that release the GIL) into two pinned
-staging chunks, and each filled chunk is copied to the device asynchronously while the other
-chunk is being read. On the CPU the same path runs with plain host memory and no streams.
+`MappedFill` (the level-2 wake): each file is mapped read-only and shared (its pages are the page
+cache), the pieces the weights lie in are page-locked in place on background threads, in order,
+and every tensor is copied by DMA straight from the locked pages as soon as its piece is ready:
+no staging copy, so host memory traffic is one read per byte. The locks are undone and the files
+unmapped by `close()`, off the wake's path.
+
+`Reloader` (the fallback for pieces the driver refuses to lock): file ranges are read (pread,
+in parallel threads that release the GIL) into two page-locked staging chunks, and each filled
+chunk is copied to the device asynchronously while the other is being read. On the CPU the
+same paths run with plain host memory and no streams.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +24,8 @@ from pathlib import Path
 import torch
 
 from stagemesh.stage_service import platform
+from stagemesh.stage_service.worker.host_pages import PIECE_BYTES, LockedPieces, Ranges, touched_spans
+from stagemesh.weight_store.checkpoint import map_file
 
 CHUNK_BYTES = 256 << 20
 READ_PIECE_BYTES = 16 << 20  # one pread per piece: enough of them to keep every thread busy
@@ -57,20 +67,26 @@ def _chunks(copies: list[Copy]) -> list[list[Copy]]:
 
 
 class Reloader:
-    """Owns the two staging chunks (allocated once, reused by every wake)."""
+    """Owns the two staging chunks (allocated on first use, freed by `release()`)."""
 
     def __init__(self, device: str | torch.device):
         self.device = torch.device(device)
         self._pin = platform.is_cuda(self.device)
+        self._buffers: list[platform.HostBuffer] = []
         self._staging: list[torch.Tensor] = []
 
     def prepare(self) -> None:
-        """Allocate the pinned staging chunks ahead of time (pinning is slow; do it at sleep)."""
+        """Allocate the staging chunks (page-locked for a CUDA device; exact size, their own pages)."""
         if not self._staging:
-            self._staging = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=self._pin) for _ in range(2)]
+            self._buffers = [platform.HostBuffer(CHUNK_BYTES, self.device) for _ in range(2)]
+            self._staging = [b.tensor for b in self._buffers]
 
     def release(self) -> None:
+        """Give the chunks back to the system (not to a cache that would keep them)."""
         self._staging = []
+        for b in self._buffers:
+            b.close()
+        self._buffers = []
 
     def fill(self, flat: torch.Tensor, copies: list[Copy]) -> None:
         self.prepare()
@@ -122,3 +138,88 @@ def _pread_exact(fd: int, target: memoryview, offset: int) -> None:
         if n <= 0:
             raise OSError(f"checkpoint ended early at offset {offset}")
         target, offset = target[n:], offset + n
+
+
+def _prefetch(fd: int):
+    def start_reading(start: int, end: int) -> None:
+        # Asynchronous readahead: a cold piece is on its way from disk before its lock faults it in.
+        with contextlib.suppress(OSError):  # a hint; a sandbox may not take it
+            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+
+    return start_reading
+
+
+class MappedFill:
+    """One level-2 wake's reads: `copies` straight from the page-locked checkpoint mappings.
+    `must_lock`: see LockedPieces (default: a CUDA target)."""
+
+    def __init__(
+        self,
+        copies: list[Copy],
+        device: str | torch.device,
+        piece_bytes: int = PIECE_BYTES,
+        must_lock: bool | None = None,
+    ):
+        self.device = torch.device(device)
+        self._by_file: dict[Path, list[Copy]] = {}
+        for c in copies:
+            self._by_file.setdefault(c.path, []).append(c)
+        self._piece_bytes = piece_bytes
+        self._must_lock = must_lock
+        self._files: list[tuple[torch.Tensor, LockedPieces, int]] = []
+        # What run() did, kept past close(): bytes of the pieces locked, bytes staged instead,
+        # seconds the locking threads took (summed), seconds close() took.
+        self.locked_bytes = 0
+        self.staged_bytes = 0
+        self.lock_s = 0.0
+        self.unlock_s = 0.0
+
+    def run(self, flat: torch.Tensor, staged: Reloader) -> None:
+        """Fill `flat`; returns once every copy has landed. Pieces that could not be locked go
+        through `staged` (whose chunks are released again afterwards)."""
+        for path, copies in self._by_file.items():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                mapping = map_file(path)
+                spans = touched_spans([(c.file_offset, c.nbytes) for c in copies], mapping.numel(), self._piece_bytes)
+                pieces = LockedPieces(
+                    mapping, spans, self.device, read_only=True, prefetch=_prefetch(fd), must_lock=self._must_lock
+                )
+                self._files.append((mapping, pieces.start(), fd))
+            except BaseException:
+                os.close(fd)
+                raise
+        stream = platform.Stream(self.device)
+        fallback: list[Copy] = []
+        try:
+            with stream.active():
+                for (mapping, pieces, _), copies in zip(self._files, self._by_file.values()):
+                    ranges = Ranges([(c.file_offset, c.nbytes) for c in copies])
+                    for piece in pieces:
+                        for i, lo, hi in ranges.within(piece):
+                            c = copies[i]
+                            at = c.device_offset + lo - c.file_offset
+                            if piece.direct:
+                                flat[at : at + hi - lo].copy_(mapping[lo:hi], non_blocking=piece.locked)
+                            else:
+                                fallback.append(Copy(c.path, lo, at, hi - lo))
+        finally:
+            stream.synchronize()  # also on failure: no copy may still read a page close() unlocks
+        self.locked_bytes = sum(pieces.locked_bytes for _, pieces, _ in self._files)
+        self.lock_s = sum(pieces.lock_s for _, pieces, _ in self._files)
+        if fallback:
+            self.staged_bytes = sum(c.nbytes for c in fallback)
+            try:
+                staged.fill(flat, fallback)
+            finally:
+                staged.release()
+
+    def close(self) -> None:
+        """Undo the locks, then drop the mappings (idempotent)."""
+        started = time.perf_counter()
+        files, self._files = self._files, []
+        for _, pieces, fd in files:
+            pieces.unlock()
+            os.close(fd)
+        files.clear()  # the last references to the mappings: they are unmapped here
+        self.unlock_s += time.perf_counter() - started

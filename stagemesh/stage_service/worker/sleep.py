@@ -1,10 +1,17 @@
 """Giving a worker's device memory back and taking it again.
 
-Level 1 copies every weight into one exact-size host buffer (pinned on a GPU, reused across
-cycles) and frees the device copies; level 2 frees them without a copy. Waking allocates one
-device buffer for all weights and fills it from the host buffer (level 1) or from the
-checkpoint through a memory map (level 2). The Parameter and buffer objects stay the same
-throughout: only their storage changes, so nothing that holds a module sees a difference.
+Level 1 copies every weight into one exact-size host buffer (`HostCopy`: an anonymous mapping
+faulted in and page-locked piece by piece, kept across cycles) and frees the device copies;
+level 2 frees them without a copy. Waking allocates one device buffer for all weights and fills
+it from the host buffer (level 1) or straight from the page-locked checkpoint mapping (level 2,
+`reload.MappedFill`). The Parameter and buffer objects stay the same throughout: only their
+storage changes, so nothing that holds a module sees a difference.
+
+When the host buffer is prepared is `host_buffer` (the stage's `sleep_host_buffer`):
+"first_sleep" (by the first level-1 sleep, which then pays for faulting in and locking it),
+"at_start" (before the worker reports ready) or "background" (on threads once the model is
+loaded, while the worker serves). Prepared ahead, the first sleep copies at link speed; the
+buffer then holds host memory of the weights' size for the worker's life.
 
 The controller manages what a runner's `weight_files()` names; a runner may leave tensors out
 (`WeightFile.skip`: those a layerwise offload engine streams from its own host copies) and hand
@@ -15,6 +22,8 @@ inside the measured window of a sleep and restored on wake.
 from __future__ import annotations
 
 import gc
+import mmap
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -23,7 +32,9 @@ import torch
 
 from stagemesh.stage_service import platform
 from stagemesh.stage_service.models.contract import DeviceHolder, WeightFile
-from stagemesh.stage_service.worker.reload import Copy, Reloader
+from stagemesh.stage_service.transport.protocol import SLEEP_HOST_BUFFERS
+from stagemesh.stage_service.worker.host_pages import PIECE_BYTES, HostCopy, Ranges
+from stagemesh.stage_service.worker.reload import Copy, MappedFill, Reloader
 from stagemesh.weight_store.checkpoint import read_index
 
 _ALIGN = 64  # bytes: every tensor starts on a 64-byte boundary of the flat buffers
@@ -55,16 +66,33 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class SleepController:
-    def __init__(self, files: list[WeightFile], device: str):
+    """`host_buffer`: when the level-1 host buffer is prepared (SLEEP_HOST_BUFFERS); `piece_bytes`:
+    the unit in which host memory is locked and copied (a multiple of the page size)."""
+
+    def __init__(
+        self, files: list[WeightFile], device: str, host_buffer: str = "first_sleep", piece_bytes: int = PIECE_BYTES
+    ):
+        if host_buffer not in SLEEP_HOST_BUFFERS:
+            raise ValueError(f"host_buffer = {host_buffer!r}; allowed: {', '.join(SLEEP_HOST_BUFFERS)}")
+        if piece_bytes <= 0 or piece_bytes % mmap.PAGESIZE:
+            raise ValueError(f"piece_bytes = {piece_bytes}: must be a positive multiple of {mmap.PAGESIZE}")
         self.device = torch.device(device)
         self.files = files
+        self.host_buffer = host_buffer
         self.level = 0
+        self._piece_bytes = piece_bytes
         self._entries = list(self._collect())
         self._total = _aligned(sum(_aligned(e.nbytes) for e in self._entries))
-        self._host: torch.Tensor | None = None  # level-1 copy, kept for reuse across cycles
+        self._host: HostCopy | None = None  # level-1 copy, kept for reuse across cycles
         self._device_flat: torch.Tensor | None = None  # set once the weights live in one buffer
-        self._reloader = Reloader(self.device)
+        self._reloader = Reloader(self.device)  # for checkpoint pieces the driver will not lock
         self._holders: list[DeviceHolder] = []  # released by the last sleep, restored on wake
+        self._unlocking: threading.Thread | None = None  # the last level-2 wake's locks being undone
+        self._last_fill: MappedFill | None = None
+        if host_buffer != "first_sleep":
+            self._host = HostCopy(self._total, self.device, piece_bytes).prepare()
+            if host_buffer == "at_start":
+                self._host.wait()
 
     def _collect(self) -> Iterator[_Entry]:
         offset = 0
@@ -86,16 +114,53 @@ class SleepController:
     def weight_bytes(self) -> int:
         return sum(e.nbytes for e in self._entries)
 
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the level-1 buffer holds now (0 when there is none)."""
+        return self._host.nbytes if self._host is not None else 0
+
+    def host_stats(self) -> dict[str, float]:
+        """How the level-1 buffer was prepared: bytes, locked_bytes, fault_s, lock_s."""
+        return self._host.stats() if self._host is not None else {}
+
+    def fill_stats(self) -> dict[str, float]:
+        """How the last level-2 wake read the checkpoint: locked_bytes, staged_bytes, lock_s,
+        unlock_s (complete once settle() has returned)."""
+        f = self._last_fill
+        if f is None:
+            return {}
+        return {
+            "locked_bytes": f.locked_bytes,
+            "staged_bytes": f.staged_bytes,
+            "lock_s": f.lock_s,
+            "unlock_s": f.unlock_s,
+        }
+
+    def settle(self) -> None:
+        """Wait until the last level-2 wake has undone its locks and unmapped the checkpoint
+        (done on a thread after the wake returns, off its path). Sleep and wake settle first."""
+        if self._unlocking is not None:
+            self._unlocking.join()
+            self._unlocking = None
+
+    def close(self) -> None:
+        """Give back the host memory this controller holds (the worker's end)."""
+        self.settle()
+        if self._host is not None:
+            self._host.close()
+            self._host = None
+
     # sleep ------------------------------------------------------------------------------------
     def sleep(self, level: int, holders: Sequence[DeviceHolder] = ()) -> SleepResult:
         """`holders`: further device memory to release with the weights (restored by wake)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         started = time.perf_counter()
-        if self.level:  # already asleep: 1 -> 2 drops the host copy; anything else is a no-op
+        self.settle()
+        if self.level:  # already asleep: 1 -> 2 drops a lazily made host copy; anything else is a no-op
             if level == 2 and self.level == 1:
-                self._host = None
-                self._reloader.prepare()
+                if self.host_buffer == "first_sleep":
+                    self.close()
                 self.level = 2
             # A shallower request leaves the deeper state: report the level the stage is at.
             return SleepResult(self.level, 0, (time.perf_counter() - started) * 1e3)
@@ -103,8 +168,6 @@ class SleepController:
         released = self._storage_bytes()
         if level == 1:
             self._copy_to_host()
-        else:
-            self._reloader.prepare()  # pin the staging chunks now, not on the wake path
         self._holders = list(holders)
         released += sum(h.release_device() for h in self._holders)
         for e in self._entries:
@@ -126,17 +189,27 @@ class SleepController:
         return SleepResult(level, freed, (time.perf_counter() - started) * 1e3)
 
     def _copy_to_host(self) -> None:
-        pin = platform.is_cuda(self.device)
-        if self._host is None or self._host.numel() != self._total:
-            self._host = torch.empty(self._total, dtype=torch.uint8, pin_memory=pin)
+        if self._host is None:
+            self._host = HostCopy(self._total, self.device, self._piece_bytes).prepare()
+        host = self._host
+        if self._device_flat is not None:  # after a wake: one range, copied piece by piece
+            sources, spans = [self._device_flat], [(0, self._total)]
+        else:
+            sources = [_bytes(e.tensor.data) for e in self._entries]
+            spans = [(e.offset, e.nbytes) for e in self._entries]
+        ranges = Ranges(spans)
         stream = platform.Stream(self.device)
         stream.wait_event(platform.DeviceEvent(self.device).record())  # weights are final
-        with stream.active():
-            if self._device_flat is not None:  # after a wake: one copy at full bandwidth
-                self._host.copy_(self._device_flat, non_blocking=pin)
-            else:
-                for e in self._entries:
-                    self._host[e.offset : e.offset + e.nbytes].copy_(_bytes(e.tensor.data), non_blocking=pin)
+        try:
+            with stream.active():
+                for piece in host.ready():  # each as soon as it is faulted in and locked
+                    for i, lo, hi in ranges.within(piece):  # a copy stays inside one locked piece
+                        src = sources[i][lo - spans[i][0] : hi - spans[i][0]]
+                        host.tensor[lo:hi].copy_(src, non_blocking=piece.locked)
+        except BaseException:
+            stream.synchronize()
+            self.close()  # a buffer that could not be prepared is made afresh by the next sleep
+            raise
         stream.synchronize()
 
     # wake -------------------------------------------------------------------------------------
@@ -145,11 +218,14 @@ class SleepController:
         level = self.level
         if not level:
             return SleepResult(0, 0, 0.0)
+        self.settle()
         before = self._free_memory()
         flat = torch.empty(self._total, dtype=torch.uint8, device=self.device)
         if level == 1:
             assert self._host is not None, "a level-1 sleep keeps the host copy"
-            flat.copy_(self._host, non_blocking=True)
+            for piece in self._host.ready():  # a copy stays inside one locked piece
+                span = slice(piece.start, piece.end)
+                flat[span].copy_(self._host.tensor[span], non_blocking=piece.locked)
         else:
             self._fill_from_checkpoint(flat)
         for e in self._entries:
@@ -161,7 +237,6 @@ class SleepController:
         if platform.is_cuda(self.device):
             torch.cuda.synchronize(self.device)
         self._device_flat = flat
-        self._reloader.release()
         self.level = 0
         cuda = platform.is_cuda(self.device)
         taken = before - self._free_memory() if cuda else self._storage_bytes() + restored
@@ -186,7 +261,15 @@ class SleepController:
         missing = sorted(by_key.keys() - found)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) to reload, e.g. {missing[:3]}")
-        self._reloader.fill(flat, copies)
+        fill = self._last_fill = MappedFill(copies, self.device, self._piece_bytes)
+        try:
+            fill.run(flat, self._reloader)
+        finally:
+            if fill.locked_bytes:  # undoing the locks takes a while: not on the wake's path
+                self._unlocking = threading.Thread(target=fill.close, name="sleep-unlock", daemon=True)
+                self._unlocking.start()
+            else:
+                fill.close()
 
     # measurement ------------------------------------------------------------------------------
     def _free_memory(self) -> int:

@@ -97,6 +97,9 @@ def resolve_device(device: str, rank: int) -> str:
 
 class Worker:
     def __init__(self, spec: protocol.WorkerSpec, runner: Runner, device: str, requests, results):
+        # First, so that nothing else is made when it fails: "at_start" prepares the level-1
+        # host buffer here, before the worker reports ready.
+        self.sleep = SleepController(runner.weight_files(), device, host_buffer=spec.sleep_host_buffer)
         self.spec = spec
         self.runner = runner
         self.device = device
@@ -110,7 +113,6 @@ class Worker:
             if spec.output_rank and not spec.step_execution
             else None
         )
-        self.sleep = SleepController(runner.weight_files(), device)
 
     def serve(self) -> None:
         heartbeat = _Heartbeat(self.writer)
@@ -121,6 +123,7 @@ class Worker:
         if self.async_output is not None:
             self.async_output.drain()
             self.async_output.close()
+        self.sleep.close()
 
     def _serve(self) -> None:
         while True:
@@ -259,12 +262,12 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
         runner = build_runner(
             spec.kind, Path(spec.model_dir), device, dlo=spec.dlo, group=group, tp=tp, cuda_graphs=spec.cuda_graphs
         )
+        worker = Worker(spec, runner, device, requests, results)
     except Exception as exc:
         if not _says_it_all(exc):
             log.exception("model load failed")  # a bug: its stack is what the log needs
         results.put(protocol.LoadFailed(spec.rank, f"{type(exc).__name__}: {exc}"))
         return
-    worker = Worker(spec, runner, device, requests, results)
     # Ready once the worker can serve: its heartbeats start with serve(), right after.
     worker.writer.put(
         protocol.Ready(
