@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 
@@ -121,8 +122,30 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+# What `stagemesh stage` (and `up`, which starts stages) needs beyond the base install.
+STAGE_EXTRA = ("torch", "safetensors")
+
+
+def _missing_stage_extra() -> str | None:
+    for name in STAGE_EXTRA:
+        try:
+            found = importlib.util.find_spec(name)
+        except ImportError:  # a broken installation is as good as none
+            found = None
+        if found is None:
+            return name
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in ("up", "stage") and (missing := _missing_stage_extra()) is not None:
+        print(
+            f"stagemesh {args.command}: {missing} is not installed; a stage service needs the stage "
+            "extra: pip install 'stagemesh[stage]'",
+            file=sys.stderr,
+        )
+        return 2
     if args.command == "up":
         from stagemesh import launcher
 

@@ -1,20 +1,20 @@
-"""Turning a decoded image tensor into what the client asked for."""
+"""Turning a decoded image array into what the client asked for."""
 
 from __future__ import annotations
 
 import io
 
-import torch
+import numpy as np
 from PIL import Image
 
 
-def to_uint8(image: torch.Tensor) -> torch.Tensor:
-    """[H, W, 3] float in [0, 1] -> uint8, rounding half away from zero deterministically."""
-    return (image.float() * 255.0).round().clamp(0, 255).to(torch.uint8)
+def to_uint8(image: np.ndarray) -> np.ndarray:
+    """[H, W, 3] float in [0, 1] -> uint8: scaled in float32, rounded half to even, clamped."""
+    return (image.astype(np.float32, copy=False) * np.float32(255.0)).round().clip(0, 255).astype(np.uint8)
 
 
-def encode_png(image: torch.Tensor) -> bytes:
-    pixels = to_uint8(image).contiguous().numpy()
+def encode_png(image: np.ndarray) -> bytes:
+    pixels = np.ascontiguousarray(to_uint8(image))
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")
     return buffer.getvalue()

@@ -113,7 +113,7 @@ class Pipeline:
             stage_latency_ms=latency,
         )
         if params.output_format == OUTPUT_PNG:
-            result.png = encode_png(codec.from_proto(image_proto, "image"))
+            result.png = encode_png(codec.to_array(image_proto, "image"))
         else:
             result.tensor.CopyFrom(image_proto)
         return result

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from stagemesh.core import auth, codec, converters, logs, serve, tls
+from stagemesh.core import auth, converters, logs, serve, tls
 from stagemesh.core.metrics import ServiceMetrics
 from stagemesh.core.params import Limits
 from stagemesh.core.rpc import ServiceHost, servicer_method
@@ -21,6 +21,7 @@ from stagemesh.stage_service.metrics import stage_readings
 from stagemesh.stage_service.models.contract import TensorSpec
 from stagemesh.stage_service.models.diffusers_adapter import FolderError
 from stagemesh.stage_service.settings import StageSettings
+from stagemesh.stage_service.transport import tensors
 from stagemesh.v1 import control_pb2, stage_pb2, stage_pb2_grpc
 from stagemesh.weight_store.checkpoint import CheckpointError
 
@@ -43,7 +44,7 @@ def _ack_proto(stage_id: int, ack: Ack) -> control_pb2.WorkerAck:
 
 
 def _encode_outputs(outputs: dict[str, torch.Tensor]) -> dict[str, Any]:
-    return {name: codec.to_proto(t) for name, t in outputs.items()}
+    return {name: tensors.to_proto(t) for name, t in outputs.items()}
 
 
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
@@ -61,7 +62,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         request_id = logs.current_request_id()
         params = converters.params_from_proto(request.params, self.limits)
         check_inputs(request.inputs, self.input_specs)
-        inputs = {name: codec.from_proto(t, f"inputs[{name}]") for name, t in request.inputs.items()}
+        inputs = {name: tensors.from_proto(t, f"inputs[{name}]") for name, t in request.inputs.items()}
         explicit_steps = request.params.HasField("num_inference_steps")
         async for event in self._engine.run(request_id, params, inputs, explicit_steps):
             if isinstance(event, ProgressEvent):
