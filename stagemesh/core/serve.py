@@ -8,7 +8,7 @@ import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from stagemesh.core import errors, logs, procutil, readyfile
+from stagemesh.core import envflags, errors, logs, procutil, readyfile
 from stagemesh.core.metrics import ServiceMetrics
 from stagemesh.core.rpc import ServiceHost
 
@@ -114,6 +114,7 @@ def main(
 
 
 def _refused(service: str, exc: Exception, code: int) -> None:
-    log.error(f"{service} failed to start", reason=str(exc))
-    record_failure(str(exc))
+    reason = envflags.explain(str(exc))
+    log.error(f"{service} failed to start", reason=reason)
+    record_failure(reason)
     raise SystemExit(code) from None

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from stagemesh.core import logs, metrics
+from stagemesh.core import envflags, logs, metrics
 from stagemesh.core.params import Limits
 from stagemesh.stage_service.offload.config import HELP as DLO_HELP
 from stagemesh.stage_service.offload.config import DloOptions
@@ -199,7 +199,7 @@ class StageSettings(DloOptions):
         try:
             return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
         except ValueError as exc:  # a refused combination: say what to change, no traceback
-            print(f"stagemesh stage: error: {exc}", file=sys.stderr, flush=True)
+            print(f"stagemesh stage: error: {envflags.explain(str(exc))}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None  # a usage error, as argparse's own
 
     @classmethod
