@@ -273,7 +273,9 @@ _NO_SILENT_CANCELLATION = [
 
 
 class ServiceHost:
-    """A grpc.aio server with health (NOT_SERVING until marked ready) and reflection."""
+    """A grpc.aio server with health (NOT_SERVING until marked ready) and reflection; with a
+    `health_port`, a second, plaintext server answering grpc.health.v1 alone (the same statuses)
+    for probes that cannot speak TLS."""
 
     def __init__(
         self,
@@ -284,6 +286,7 @@ class ServiceHost:
         *,
         interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
         credentials: grpc.ServerCredentials | None = None,
+        health_port: int | None = None,
     ):
         # credentials: TLS for the port (stagemesh.core.tls); None serves plaintext.
         # Innermost, so the other interceptors (metrics) see its refusals like any other status.
@@ -308,6 +311,27 @@ class ServiceHost:
         except RuntimeError as exc:
             raise errors.Unavailable(f"cannot bind {host}:{port}: {exc}") from None
         self.address = f"{host}:{self.port}"
+        self.health_server: grpc.aio.Server | None = None
+        self.health_address = ""
+        if health_port is not None:
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            try:
+                bound = self.health_server.add_insecure_port(f"{host}:{health_port}")
+            except RuntimeError as exc:
+                raise errors.Unavailable(f"cannot bind --health-port {host}:{health_port}: {exc}") from None
+            self.health_address = f"{host}:{bound}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
+
+    async def stop(self, grace_s: float) -> None:
+        """The calls in flight get `grace_s`; the health port answers NOT_SERVING until the end."""
+        await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(None)
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -35,10 +35,10 @@ async def run(
     # First: a metrics port that cannot be bound refuses the start before anything listens.
     metrics_address = metrics.start() if metrics is not None else ""
     await host.set_serving(False)
-    await host.server.start()
+    await host.start()
     if ready_file:
-        readyfile.write(ready_file, host.address, metrics=metrics_address)
-    log.info("listening", address=host.address)
+        readyfile.write(ready_file, host.address, metrics=metrics_address, health=host.health_address)
+    log.info("listening", address=host.address, **({"health": host.health_address} if host.health_address else {}))
     try:
         if load is not None:
             loader = asyncio.ensure_future(load())
@@ -57,7 +57,7 @@ async def run(
     finally:
         log.info("stopping", address=host.address)
         await host.set_serving(False)
-        await host.server.stop(STOP_GRACE_S)
+        await host.stop(STOP_GRACE_S)
         if close is not None:
             await close()
         if metrics is not None:

@@ -128,6 +128,7 @@ async def serve_stage(settings: StageSettings) -> None:
         [SERVICE_NAME],
         interceptors=[*metrics.interceptors(), *auth.interceptors(token, CONTROL_METHODS)],
         credentials=tls.server_credentials(settings.tls_cert, settings.tls_key),
+        health_port=settings.health_port,
     )
     _export_cache_security(token, settings.tls_ca)
     loop = asyncio.get_running_loop()

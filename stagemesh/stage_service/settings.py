@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from stagemesh.core import envflags, logs, metrics
+from stagemesh.core import envflags, logs, metrics, tls
 from stagemesh.core.params import Limits
 from stagemesh.stage_service.offload.config import HELP as DLO_HELP
 from stagemesh.stage_service.offload.config import DloOptions
@@ -52,6 +52,7 @@ class StageSettings(DloOptions):
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    health_port: int | None = None
     token_file: str = ""
 
     _HELP = {
@@ -99,6 +100,7 @@ class StageSettings(DloOptions):
         "tls_cert": "serve TLS with this certificate chain (PEM); needs --tls-key; empty: plaintext",
         "tls_key": "private key (PEM) of --tls-cert",
         "tls_ca": "CA bundle (PEM) verifying the cache service when it serves TLS; empty: plaintext channel",
+        "health_port": tls.HEALTH_PORT_HELP,
         "token_file": "file holding the bearer token that SleepStage/WakeUpStage must carry, also sent to the "
         "cache service when publishing; empty: $STAGEMESH_TOKEN, or none",
         **DLO_HELP,
@@ -128,6 +130,9 @@ class StageSettings(DloOptions):
                 f"send a heartbeat every {HEARTBEAT_S:g} s)"
             )
         metrics.check_port(self.metrics_port, "metrics_port")
+        port = self.health_port
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+            raise ValueError(f"health_port = {port!r}: allowed 0 (a free port) to 65535, or unset for none")
 
     def _check_tp(self) -> None:
         tp = self.tensor_parallel_size
@@ -178,6 +183,8 @@ class StageSettings(DloOptions):
                 kwargs["choices"] = SLEEP_HOST_BUFFERS
             elif f.name == "metrics_port":
                 kwargs["type"] = metrics.port_argument  # int | None: unset is off
+            elif f.name == "health_port":
+                kwargs["type"] = tls.health_port_argument
             if f.type in ("bool", bool):
                 kwargs["action"] = argparse.BooleanOptionalAction
             elif f.type in ("int", int):
