@@ -20,8 +20,9 @@ import grpc
 import pytest
 
 from stagemesh import cli
+from stagemesh.client.channel import ADDRESS_ENV, API_KEY_ENV, TOKEN_FILE_ENV
 from stagemesh.config import SupervisionConfig
-from stagemesh.core import auth, envflags, procutil, readyfile, serve
+from stagemesh.core import auth, envflags, procutil, readyfile, serve, tls
 from stagemesh.stage_service.engine.wave_rules import WAVE_TIMEOUT_ENV
 from stagemesh.stage_service.executor.outputs import TIMEOUT_ENV
 from stagemesh.supervisor import Child, Supervisor, service_argv
@@ -135,21 +136,20 @@ def test_help_names_each_variable_and_client_commands_read_none(clean_env):
 
 
 def test_no_flag_variable_is_one_with_another_meaning():
+    """Variables the code reads for other things must not double as a flag's. Three are shared on
+    purpose, with one meaning: STAGEMESH_TLS_CA (the CA that verifies the services one calls),
+    STAGEMESH_TOKEN_FILE (the file holding the bearer token) and STAGEMESH_MODEL_DIR."""
     others = {
         auth.TOKEN_ENV,
-        cli_address_env(),
+        ADDRESS_ENV,
+        API_KEY_ENV,
         procutil.PARENT_PID_ENV,
         serve.FAILURE_FILE_ENV,
         TIMEOUT_ENV,
         WAVE_TIMEOUT_ENV,
     }
     assert not every_variable() & others
-
-
-def cli_address_env() -> str:
-    from stagemesh import client
-
-    return client.ADDRESS_ENV
+    assert {tls.CA_ENV, TOKEN_FILE_ENV, "STAGEMESH_MODEL_DIR"} <= every_variable()
 
 
 # ---- real processes ---------------------------------------------------------------------------------
