@@ -1,5 +1,5 @@
 """stagemesh.v1.Tensor (raw little-endian bytes, a dtype name and a shape): the dtypes, the checks
-every decoder makes, and numpy views of the bytes.
+every decoder makes, and numpy arrays to and from them.
 
 Torch-free on purpose: the gateway decodes the last stage's image with it, and a gateway-only
 install has no torch. The stage's torch conversions build on these checks
@@ -40,6 +40,7 @@ _NUMPY = {
     "int64": "<i8",
     "bool": "?",
 }
+_NAMES = {np.dtype(code): name for name, code in _NUMPY.items() if name != "bfloat16"}
 
 
 def checked_shape(message: tensor_pb2.Tensor, field: str = "tensor") -> tuple[int, ...]:
@@ -69,3 +70,14 @@ def to_array(message: tensor_pb2.Tensor, field: str = "tensor") -> np.ndarray:
         bits = np.frombuffer(message.data, dtype=_NUMPY["bfloat16"]).astype("<u4") << 16
         return bits.view("<f4").reshape(shape)
     return np.frombuffer(message.data, dtype=_NUMPY[message.dtype]).reshape(shape)
+
+
+def from_array(array: np.ndarray) -> tensor_pb2.Tensor:
+    """A numpy array as a message (what the gateway sends a stage it built from, say, a decoded
+    image). numpy's dtypes only: there is no bfloat16 to send."""
+    name = _NAMES.get(array.dtype.newbyteorder("<"))
+    if name is None:
+        allowed = sorted(n for n in DTYPES if n != "bfloat16")
+        raise ValueError(f"a {array.dtype} array has no stagemesh.v1.Tensor dtype; allowed: {allowed}")
+    little = np.ascontiguousarray(array, dtype=np.dtype(_NUMPY[name]))
+    return tensor_pb2.Tensor(dtype=name, shape=list(array.shape), data=little.tobytes())

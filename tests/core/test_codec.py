@@ -61,3 +61,17 @@ def test_inconsistent_messages_are_refused_naming_the_field(message, field, matc
     with pytest.raises(InvalidArgument, match=match) as info:
         codec.to_array(message, "inputs[x]")
     assert [v.field for v in info.value.violations] == [field]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64, np.uint8, np.int8, np.int32, np.int64, np.bool_])
+def test_arrays_go_out_little_endian_and_come_back(dtype):
+    array = (np.arange(12) % 3).astype(dtype).reshape(3, 4).T  # not contiguous
+    message = codec.from_array(array)
+    assert list(message.shape) == [4, 3] and np.array_equal(codec.to_array(message), array)
+    big = array.astype(np.dtype(dtype).newbyteorder(">"))
+    assert codec.from_array(big).data == message.data  # the wire is little-endian whatever the host's order
+
+
+def test_an_array_without_a_wire_dtype_is_refused():
+    with pytest.raises(ValueError, match="complex64 array has no stagemesh.v1.Tensor dtype; allowed: .*float32"):
+        codec.from_array(np.zeros(2, np.complex64))

@@ -30,6 +30,11 @@ def test_the_gateway_reads_what_the_stage_wrote(dtype):
     assert array.dtype == want.dtype and np.array_equal(array, want)
 
 
+def test_the_stage_reads_what_the_gateway_wrote():
+    array = np.linspace(0, 1, 24, dtype=np.float32).reshape(2, 3, 4)
+    assert torch.equal(tensors.from_proto(codec.from_array(array)), torch.from_numpy(array))
+
+
 def test_refusals_are_the_shared_checks():
     message = tensors.to_proto(torch.zeros(2, 2))
     message.data = message.data[:-1]
