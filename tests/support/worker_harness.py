@@ -94,7 +94,14 @@ def item(seed: int) -> WorkItem:
 class Harness:
     """A real Worker serving real multiprocessing queues on a thread of this process."""
 
-    def __init__(self, runner=None, packer=None, step_execution: bool = False, own_packer: bool = False):
+    def __init__(
+        self,
+        runner=None,
+        packer=None,
+        step_execution: bool = False,
+        own_packer: bool = False,
+        batch_invariant: bool = False,
+    ):
         self.requests = CTX.Queue()
         self.results, self.sender = result_pipe(CTX)
         spec = protocol.WorkerSpec(
@@ -105,6 +112,7 @@ class Harness:
             device="cpu",
             parent_pid=os.getpid(),
             step_execution=step_execution,
+            batch_invariant=batch_invariant,
         )
         self.runner = runner or StubRunner()
         self.worker = Worker(spec, self.runner, "cpu", self.requests, self.sender)

@@ -88,6 +88,8 @@ class Engine:
         self._closed_reason: str | None = None  # set while the stage sleeps: new requests refused
         self._active_batches = 0
         self._admitted = 0  # requests inside run(): waiting, running or delivering
+        self.batches = 0  # batches handed to worker groups (DP waves not counted)
+        self.batched_requests = 0  # requests in those batches
         self._idle = asyncio.Event()
         self._idle.set()
         self.on_worker_restarted: Callable[[int], Awaitable[None]] | None = None  # with the group's index
@@ -221,6 +223,8 @@ class Engine:
     async def execute_batch(self, batch: Batch) -> None:
         for r in batch.requests:
             r.batch = batch
+        self.batches += 1
+        self.batched_requests += len(batch.requests)
         on_progress = self.progress_listener(batch.requests)
         batch.rpc_id, fut = self._executor.submit(batch.group, [r.work_item() for r in batch.requests], on_progress)
         try:

@@ -47,6 +47,8 @@ class StageOptions(Protocol):
     @property
     def sleep_host_buffer(self) -> str: ...
     @property
+    def batch_invariant(self) -> bool: ...
+    @property
     def tensor_parallel_size(self) -> int: ...
     @property
     def hang_timeout_s(self) -> float: ...
@@ -130,6 +132,7 @@ def build_groups(settings: StageOptions, parent_pid: int) -> list[WorkerGroup]:
         settings.step_execution,
         cuda_graphs=settings.cuda_graphs,
         sleep_host_buffer=settings.sleep_host_buffer,
+        batch_invariant=settings.batch_invariant,
         dlo=DloOptions.from_settings(settings),
     )
     ranks = range(settings.worker_processes())
