@@ -100,7 +100,7 @@ class Harness:
         packer=None,
         step_execution: bool = False,
         own_packer: bool = False,
-        batch_invariant: bool = False,
+        invariant_rows: int = 0,
     ):
         self.requests = CTX.Queue()
         self.results, self.sender = result_pipe(CTX)
@@ -112,7 +112,7 @@ class Harness:
             device="cpu",
             parent_pid=os.getpid(),
             step_execution=step_execution,
-            batch_invariant=batch_invariant,
+            invariant_rows=invariant_rows,
         )
         self.runner = runner or StubRunner()
         self.worker = Worker(spec, self.runner, "cpu", self.requests, self.sender)

@@ -114,8 +114,8 @@ class Worker:
             if spec.output_rank and not spec.step_execution
             else None
         )
-        # batch_invariant: each request's forward passes run with the shapes it has alone.
-        self.items_alone = spec.batch_invariant and spec.kind in BATCHED_KINDS
+        # batch_invariant with a runner that cannot fix its batch shapes: one request at a time.
+        self.items_alone = spec.invariant_rows > 0 and spec.kind in BATCHED_KINDS and not runner.batch_invariant
 
     def serve(self) -> None:
         heartbeat = _Heartbeat(self.writer)
@@ -267,7 +267,14 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
         group = _join_dp_group(spec, device)
         tp = _join_tp_group(spec, device)
         runner = build_runner(
-            spec.kind, Path(spec.model_dir), device, dlo=spec.dlo, group=group, tp=tp, cuda_graphs=spec.cuda_graphs
+            spec.kind,
+            Path(spec.model_dir),
+            device,
+            dlo=spec.dlo,
+            group=group,
+            tp=tp,
+            cuda_graphs=spec.cuda_graphs,
+            invariant_rows=spec.invariant_rows,
         )
         worker = Worker(spec, runner, device, requests, results)
     except Exception as exc:
