@@ -166,9 +166,12 @@ class DiffusionRunner(RunnerBase):
     def _sample_filled(self, batch: list[WorkItem], progress: Progress | None) -> list[dict[str, torch.Tensor]]:
         """`batch` filled up to invariant_rows requests with copies of its first; their outputs dropped."""
         filled = batch + [batch[0]] * (self.invariant_rows - len(batch))
-        return self._sample(filled, progress)[: len(batch)]
+        return self._sample(filled, progress, keep=len(batch))
 
-    def _sample(self, batch: list[WorkItem], progress: Progress | None) -> list[dict[str, torch.Tensor]]:
+    def _sample(
+        self, batch: list[WorkItem], progress: Progress | None, keep: int | None = None
+    ) -> list[dict[str, torch.Tensor]]:
+        """Images of the first `keep` items of `batch` (default: all)."""
         head = batch[0]
         images = sample(
             self.dit,
@@ -182,6 +185,10 @@ class DiffusionRunner(RunnerBase):
             progress=progress,
             graphs=self.graphs,
         )
+        if keep is not None and keep < len(batch):
+            # The images kept share one storage without the fillers' (the output path ships a
+            # request's image with the storage it views).
+            images = images[:keep].clone()
         return [{"image": _output(img)} for img in images]
 
     def limits(self) -> dict:
