@@ -137,7 +137,9 @@ async def serve_stage(settings: StageSettings) -> None:
         loop.create_task(host.set_serving(serving))
 
     executor = Executor(settings, on_death=lambda group, why: engine.worker_died(group, why))
-    engine = Engine(executor, settings.kind, settings.max_batch_size, settings.max_queue, on_health)
+    engine = Engine(
+        executor, settings.kind, settings.max_batch_size, settings.max_queue, on_health, settings.batch_invariant
+    )
     control = StageControl(executor.stage_name, engine, executor, settings.enable_sleep)
     servicer = StageServicer(settings, engine, executor, control)
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, host.server)

@@ -36,6 +36,7 @@ class StageSettings(DloOptions):
     max_batch_size: int = 4
     step_execution: bool = False
     cuda_graphs: bool = True
+    batch_invariant: bool = True
     enable_sleep: bool = True
     sleep_host_buffer: str = "first_sleep"
     hang_timeout_s: float = 30.0
@@ -69,6 +70,10 @@ class StageSettings(DloOptions):
         "checkpoint (model_index.json); default: the embedded model's cache folder",
         "model_preset": "dimensions used when the folder holds no weights yet: 'tiny' or 'flux-sized'",
         "max_batch_size": "most compatible requests run together as one batch",
+        "batch_invariant": "a request's output bytes do not depend on the requests it is batched with: a "
+        "diffusion or denoise stage still forms batches but runs each request's forward passes with the "
+        "shapes it has alone; --no-batch-invariant samples a batch as one (faster where kernels are "
+        "launch-bound, but the same seed may round differently by one level in a few pixels)",
         "enable_sleep": "accept SleepStage/WakeUpStage (freeing device memory on demand); "
         "--no-enable-sleep makes them UNIMPLEMENTED",
         "sleep_host_buffer": "when each worker prepares the host buffer a level-1 sleep copies the weights into "

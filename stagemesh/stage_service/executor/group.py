@@ -47,6 +47,10 @@ class StageOptions(Protocol):
     @property
     def sleep_host_buffer(self) -> str: ...
     @property
+    def batch_invariant(self) -> bool: ...
+    @property
+    def max_batch_size(self) -> int: ...
+    @property
     def tensor_parallel_size(self) -> int: ...
     @property
     def hang_timeout_s(self) -> float: ...
@@ -130,6 +134,7 @@ def build_groups(settings: StageOptions, parent_pid: int) -> list[WorkerGroup]:
         settings.step_execution,
         cuda_graphs=settings.cuda_graphs,
         sleep_host_buffer=settings.sleep_host_buffer,
+        invariant_rows=_invariant_rows(settings),
         dlo=DloOptions.from_settings(settings),
     )
     ranks = range(settings.worker_processes())
@@ -232,3 +237,11 @@ def first_answer(call: GroupCall) -> cf.Future:
     call.future.add_done_callback(forward)
     out.add_done_callback(_cancel_if_cancelled(weakref.ref(call.future)))
     return out
+
+
+def _invariant_rows(settings: StageOptions) -> int:
+    """Requests per forward pass under batch_invariant: the stage's largest batch, or one where a
+    DP wave gives each rank one request; 0 without it."""
+    if not settings.batch_invariant:
+        return 0
+    return 1 if settings.dp_group_size() > 1 else settings.max_batch_size

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from stagemesh.stage_service import platform
+from stagemesh.stage_service.models.batch_invariance import groups_by_key, run_in_groups
 from stagemesh.stage_service.models.contract import (
     ItemError,
     Progress,
@@ -17,7 +18,7 @@ from stagemesh.stage_service.models.contract import (
     WorkItem,
     check_batch,
 )
-from stagemesh.stage_service.models.dit import sample
+from stagemesh.stage_service.models.dit import cond_bucket, sample
 from stagemesh.stage_service.models.dit_offload import load_offloaded_dit
 from stagemesh.stage_service.models.step_graphs import StepGraphs
 from stagemesh.stage_service.models.tp import TpGroup
@@ -90,10 +91,14 @@ class DiffusionRunner(RunnerBase):
         group=None,
         tp: TpGroup | None = None,
         cuda_graphs: bool = True,
+        invariant_rows: int = 0,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.device = device
         self.config = read_config(self.model_dir)
+        # batch_invariant: every pass runs this many requests (models.batch_invariance); 0: as given.
+        self.invariant_rows = invariant_rows
+        self.batch_invariant = invariant_rows > 0
         self.runtime_cache = None  # the runtime-cache result when dlo_enable_runtime_cache is set
         opts = dlo or DloOptions()
         self.tp = _tp_coordinate(opts, tp)
@@ -146,11 +151,27 @@ class DiffusionRunner(RunnerBase):
         """Sample the whole batch as one; every item must share shape, steps and guidance.
 
         `progress(step, num_inference_steps)` follows each denoising step and may raise to
-        abort the batch.
+        abort the batch. With `invariant_rows`, requests whose conditioning pads alike run
+        together at exactly that many requests, so each one's kernels see the shapes they see
+        when it runs alone.
         """
         if not batch:
             return []
         check_batch(batch)
+        if not self.invariant_rows:
+            return self._sample(batch, progress)
+        buckets = [cond_bucket(self._cond(i, item).shape[0]) for i, item in enumerate(batch)]
+        return run_in_groups(self._sample_filled, batch, groups_by_key(buckets, self.invariant_rows), progress)
+
+    def _sample_filled(self, batch: list[WorkItem], progress: Progress | None) -> list[dict[str, torch.Tensor]]:
+        """`batch` filled up to invariant_rows requests with copies of its first; their outputs dropped."""
+        filled = batch + [batch[0]] * (self.invariant_rows - len(batch))
+        return self._sample(filled, progress, keep=len(batch))
+
+    def _sample(
+        self, batch: list[WorkItem], progress: Progress | None, keep: int | None = None
+    ) -> list[dict[str, torch.Tensor]]:
+        """Images of the first `keep` items of `batch` (default: all)."""
         head = batch[0]
         images = sample(
             self.dit,
@@ -164,6 +185,10 @@ class DiffusionRunner(RunnerBase):
             progress=progress,
             graphs=self.graphs,
         )
+        if keep is not None and keep < len(batch):
+            # The images kept share one storage without the fillers' (the output path ships a
+            # request's image with the storage it views).
+            images = images[:keep].clone()
         return [{"image": _output(img)} for img in images]
 
     def limits(self) -> dict:
@@ -204,11 +229,13 @@ def build_runner(
     group=None,
     tp: TpGroup | None = None,
     cuda_graphs: bool = True,
+    invariant_rows: int = 0,
 ) -> Runner:
     """Load the runner for a stage kind from an existing model folder (see ensure_model_dir).
     `group`: the stage's DP process group (DLO AllGather with dp_size > 1); `tp`: the rank's
     TP coordinate (tensor_parallel_size > 1, diffusion only); `cuda_graphs`: the embedded
-    DiT's steps from captured graphs where that applies (DiffusionRunner)."""
+    DiT's steps from captured graphs where that applies (DiffusionRunner); `invariant_rows`:
+    batch_invariant's fixed number of requests per pass (DiffusionRunner; 0: off)."""
     from stagemesh.stage_service.models.diffusers_adapter import FOLDER_ONLY_KINDS, is_diffusers_folder
 
     # A diffusers-format folder (model_index.json) goes to the adapter, which alone imports
@@ -222,7 +249,7 @@ def build_runner(
     except KeyError:
         raise ValueError(f"unknown runner kind {kind!r}; expected one of {sorted(_RUNNERS)}") from None
     if cls is DiffusionRunner:
-        return cls(model_dir, device, dlo, group, tp, cuda_graphs=cuda_graphs)
+        return cls(model_dir, device, dlo, group, tp, cuda_graphs=cuda_graphs, invariant_rows=invariant_rows)
     if tp is not None and tp.size > 1:
         raise ValueError(f"tensor parallelism covers the diffusion stage only, not {kind!r}")
     return cls(model_dir, device)

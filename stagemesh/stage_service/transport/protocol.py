@@ -35,6 +35,9 @@ class WorkerSpec:
     cuda_graphs: bool = True
     # When the level-1 sleep host buffer is prepared: one of SLEEP_HOST_BUFFERS.
     sleep_host_buffer: str = "first_sleep"
+    # batch_invariant: the number of requests every forward pass runs with, so that a request's
+    # kernels see the shapes they see when it runs alone (models.batch_invariance); 0: off.
+    invariant_rows: int = 0
     # The stage's offload.config.DloOptions (frozen; typed loosely: transport sits below offload).
     dlo: Any = None
     # Set when the ranks form one process group; a fresh address for every (re)start of it.

@@ -19,6 +19,7 @@ from typing import Any
 
 from stagemesh.core import logs
 from stagemesh.stage_service import platform
+from stagemesh.stage_service.models.batch_invariance import BATCHED_KINDS, run_items_alone
 from stagemesh.stage_service.models.contract import ItemError, Runner
 from stagemesh.stage_service.transport import ipc, protocol
 from stagemesh.stage_service.worker.async_output import AsyncOutputThread, ResultWriter, new_output_id
@@ -113,6 +114,8 @@ class Worker:
             if spec.output_rank and not spec.step_execution
             else None
         )
+        # batch_invariant with a runner that cannot fix its batch shapes: one request at a time.
+        self.items_alone = spec.invariant_rows > 0 and spec.kind in BATCHED_KINDS and not runner.batch_invariant
 
     def serve(self) -> None:
         heartbeat = _Heartbeat(self.writer)
@@ -148,7 +151,11 @@ class Worker:
         try:
             items = [dataclasses.replace(item, inputs=ipc.unpack(item.inputs)) for item in msg.items]
             started = platform.DeviceEvent(self.device, timing=True).record()
-            outputs = self.runner.run(items, progress if self.spec.output_rank else None)
+            on_step = progress if self.spec.output_rank else None
+            if self.items_alone:
+                outputs = run_items_alone(self.runner.run, items, on_step)
+            else:
+                outputs = self.runner.run(items, on_step)
             if not self.spec.output_rank:
                 return
             finished = platform.DeviceEvent(self.device, timing=True).record()
@@ -260,7 +267,14 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
         group = _join_dp_group(spec, device)
         tp = _join_tp_group(spec, device)
         runner = build_runner(
-            spec.kind, Path(spec.model_dir), device, dlo=spec.dlo, group=group, tp=tp, cuda_graphs=spec.cuda_graphs
+            spec.kind,
+            Path(spec.model_dir),
+            device,
+            dlo=spec.dlo,
+            group=group,
+            tp=tp,
+            cuda_graphs=spec.cuda_graphs,
+            invariant_rows=spec.invariant_rows,
         )
         worker = Worker(spec, runner, device, requests, results)
     except Exception as exc:
