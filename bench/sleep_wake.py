@@ -1,22 +1,30 @@
 """Sleep and wake of a stage holding >= 20 GB of bf16 weights, against the copy bandwidth of
-pinned memory measured in the same run, and a naive module.to("cpu") / module.to("cuda").
+pinned memory measured in the same run.
 
 One run measures, in order:
   1. pinned copy bandwidth each way (torch pinned buffers, 4 GiB): the floor;
-  2. the first level-1 sleep with sleep_host_buffer = "first_sleep": the buffer is faulted in
-     and page-locked while the copy runs; against the lazy floor (5.6 s per 20 GB, the fault-in
-     and cudaHostRegister of such a buffer measured on the H200);
-  3. the buffer prepared ahead ("at_start"): how long that takes and the host memory it holds,
-     then the first level-1 sleep and wake;
-  4. --warmup + --cycles sleep/wake cycles alternating level 2 and level 1 (level-2 wakes from
-     a page-cache-hot checkpoint), with RSS and device memory in use after every wake;
-  5. a level-2 wake from a cold page cache (caches dropped where root may, else the file evicted
-     with posix_fadvise; the fraction still resident is printed);
-  6. the naive path (--no-naive skips it).
-Targets (CUDA): the first level-1 sleep with the buffer prepared ahead, later level-1 sleeps and
-every wake >= 0.8 x pinned bandwidth; the lazy first sleep within its floor; RSS and device
-memory flat within 2 % over the cycles. Prints PASS/FAIL for each, writes JSON, exits 1 when one
-is missed. On the CPU (--device cpu --gib 0.05 --dim 1024) it checks the code path only.
+  2. sleep_host_buffer = "first_sleep" (lazy): the first level-1 sleep, which faults in and
+     page-locks the buffer while it copies, against its floor (5.6 s per 20 GB, the fault-in and
+     cudaHostRegister of such a buffer measured on the H200); then --lazy-cycles level-2 wakes
+     from a page-cache-hot checkpoint, each locking the checkpoint's pieces as it copies;
+  3. the buffer prepared ahead ("at_start"), once per warm-up DMA variant (--warm-variants;
+     a fresh controller each, the one before closed): preparation time (fault-in, locking and
+     the warm-up DMA), the host memory held, then the first level-1 sleep and wake. The
+     controller of the default variant (host_pages.WARM_DMA) is kept for the cycles;
+  4. --warmup + --cycles sleep/wake cycles alternating level 2 and level 1 on it: level 2 with
+     the checkpoint held mapped and locked across cycles (the first level-2 sleep starts the
+     locking; the warm-up cycles include that first wake), with RSS and device memory in use
+     after every wake;
+  5. a level-2 wake from a cold page cache, lazy mode (caches dropped where root may, else the
+     file evicted with posix_fadvise; the fraction still resident is printed). A held
+     checkpoint cannot go cold: its pages are locked in the page cache;
+  6. with --naive, module.to("cpu") / module.to("cuda") (about a minute for 20 GB).
+Targets (CUDA): the first level-1 sleep with the buffer prepared ahead (default warm-up), later
+level-1 sleeps and every level-1 wake and held level-2 wake >= 0.8 x pinned bandwidth; the lazy
+first sleep within its floor; RSS and device memory flat within 2 % over the cycles. The other
+warm-up variants and the lazy level-2 wake are reported beside them ("info"). Prints PASS/FAIL
+for each, writes JSON, exits 1 when one is missed. On the CPU (--device cpu --gib 0.05
+--dim 1024) it checks the code path only.
 
 Run on a GPU: python bench/sleep_wake.py --gib 20
 """
@@ -174,11 +182,13 @@ class Run:
             "weight_bytes": self.weight_bytes,
             "pinned_h2d_bytes_per_s": self.h2d,
             "pinned_d2h_bytes_per_s": self.d2h,
+            "warm_dma_default": host_pages.WARM_DMA,
         }
-        self.checks: list[tuple[str, float, str, bool]] = []
+        self.checks: list[tuple[str, float, str, bool | None]] = []  # None: reported, no target
 
-    def files(self) -> list[WeightFile]:
-        return [WeightFile(self.ckpt, {"": self.model})]
+    def controller(self, host_buffer: str = "first_sleep", warm_dma: str = host_pages.WARM_DMA) -> SleepController:
+        files = [WeightFile(self.ckpt, {"": self.model})]
+        return SleepController(files, self.device, host_buffer, piece_bytes=self.piece_bytes, warm_dma=warm_dma)
 
     def x_d2h(self, seconds: float) -> float:
         return self.weight_bytes / seconds / self.d2h
@@ -186,54 +196,86 @@ class Run:
     def x_h2d(self, seconds: float) -> float:
         return self.weight_bytes / seconds / self.h2d
 
+    def gbps(self, seconds: float) -> float:
+        return self.weight_bytes / seconds / 1e9
+
     def same_weights(self) -> None:
         assert torch.equal(self.model[0].weight[:4, :8].float().cpu(), self.reference), "weights changed"
 
-    def check(self, what: str, value: float, target: str, ok: bool) -> None:
-        self.checks.append((what, value, target, ok))
+    def check(self, what: str, value: float, target: str = "", ok: bool | None = None) -> None:
+        self.checks.append((what, value, target or "-", ok))
 
-    def lazy_first_sleep(self) -> list:
-        controller = SleepController(self.files(), self.device, piece_bytes=self.piece_bytes)  # "first_sleep"
+    def lazy(self) -> list:
+        """sleep_host_buffer = "first_sleep": the first level-1 sleep, then level-2 wakes that
+        lock the checkpoint per wake."""
+        controller = self.controller()
         sleep_s = timed(self.device, lambda: controller.sleep(1))
         stats = controller.host_stats()
         wake_s = timed(self.device, controller.wake)
         self.same_weights()
+        wakes = []
+        for _ in range(self.args.lazy_cycles):
+            controller.sleep(2)
+            wakes.append((timed(self.device, controller.wake), controller.fill_stats()))
+            controller.settle()
+            self.same_weights()
         controller.close()
         gb = self.weight_bytes / 1e9
-        self.report["lazy"] = {"sleep_s": sleep_s, "wake_s": wake_s, **stats}
+        wake2 = statistics.median(s for s, _ in wakes)
+        self.report["lazy"] = {
+            "sleep_s": sleep_s,
+            "wake_s": wake_s,
+            **stats,
+            "level2_wakes": [{"wake_s": s, **f} for s, f in wakes],
+        }
         self.check(
-            "first level-1 sleep, lazy (s per GB)",
-            sleep_s / gb,
-            f"<= {LAZY_FLOOR_S_PER_GB:.3f}",
+            "first level-1 sleep, lazy (s per GB)", sleep_s / gb, f"<= {LAZY_FLOOR_S_PER_GB:.3f}",
             sleep_s / gb <= LAZY_FLOOR_S_PER_GB,
-        )
+        )  # fmt: skip
+        self.check(f"level-2 wake, hot, lazy: locked per wake, median of {len(wakes)} (x H2D)", self.x_h2d(wake2))
+        lock = statistics.median(f["lock_s"] for _, f in wakes)
         return [
-            ["level 1 sleep, first, lazy buffer", sleep_s, self.weight_bytes / sleep_s / 1e9, self.x_d2h(sleep_s)],
+            ["level 1 sleep, first, lazy buffer", sleep_s, self.gbps(sleep_s), self.x_d2h(sleep_s)],
             [f"  (fault-in {stats['fault_s']:.3f} s wall, locking {stats['lock_s']:.3f} s on threads)", "", "", ""],
-            ["level 1 wake after it", wake_s, self.weight_bytes / wake_s / 1e9, self.x_h2d(wake_s)],
+            ["level 1 wake after it", wake_s, self.gbps(wake_s), self.x_h2d(wake_s)],
+            ["level 2 wake, hot, lazy (median)", wake2, self.gbps(wake2), self.x_h2d(wake2)],
+            [f"  (locking {lock:.3f} s summed over {host_pages.LOCK_THREADS} threads, per wake)", "", "", ""],
         ]
 
-    def prepared_first_sleep(self) -> tuple[SleepController, list]:
+    def prepared(self, warm_dma: str) -> tuple[SleepController, list]:
+        """A fresh controller that prepares (and warms) the buffer at start; its first level-1 sleep and wake."""
+        gc.collect()
         started = time.perf_counter()
-        controller = SleepController(self.files(), self.device, host_buffer="at_start", piece_bytes=self.piece_bytes)
+        controller = self.controller("at_start", warm_dma)
         prepare_s = time.perf_counter() - started
         stats = controller.host_stats()
         sleep_s = timed(self.device, lambda: controller.sleep(1))
         wake_s = timed(self.device, controller.wake)
         self.same_weights()
-        self.report["prepared"] = {"prepare_s": prepare_s, "sleep_s": sleep_s, "wake_s": wake_s, **stats}
-        self.check(
-            "first level-1 sleep, buffer prepared (x D2H)",
-            self.x_d2h(sleep_s),
-            f">= {TARGET}",
-            self.x_d2h(sleep_s) >= TARGET,
-        )
-        self.check("level-1 wake (x H2D)", self.x_h2d(wake_s), f">= {TARGET}", self.x_h2d(wake_s) >= TARGET)
+        self.report.setdefault("prepared", {})[warm_dma] = {
+            "prepare_s": prepare_s,
+            "sleep_s": sleep_s,
+            "wake_s": wake_s,
+            **stats,
+        }
+        default = warm_dma == host_pages.WARM_DMA
+        what = f"first level-1 sleep, buffer prepared, warm DMA {warm_dma!r} (x D2H)"
+        if default:
+            self.check(what, self.x_d2h(sleep_s), f">= {TARGET}", self.x_d2h(sleep_s) >= TARGET)
+            self.check("level-1 wake (x H2D)", self.x_h2d(wake_s), f">= {TARGET}", self.x_h2d(wake_s) >= TARGET)
+        else:
+            self.check(what, self.x_d2h(sleep_s))
         held = controller.host_bytes
         return controller, [
-            [f"prepare the buffer at start ({held / 1e9:.2f} GB held)", prepare_s, held / prepare_s / 1e9, ""],
-            ["level 1 sleep, first, buffer prepared", sleep_s, self.weight_bytes / sleep_s / 1e9, self.x_d2h(sleep_s)],
-            ["level 1 wake", wake_s, self.weight_bytes / wake_s / 1e9, self.x_h2d(wake_s)],
+            [
+                f"prepare at start, warm DMA {warm_dma!r} ({held / 1e9:.2f} GB held; "
+                f"warm-up {stats['warm_s']:.3f} s on threads)",
+                prepare_s,
+                held / prepare_s / 1e9,
+                "",
+            ],
+            [f"level 1 sleep, first, warm DMA {warm_dma!r}", sleep_s, self.gbps(sleep_s), self.x_d2h(sleep_s)],
+            [f"level 1 wake, warm DMA {warm_dma!r}", wake_s, self.gbps(wake_s), self.x_h2d(wake_s)],
         ]
 
     def cycles(self, controller: SleepController) -> list:
@@ -242,7 +284,7 @@ class Run:
             level = 2 - n % 2
             sleep_s = timed(self.device, lambda lv=level: controller.sleep(lv))
             wake_s = timed(self.device, controller.wake)
-            controller.settle()  # a level-2 wake's unlocking, off the wake's path, is done
+            controller.settle()
             self.same_weights()
             fill = controller.fill_stats() if level == 2 else {}
             sample = {
@@ -251,11 +293,14 @@ class Run:
                 "wake_s": wake_s,
                 "rss": rss_bytes(),
                 "device_used": device_used(self.device),
+                "checkpoint_bytes_held": controller.checkpoint_bytes,
                 **{f"fill_{k}": v for k, v in fill.items()},
             }
-            if n >= self.args.warmup:
-                samples.append(sample)
+            (samples if n >= self.args.warmup else self.report.setdefault("warmup", [])).append(sample)
             used = sample["device_used"]
+            note = "warm-up" if n < self.args.warmup else ""
+            if fill.get("runs") == 1:
+                note = f"first held wake: waited {fill['wait_s']:.3f} s for the locking the sleep started"
             rows.append(
                 [
                     n,
@@ -266,7 +311,7 @@ class Run:
                     self.x_h2d(wake_s),
                     sample["rss"] / 1e9,
                     "-" if used is None else used / 1e9,
-                    "warm-up" if n < self.args.warmup else "",
+                    note,
                 ]
             )
         self.report["cycles"] = samples
@@ -281,7 +326,7 @@ class Run:
         self.check("later level-1 sleeps, median (x D2H)", later_sleep, f">= {TARGET}", later_sleep >= TARGET)
         self.check("later level-1 wakes, median (x H2D)", wake1, f">= {TARGET}", wake1 >= TARGET)
         self.check(
-            f"level-2 wake, hot, median (x H2D; min {min(wake2):.3f})",
+            f"level-2 wake, hot, held checkpoint, median (x H2D; min {min(wake2):.3f})",
             statistics.median(wake2),
             f">= {TARGET}",
             statistics.median(wake2) >= TARGET,
@@ -293,20 +338,24 @@ class Run:
                 self.check(f"{key} over {len(series)} cycles (max change)", spread, f"<= {FLAT}", spread <= FLAT)
 
     def level_2_breakdown(self) -> str:
-        hot = [s for s in self.report["cycles"] if s["level"] == 2]
-        if not hot:
+        held = [s for s in self.report["cycles"] if s["level"] == 2]
+        if not held:
             return ""
 
         def med(key: str) -> float:
-            return statistics.median(s.get(key, 0.0) for s in hot)
+            return statistics.median(s.get(key, 0.0) for s in held)
 
+        last = held[-1]
         return (
-            f"level-2 hot wake, median: {med('fill_locked_bytes') / 1e9:.2f} GB copied from locked pieces, "
-            f"{med('fill_staged_bytes') / 1e9:.2f} GB staged; locking {med('fill_lock_s'):.3f} s summed over "
-            f"{host_pages.LOCK_THREADS} threads; unlocking {med('fill_unlock_s'):.3f} s after the wake returned"
+            f"level-2 hot wake, held checkpoint, median: {med('fill_locked_bytes') / 1e9:.2f} GB copied from "
+            f"locked pieces, {med('fill_staged_bytes') / 1e9:.2f} GB staged, {med('fill_wait_s'):.3f} s waiting "
+            f"for locks; locked once ({last.get('fill_lock_calls', 0)} ranges, {last.get('fill_lock_s', 0.0):.3f} s "
+            f"+ {last.get('fill_warm_s', 0.0):.3f} s warm-up summed over {host_pages.LOCK_THREADS} threads), "
+            f"served {last.get('fill_runs', 0)} wakes"
         )
 
-    def cold_wake(self, controller: SleepController) -> list:
+    def cold_wake(self) -> list:
+        controller = self.controller()  # lazy: a held checkpoint's pages are locked, they cannot go cold
         controller.sleep(2)
         how = evict(self.ckpt)
         resident = resident_fraction(self.ckpt)
@@ -319,25 +368,61 @@ class Run:
             "resident_before": resident,
             **controller.fill_stats(),
         }
+        controller.close()
         shown = "unknown" if resident is None else f"{resident:.1%}"
         if resident is None or resident > 0.1:
             print(f"the cold figure is not from a cold cache: {shown} of the checkpoint stayed resident")
-        return [
-            [
-                f"level 2 wake, cold ({shown} resident; {how})",
-                wake_s,
-                self.weight_bytes / wake_s / 1e9,
-                self.x_h2d(wake_s),
-            ]
-        ]
+        self.check(f"level-2 wake, cold, lazy ({shown} resident) (x H2D)", self.x_h2d(wake_s))
+        return [[f"level 2 wake, cold, lazy ({shown} resident; {how})", wake_s, self.gbps(wake_s), self.x_h2d(wake_s)]]
 
     def naive(self) -> list:
         to_cpu = timed(self.device, lambda: self.model.to("cpu"))
         to_dev = timed(self.device, lambda: self.model.to(self.device))
         return [
-            ["naive module.to('cpu')", to_cpu, self.weight_bytes / to_cpu / 1e9, self.x_d2h(to_cpu)],
-            [f"naive module.to('{self.device}')", to_dev, self.weight_bytes / to_dev / 1e9, self.x_h2d(to_dev)],
+            ["naive module.to('cpu')", to_cpu, self.gbps(to_cpu), self.x_d2h(to_cpu)],
+            [f"naive module.to('{self.device}')", to_dev, self.gbps(to_dev), self.x_h2d(to_dev)],
         ]
+
+
+def measure(run: Run) -> tuple[list, list]:
+    args = run.args
+    rows = run.lazy()
+    variants = [v for v in args.warm_variants if v != host_pages.WARM_DMA] + [host_pages.WARM_DMA]
+    for variant in variants:  # the default last: its controller is kept for the cycles
+        controller, prepared = run.prepared(variant)
+        rows += prepared
+        if variant != host_pages.WARM_DMA:
+            controller.close()
+    cycle_rows = run.cycles(controller)
+    run.report["host_bytes_held"] = controller.host_bytes
+    run.report["checkpoint_bytes_held"] = controller.checkpoint_bytes
+    controller.close()
+    rows += run.cold_wake()
+    if args.naive:
+        rows += run.naive()
+    return rows, cycle_rows
+
+
+def print_results(run: Run, rows: list, cycle_rows: list) -> None:
+    gb, h2d, d2h = run.weight_bytes / 1e9, run.h2d / 1e9, run.d2h / 1e9
+    print(f"weights {gb:.2f} GB bf16 on {run.device}; pinned H2D {h2d:.1f} GB/s, D2H {d2h:.1f} GB/s")
+    print_table(["operation", "seconds", "GB/s", "x pinned bandwidth"], rows, floatfmt=".3f")
+    print_table(
+        ["cycle", "level", "sleep s", "x D2H", "wake s", "x H2D", "RSS GB", "device GB", ""], cycle_rows, floatfmt=".3f"
+    )
+    host, ckpt = run.report["host_bytes_held"] / 1e9, run.report["checkpoint_bytes_held"] / 1e9
+    print(
+        f"host memory held with sleep_host_buffer = at_start / background: {host:.2f} GB level-1 buffer from the "
+        f"start, plus {ckpt:.2f} GB of the checkpoint's page cache locked from the first level-2 sleep on "
+        f"({host + ckpt:.2f} GB page-locked, neither swappable nor reclaimable); first_sleep holds the buffer "
+        "from the first level-1 sleep on and nothing of the checkpoint between wakes"
+    )
+    print(run.level_2_breakdown())
+    print_table(
+        ["target", "value", "bound", "result"],
+        [[w, v, t, "info" if ok is None else "PASS" if ok else "FAIL"] for w, v, t, ok in run.checks],
+        floatfmt=".3f",
+    )
 
 
 def main() -> None:
@@ -347,44 +432,33 @@ def main() -> None:
     parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--cycles", type=int, default=20, help="measured sleep/wake cycles (levels 2 and 1 in turn)")
     parser.add_argument("--warmup", type=int, default=2, help="cycles before them, not counted")
-    parser.add_argument("--no-naive", dest="naive", action="store_false", help="skip module.to() (about a minute)")
+    parser.add_argument("--lazy-cycles", type=int, default=3, help="level-2 wakes measured in first_sleep mode")
+    parser.add_argument(
+        "--warm-variants",
+        nargs="+",
+        choices=host_pages.WARM_DMAS,
+        default=list(host_pages.WARM_DMAS),
+        help="warm-up DMA variants whose prepared first sleep is measured (the default one always is)",
+    )
+    parser.add_argument("--naive", action="store_true", help="also time module.to() (about a minute for 20 GB)")
     parser.add_argument("--piece-mib", type=int, default=host_pages.PIECE_BYTES >> 20, help="unit of locking")
     parser.add_argument("--lock-threads", type=int, default=host_pages.LOCK_THREADS, help="threads locking pieces")
     parser.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temp dir)")
     parser.add_argument("--output", default="bench/results/sleep_wake.json")
     args = parser.parse_args()
     host_pages.LOCK_THREADS = args.lock_threads  # a study of the driver's concurrency, not a setting
+    started = time.perf_counter()
     run = Run(args)
     try:
-        rows = run.lazy_first_sleep()
-        gc.collect()
-        controller, prepared = run.prepared_first_sleep()
-        rows += prepared
-        cycle_rows = run.cycles(controller)
-        rows += run.cold_wake(controller)
-        run.report["host_bytes_held"] = controller.host_bytes
-        controller.close()
-        if args.naive:
-            rows += run.naive()
+        rows, cycle_rows = measure(run)
     finally:
         run.ckpt.unlink(missing_ok=True)
-    gb, h2d, d2h = run.weight_bytes / 1e9, run.h2d / 1e9, run.d2h / 1e9
-    print(f"weights {gb:.2f} GB bf16 on {run.device}; pinned H2D {h2d:.1f} GB/s, D2H {d2h:.1f} GB/s")
-    print_table(["operation", "seconds", "GB/s", "x pinned bandwidth"], rows, floatfmt=".3f")
-    print_table(
-        ["cycle", "level", "sleep s", "x D2H", "wake s", "x H2D", "RSS GB", "device GB", ""], cycle_rows, floatfmt=".3f"
-    )
-    print(f"host memory held by the level-1 buffer when prepared ahead: {run.report['host_bytes_held'] / 1e9:.2f} GB")
-    print(run.level_2_breakdown())
-    missed = [c for c in run.checks if not c[3]]
-    print_table(
-        ["target", "value", "bound", "result"],
-        [[w, v, t, "PASS" if ok else "FAIL"] for w, v, t, ok in run.checks],
-        floatfmt=".3f",
-    )
+    run.report["total_s"] = time.perf_counter() - started
+    print_results(run, rows, cycle_rows)
+    missed = [c for c in run.checks if c[3] is False]
     run.report["rows"] = [[str(c) for c in r] for r in rows]
     run.report["checks"] = [{"what": w, "value": v, "bound": t, "pass": ok} for w, v, t, ok in run.checks]
-    print(f"wrote {write_json(args.output, 'sleep_wake', run.report)}")
+    print(f"wrote {write_json(args.output, 'sleep_wake', run.report)} ({run.report['total_s']:.0f} s in all)")
     if run.cuda and missed:
         print(f"{len(missed)} target(s) missed")
         sys.exit(1)

@@ -81,7 +81,8 @@ class StageSettings(DloOptions):
         "also faults its pages in and locks them: seconds per 20 GB), 'at_start' (before the worker "
         "reports ready) or 'background' (on threads once the model is loaded, while the worker serves); "
         "prepared ahead, the first sleep copies at link speed and the buffer holds that host memory for "
-        "the worker's life",
+        "the worker's life, and the checkpoint is also kept mapped and page-locked from the first level-2 "
+        "sleep on (its page cache: the weights' size again), so level-2 wakes copy at link speed too",
         "step_execution": "copy and pack outputs on the worker's main thread (synchronous path) instead of "
         "handing them to the async output thread",
         "cuda_graphs": "replay each denoising step of the embedded DiT from a captured CUDA graph (one launch "

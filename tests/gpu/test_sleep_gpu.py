@@ -117,8 +117,24 @@ def test_a_buffer_prepared_ahead_is_locked_before_the_first_sleep(runner, mode):
     controller.sleep(1, holders=runner.device_holders())
     controller.wake()
     assert torch.equal(_sample(runner), before)
+    # Level 2 in these modes: the first sleep maps the checkpoint and locks it once; every wake
+    # copies from the pieces kept locked (no staging), and nothing is locked again.
+    mapped_before = _rollup().get("Pss_File", 0)
+    for cycle in range(3):
+        controller.sleep(2, holders=runner.device_holders())
+        controller.wake()
+        assert torch.equal(_sample(runner), before)
+        fill = controller.fill_stats()
+        assert fill["held"] == 1 and fill["runs"] == cycle + 1, fill
+        assert fill["locked_bytes"] >= controller.weight_bytes and fill["staged_bytes"] == 0, fill
+        if cycle == 0:
+            lock_calls = fill["lock_calls"]
+        assert fill["lock_calls"] == lock_calls > 0, fill
+    assert controller.checkpoint_bytes >= controller.weight_bytes
     controller.close()
-    assert controller.host_bytes == 0
+    assert controller.host_bytes == 0 and controller.checkpoint_bytes == 0
+    # close() unlocked and unmapped the checkpoint.
+    assert _rollup().get("Pss_File", 0) - mapped_before < controller.weight_bytes / 10, (_rollup(), mapped_before)
 
 
 def test_a_level_2_wake_leaves_no_mapping_and_no_lock_behind(runner):

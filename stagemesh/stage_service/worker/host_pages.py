@@ -6,6 +6,12 @@ piece in (for a fresh anonymous buffer) and lock it, in order, while the caller 
 to or from the pieces that are ready. The level-1 host copy (`HostCopy`) and the level-2 wake
 from the checkpoint mapping (`reload.MappedFill`) both go through `LockedPieces`.
 
+The first DMA through freshly registered pages runs slower than later ones (the first level-1
+sleep into a buffer prepared ahead copied at 0.79x pinned bandwidth, later ones at 0.97x, on the
+H200). Memory prepared ahead of need is therefore warmed: once a piece is locked, `WarmDma` sends
+one DMA through it on the locking thread, before the piece is handed out (`WARM_DMA` says how
+much of it; the time counts as preparation).
+
 On the CPU nothing is locked; the same threads fault the pages in, and every piece is usable as
 it is.
 """
@@ -13,6 +19,7 @@ it is.
 from __future__ import annotations
 
 import bisect
+import mmap
 import os
 import threading
 import time
@@ -32,7 +39,17 @@ PIECE_BYTES = 256 << 20  # small enough that the first piece is ready in millise
 LOCK_THREADS = 2  # registrations the driver may serve at once; more only queue
 FAULT_THREADS = max(1, min(8, len(os.sched_getaffinity(0))))  # faults scale with cores, up to memory bandwidth
 
+WARM_DMAS = ("off", "page", "piece")
+# "page": a 4 KiB copy into every 2 MiB of a piece; "piece": every byte of it. bench/sleep_wake.py
+# prints the first level-1 sleep after each, so the cheapest one that reaches link speed can be kept.
+WARM_DMA = "piece"
+
 Prefetch = Callable[[int, int], None]  # (start, end) of a piece: start reading it from disk
+Warm = Callable[[torch.Tensor], None]  # a locked piece of the region: send one DMA through it
+
+
+class Cancelled(RuntimeError):
+    """The pieces were given back (unlock()) before this one was ready."""
 
 
 @dataclass
@@ -82,6 +99,39 @@ class Ranges:
                 yield self._order[k], lo, hi
 
 
+class WarmDma:
+    """One DMA through each piece it is called with, from (or, for `read_only` memory, into) a
+    2 MiB device scratch, on the calling thread's own stream; returns once it has landed. `mode`
+    is one of WARM_DMAS ("off" does nothing). The scratch's contents are never looked at: a
+    piece warmed for writing holds nothing of value until the caller copies into it."""
+
+    def __init__(self, device: str | torch.device, mode: str = WARM_DMA, read_only: bool = False):
+        if mode not in WARM_DMAS:
+            raise ValueError(f"warm_dma = {mode!r}; allowed: {', '.join(WARM_DMAS)}")
+        self.device = torch.device(device)
+        self.mode = mode
+        self._read_only = read_only
+        self._scratch = torch.empty(platform.HUGE_PAGE, dtype=torch.uint8, device=self.device)
+        self._local = threading.local()
+
+    def __call__(self, piece: torch.Tensor) -> None:
+        if self.mode == "off":
+            return
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = platform.Stream(self.device)
+        length = mmap.PAGESIZE if self.mode == "page" else platform.HUGE_PAGE
+        with torch.cuda.device(self.device), stream.active():
+            for start in range(0, piece.numel(), platform.HUGE_PAGE):
+                host = piece[start : start + length]
+                dev = self._scratch[: host.numel()]
+                if self._read_only:
+                    dev.copy_(host, non_blocking=True)
+                else:
+                    host.copy_(dev, non_blocking=True)
+        stream.synchronize()
+
+
 def _undo_all(pieces: list[Piece]) -> None:
     for p in pieces:
         if p.undo is not None:
@@ -92,7 +142,8 @@ def _undo_all(pieces: list[Piece]) -> None:
 class LockedPieces:
     """Pieces of `region` (a uint8 host tensor) made ready in order on background threads: each
     faulted in (`fault`, for fresh anonymous memory) and page-locked for `device`; `prefetch`
-    starts reading pieces of a file mapping from disk ahead of the locks that fault them in.
+    starts reading pieces of a file mapping from disk ahead of the locks that fault them in;
+    `warm` is called with each piece once it is locked, before it is ready (a `WarmDma`).
     `must_lock`: whether a piece must be locked before copies use it directly (default: a CUDA
     target); a piece the driver refuses to lock is not `direct`, and the caller stages it."""
 
@@ -106,6 +157,7 @@ class LockedPieces:
         fault: bool = False,
         prefetch: Prefetch | None = None,
         must_lock: bool | None = None,
+        warm: Warm | None = None,
         on_ready: Callable[[LockedPieces], object] | None = None,
     ) -> None:
         self.region = region
@@ -115,10 +167,14 @@ class LockedPieces:
         self._fault = fault
         self._prefetch = prefetch
         self._must_lock = platform.is_cuda(device) if must_lock is None else must_lock
+        self._warm = warm
+        self._cancelled = threading.Event()  # set by unlock(): pieces not yet begun are skipped
         self._on_ready = on_ready  # called on the background thread once every piece is ready
         self._thread: threading.Thread | None = None
         self._timing_lock = threading.Lock()
         self.lock_s = 0.0  # summed over the locking threads
+        self.warm_s = 0.0  # summed over the locking threads
+        self.locks = 0  # ranges locked (each undone once, by unlock() or when this object goes)
         self.fault_s = 0.0  # wall time of the fault phases
         self.ready_s = 0.0  # from start() until the last piece was ready
         # Every lock is undone before the region can go, also when unlock() is never called.
@@ -153,7 +209,9 @@ class LockedPieces:
             pass
 
     def unlock(self) -> None:
-        """Wait for the background work, then undo every lock (idempotent)."""
+        """Stop the background work (a piece being locked is finished, the rest skipped), then
+        undo every lock (idempotent)."""
+        self._cancelled.set()
         if self._thread is not None:
             self._thread.join()
         self._finalizer()
@@ -165,6 +223,8 @@ class LockedPieces:
                 if self._fault:
                     with ThreadPoolExecutor(FAULT_THREADS, "sleep-fault") as faulters:
                         for p in self.pieces:
+                            if self._cancelled.is_set():
+                                break
                             faulted = time.perf_counter()
                             # Every thread faults a part of this piece; it is locked while the next one faults.
                             list(faulters.map(platform.fault_in, self._parts(p, FAULT_THREADS)))
@@ -175,6 +235,8 @@ class LockedPieces:
                         lockers.submit(self._lock, p)
                     if self._prefetch is not None:
                         for p in self.pieces:
+                            if self._cancelled.is_set():
+                                break
                             self._prefetch(p.start, p.end)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the pieces
             for p in self.pieces:
@@ -182,7 +244,15 @@ class LockedPieces:
                     p.error = exc
                     p.ready.set()
             return
+        finally:
+            self._warm = None  # its device scratch goes back
         self.ready_s = time.perf_counter() - started
+        for p in self.pieces:
+            if not p.ready.is_set():  # cancelled before its turn
+                p.error = Cancelled("the pieces were given back")
+                p.ready.set()
+        if self._cancelled.is_set():
+            return
         if self._on_ready is not None:
             self._on_ready(self)
 
@@ -191,7 +261,10 @@ class LockedPieces:
         return [self.region[s : min(s + step, p.end)] for s in range(p.start, p.end, step)]
 
     def _lock(self, p: Piece) -> None:
+        if self._cancelled.is_set():
+            return  # _run marks it
         started = time.perf_counter()
+        warmed = started
         try:
             p.undo = platform.lock_host_range(
                 self.region.data_ptr() + p.start, p.nbytes, self.device, read_only=self._read_only
@@ -201,23 +274,32 @@ class LockedPieces:
             if p.direct and not p.locked and not self._fault:
                 # Nothing locks it (a CPU target): map it in here, off the copying thread.
                 platform.fault_in(self.region[p.start : p.end], write=not self._read_only)
+            warmed = time.perf_counter()
+            if p.locked and self._warm is not None:
+                self._warm(self.region[p.start : p.end])
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the piece
             p.error = exc
         finally:
             with self._timing_lock:
-                self.lock_s += time.perf_counter() - started
+                self.locks += p.locked
+                self.lock_s += warmed - started
+                self.warm_s += time.perf_counter() - warmed
             p.ready.set()
 
 
 class HostCopy:
     """The level-1 host copy of the weights: one anonymous mapping of their size (no power-of-two
     rounding), faulted in and page-locked piece by piece, kept across sleep cycles. `prepare()`
-    starts that in the background; a sleep copies into each piece as soon as it is ready."""
+    starts that in the background; a sleep copies into each piece as soon as it is ready.
+    `warm`: a `WarmDma` to send through each piece once it is locked (for a buffer prepared
+    ahead, off the sleep's path)."""
 
-    def __init__(self, nbytes: int, device: str | torch.device, piece_bytes: int = PIECE_BYTES):
+    def __init__(
+        self, nbytes: int, device: str | torch.device, piece_bytes: int = PIECE_BYTES, warm: Warm | None = None
+    ):
         self.tensor = platform.anonymous_buffer(nbytes)
         self.pieces = LockedPieces(
-            self.tensor, piece_spans(nbytes, piece_bytes), device, fault=True, on_ready=_log_ready
+            self.tensor, piece_spans(nbytes, piece_bytes), device, fault=True, warm=warm, on_ready=_log_ready
         )
 
     @property
@@ -240,7 +322,14 @@ class HostCopy:
 
     def stats(self) -> dict[str, float]:
         p = self.pieces
-        return {"bytes": self.nbytes, "locked_bytes": p.locked_bytes, "fault_s": p.fault_s, "lock_s": p.lock_s}
+        return {
+            "bytes": self.nbytes,
+            "locked_bytes": p.locked_bytes,
+            "fault_s": p.fault_s,
+            "lock_s": p.lock_s,
+            "warm_s": p.warm_s,
+            "ready_s": p.ready_s,
+        }
 
 
 def _log_ready(p: LockedPieces) -> None:
@@ -257,5 +346,6 @@ def _log_ready(p: LockedPieces) -> None:
         locked_bytes=p.locked_bytes,
         pieces=len(p.pieces),
         fault_s=round(p.fault_s, 3),
+        warm_s=round(p.warm_s, 3),
         seconds=round(p.ready_s, 3),
     )

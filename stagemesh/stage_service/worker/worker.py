@@ -123,10 +123,14 @@ class Worker:
             self._serve()
         finally:
             heartbeat.stop()
-        if self.async_output is not None:
-            self.async_output.drain()
-            self.async_output.close()
-        self.sleep.close()
+            try:
+                if self.async_output is not None:
+                    self.async_output.drain()
+                    self.async_output.close()
+            finally:
+                # The host memory sleep holds (the level-1 buffer, the locked checkpoint) is
+                # given back however serving ended.
+                self.sleep.close()
 
     def _serve(self) -> None:
         while True:

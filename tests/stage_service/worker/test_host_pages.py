@@ -12,6 +12,7 @@ import gc
 import mmap
 import random
 import resource
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,13 +20,22 @@ import torch
 from safetensors.torch import save_file
 
 from stagemesh.stage_service import platform
-from stagemesh.stage_service.worker import reload
-from stagemesh.stage_service.worker.host_pages import HostCopy, Piece, Ranges, piece_spans, touched_spans
+from stagemesh.stage_service.worker import host_pages, reload
+from stagemesh.stage_service.worker.host_pages import (
+    Cancelled,
+    HostCopy,
+    Piece,
+    Ranges,
+    WarmDma,
+    piece_spans,
+    touched_spans,
+)
 from stagemesh.stage_service.worker.reload import Copy, MappedFill, Reloader
 from stagemesh.weight_store import checkpoint
 from stagemesh.weight_store.checkpoint import read_index
 
 PAGE = mmap.PAGESIZE
+WAIT_S = 10.0
 
 
 class LockRecorder:
@@ -142,6 +152,53 @@ def test_a_failure_on_a_background_thread_reaches_whoever_waits_for_that_piece(m
     assert sorted(recorder.unlocked) == sorted(o for o, _, _ in recorder.locked)
 
 
+def test_memory_prepared_ahead_is_warmed_once_per_locked_piece_before_it_is_handed_out(monkeypatch):
+    recorder = LockRecorder(refuse=(PAGE,))  # a piece the driver refuses is not warmed: no DMA uses it
+    monkeypatch.setattr(platform, "lock_host_range", recorder)
+    warmed: list[tuple[int, int, bool]] = []
+
+    def warm(piece: torch.Tensor) -> None:  # stands in for WarmDma (a device DMA)
+        offset = piece.data_ptr() - copy.tensor.data_ptr()
+        handed_out = next(p for p in copy.pieces.pieces if p.start == offset).ready.is_set()
+        warmed.append((offset, piece.numel(), handed_out))
+
+    copy = HostCopy(4 * PAGE + 5, "cpu", piece_bytes=PAGE, warm=warm)
+    recorder.base = copy.tensor.data_ptr()
+    copy.prepare().wait()
+    assert sorted(warmed) == [(0, PAGE, False), (2 * PAGE, PAGE, False), (3 * PAGE, PAGE, False), (4 * PAGE, 5, False)]
+    assert copy.stats()["warm_s"] >= 0 and copy.pieces.locks == 4
+    copy.close()
+
+
+def test_a_warm_dma_mode_outside_the_list_is_refused():
+    with pytest.raises(ValueError, match="off, page, piece"):
+        WarmDma("cpu", "all")
+
+
+def test_giving_pieces_back_while_they_are_prepared_stops_the_work_and_undoes_every_lock(monkeypatch):
+    recorder = LockRecorder()
+    gate = threading.Event()
+
+    def slow_lock(ptr, nbytes, device, read_only=False):
+        assert gate.wait(WAIT_S)
+        return recorder(ptr, nbytes, device, read_only)
+
+    monkeypatch.setattr(platform, "lock_host_range", slow_lock)
+    copy = HostCopy(12 * PAGE, "cpu", piece_bytes=PAGE)
+    recorder.base = copy.tensor.data_ptr()
+    copy.prepare()
+    closing = threading.Thread(target=copy.close)
+    closing.start()
+    assert copy.pieces._cancelled.wait(WAIT_S)  # close() has asked the work to stop ...
+    gate.set()  # ... before any lock returned
+    closing.join(WAIT_S)
+    assert not closing.is_alive()
+    assert len(recorder.locked) <= host_pages.LOCK_THREADS  # only those already under way
+    assert sorted(recorder.unlocked) == sorted(o for o, _, _ in recorder.locked)
+    with pytest.raises(Cancelled):
+        copy.wait()
+
+
 # ---- MappedFill -----------------------------------------------------------------------------------
 def _checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(0)
@@ -168,12 +225,12 @@ def test_a_mapped_fill_copies_every_tensor_and_stages_the_pieces_the_driver_refu
     monkeypatch.setattr(platform, "lock_host_range", recorder)
     fill = MappedFill(copies, "cpu", piece_bytes=PAGE, must_lock=True)  # as a CUDA target would
 
-    def map_and_note(p):
-        data = checkpoint.map_file(p)
+    def map_and_note(fd):
+        data = checkpoint.map_descriptor(fd)
         recorder.base = data.data_ptr()  # lock offsets are read against the mapping
         return data
 
-    monkeypatch.setattr(reload, "map_file", map_and_note)
+    monkeypatch.setattr(reload, "map_descriptor", map_and_note)
     flat = torch.zeros(total, dtype=torch.uint8)
     fill.run(flat, Reloader("cpu"))
     for name, t in tensors.items():
