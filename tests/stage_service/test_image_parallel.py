@@ -25,7 +25,7 @@ from stagemesh.stage_service.executor.executor import Executor
 from stagemesh.stage_service.executor.group import build_groups
 from stagemesh.stage_service.models.config import DiTConfig
 from stagemesh.stage_service.models.dit import DiT, pad_conds, velocity
-from stagemesh.stage_service.models.parallel import ImageParallel, form_axes
+from stagemesh.stage_service.models.parallel import ImageParallel, form_axes, gather_along
 from stagemesh.stage_service.models.runners import WorkItem, build_runner
 from stagemesh.stage_service.offload.config import DloOptions
 from stagemesh.stage_service.settings import StageSettings
@@ -92,6 +92,8 @@ def _rank_plans(rank: int, world: int, model: str) -> dict[str, list]:
     out: dict[str, list] = {}
     for name, (sp, cfg, dlo, batches) in PLANS[world].items():
         parallel = form_axes(sp, cfg, rank)
+        mine = torch.tensor([[float(rank)]])
+        out[name + "/peers"] = [gather_along(mine, parallel.sp, 0), gather_along(mine, parallel.cfg, 0)]
         runner = build_runner("diffusion", Path(model), "cpu", dlo=DloOptions(**dlo), parallel=parallel)
         assert runner.graphs is None and (runner.offload is not None) == bool(dlo)
         out[name] = [_images(runner, b) for b in batches]
@@ -143,6 +145,10 @@ def test_split_images_equal_one_rank(tiny_model, single, world):
                     assert other == [], "an unguided batch leaves the unconditional ranks idle"
                 else:
                     assert all(torch.equal(a, b) for a, b in zip(other, got)), (name, rank)
+    if world == 4:
+        # Ranks 0, 1 run the conditional pass, 2, 3 the unconditional; CFG pairs (0, 2), (1, 3).
+        peers = [[t.flatten().tolist() for t in results[r]["sp2-cfg/peers"]] for r in range(4)]
+        assert peers == [[[0, 1], [0, 2]], [[0, 1], [1, 3]], [[2, 3], [0, 2]], [[2, 3], [1, 3]]]
     velocities = _guided_velocities(_sensitive_dit())
     for name in PLANS[world]:
         for rank, got in results.items():

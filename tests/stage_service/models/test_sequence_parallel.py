@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stagemesh.stage_service.models.parallel import Axis, form_axes, gather_along
+from stagemesh.stage_service.models.parallel import Axis
 from stagemesh.stage_service.models.sequence_parallel import Shard, attention
 from tests.support.gloo_ranks import run_ranks
 
@@ -75,24 +75,3 @@ def test_shard_pads_and_gathers_without_the_padding():
     assert shard.valid_keys(1, torch.device("cpu")) is None
     with pytest.raises(ValueError, match="sequence of 6 tokens"):
         shard.take(x[:, :6], 1)
-
-
-def _rank_axes(rank: int, world: int) -> dict:
-    coord = form_axes(2, 2, rank)
-    mine = torch.tensor([[float(rank)]])
-    return {
-        "sp": (coord.sp.size, coord.sp.rank),
-        "cfg": (coord.cfg.size, coord.cfg.rank),
-        "sp_peers": gather_along(mine, coord.sp, 0).flatten().tolist(),
-        "cfg_peers": gather_along(mine, coord.cfg, 0).flatten().tolist(),
-        "output": coord.output,
-    }
-
-
-def test_sp_and_cfg_axes_of_four_ranks():
-    """Ranks 0, 1 run the conditional pass, 2, 3 the unconditional; pairs (0, 2) and (1, 3)."""
-    got = run_ranks(4, _rank_axes)
-    assert [got[r]["sp_peers"] for r in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
-    assert [got[r]["cfg_peers"] for r in range(4)] == [[0, 2], [1, 3], [0, 2], [1, 3]]
-    assert [got[r]["output"] for r in range(4)] == [True, False, False, False]
-    assert got[3]["sp"] == (2, 1) and got[3]["cfg"] == (2, 1)
