@@ -17,6 +17,8 @@ from stagemesh.stage_service.transport.protocol import HEARTBEAT_S, SLEEP_HOST_B
 # encoder / denoise / decode: stages of a diffusers-format folder (docs/MODELS.md)
 KINDS = ("ar", "diffusion", "encoder", "denoise", "decode")
 PRESETS = ("tiny", "flux-sized")
+# The kinds that run a denoising loop, which sequence and CFG parallelism split.
+IMAGE_PARALLEL_KINDS = ("diffusion", "denoise")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class StageSettings(DloOptions):
     step_execution: bool = False
     cuda_graphs: bool = True
     batch_invariant: bool = True
+    sp_size: int = 1
+    cfg_parallel: bool = False
     enable_sleep: bool = True
     sleep_host_buffer: str = "first_sleep"
     hang_timeout_s: float = 30.0
@@ -86,8 +90,14 @@ class StageSettings(DloOptions):
         "step_execution": "copy and pack outputs on the worker's main thread (synchronous path) instead of "
         "handing them to the async output thread",
         "cuda_graphs": "replay each denoising step of the embedded DiT from a captured CUDA graph (one launch "
-        "per step instead of hundreds; on a CUDA device, without DLO or TP); "
+        "per step instead of hundreds; on a CUDA device, without DLO, TP, sp_size or cfg_parallel); "
         "--no-cuda-graphs launches every kernel from Python",
+        "sp_size": "sequence-parallel ranks of a denoising stage: that many worker processes split the image "
+        "tokens of every request and attend over them together (Ulysses all-to-all, ring attention where "
+        "the head count does not divide); the embedded DiT and FLUX; see PARALLEL.md",
+        "cfg_parallel": "run the conditional and the unconditional pass of classifier-free guidance on two "
+        "ranks (twice the worker processes; with sp_size, 2 x sp_size); the embedded DiT and SD3, not "
+        "FLUX (its guidance is distilled); see PARALLEL.md",
         "hang_timeout_s": "a worker process silent this long (no heartbeat, which it sends every second even "
         "while a batch runs) is taken as hung (stopped, or stuck outside Python): it is killed, what it "
         "owed fails with UNAVAILABLE, and its group restarts",
@@ -129,6 +139,7 @@ class StageSettings(DloOptions):
                 f"{self.dp_size}: every DP rank needs its own GPU; use device = 'cuda' "
                 "(rank i uses cuda:i)"
             )
+        self._check_image_parallel()
         self._check_tp()
         if not self.hang_timeout_s >= HEARTBEAT_S * 2:
             raise ValueError(
@@ -165,6 +176,43 @@ class StageSettings(DloOptions):
                 "TP rank needs its own GPU; use device = 'cuda' (rank i uses cuda:i)"
             )
 
+    def _check_image_parallel(self) -> None:
+        if self.image_parallel_size() == 1:
+            return
+        split = ((f"sp_size = {self.sp_size}", self.sp_size > 1), ("cfg_parallel = true", self.cfg_parallel))
+        names = " and ".join(part for part, on in split if on)
+        if self.kind not in IMAGE_PARALLEL_KINDS:
+            raise ValueError(
+                f"{names} on a {self.kind!r} stage: sequence and CFG parallelism split the denoising "
+                f"stage ({' or '.join(map(repr, IMAGE_PARALLEL_KINDS))}); set sp_size = 1 and cfg_parallel = false"
+            )
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"{names} with tensor_parallel_size = {self.tensor_parallel_size}: tensor parallelism does "
+                "not combine with sequence or CFG parallelism; set tensor_parallel_size = 1, or sp_size = 1 "
+                "and cfg_parallel = false"
+            )
+        if self.dp_size > 1:
+            raise ValueError(
+                f"{names} with dp_size = {self.dp_size}: every rank runs each request with the others "
+                "(no DP waves); run more stage replicas instead, or set dp_size = 1"
+            )
+        world = self.image_parallel_size()
+        if self.workers not in (1, world):
+            raise ValueError(
+                f"workers = {self.workers} with {names}: the stage's {world} ranks are its workers; "
+                f"set workers = {world} (or leave it at 1)"
+            )
+        if self.device.startswith("cuda:"):
+            raise ValueError(
+                f"device = {self.device!r} with {names}: every rank needs its own GPU; use "
+                "device = 'cuda' (rank i uses cuda:i)"
+            )
+
+    def image_parallel_size(self) -> int:
+        """Ranks that split each image: sp_size per pass, two passes with cfg_parallel; 1: none."""
+        return self.sp_size * (2 if self.cfg_parallel else 1)
+
     def dp_group_size(self) -> int:
         """Ranks of the stage's DP group (DLO AllGather on a diffusion stage); 1: no group."""
         grouped = self.kind == "diffusion" and DloOptions.from_settings(self).forms_dp_group
@@ -172,7 +220,7 @@ class StageSettings(DloOptions):
 
     def worker_processes(self) -> int:
         """dp_size data-parallel ranks are that many processes, with or without a DP group."""
-        return max(self.workers, self.dp_size, self.tensor_parallel_size)
+        return max(self.workers, self.dp_size, self.tensor_parallel_size, self.image_parallel_size())
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -288,7 +336,7 @@ def _check_sleep_host_buffer(settings: StageSettings) -> None:
 
 
 # Options that count something and mean nothing below 1.
-_AT_LEAST_ONE = ("workers", "max_batch_size", "max_size", "max_steps", "default_size", "default_steps")
+_AT_LEAST_ONE = ("workers", "sp_size", "max_batch_size", "max_size", "max_steps", "default_size", "default_steps")
 
 
 def _check_counts(settings: StageSettings) -> None:

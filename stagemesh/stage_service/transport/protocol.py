@@ -12,8 +12,9 @@ SLEEP_HOST_BUFFERS = ("first_sleep", "at_start", "background")
 
 @dataclass(frozen=True)
 class DpGroup:
-    """A torch.distributed group the ranks of a stage form: the DP ranks (DLO AllGather) or
-    the TP ranks (tensor_parallel_size > 1)."""
+    """A torch.distributed group the ranks of a stage form: the DP ranks (DLO AllGather), the
+    TP ranks (tensor_parallel_size > 1) or the ranks that split one image (sp_size > 1 or
+    cfg_parallel)."""
 
     address: str  # tcp://127.0.0.1:PORT; rank 0 hosts the rendezvous store
     world_size: int
@@ -44,6 +45,10 @@ class WorkerSpec:
     dp_group: DpGroup | None = None
     # Set when the ranks are the TP ranks of one model.
     tp_group: DpGroup | None = None
+    # Set when the ranks split each image: sp_size ranks per pass, cfg_size (1 or 2) passes.
+    image_group: DpGroup | None = None
+    sp_size: int = 1
+    cfg_size: int = 1
     # False: the rank runs every batch with the group's output rank and reports nothing of it.
     output_rank: bool = True
 

@@ -178,8 +178,8 @@ class Worker:
         except Exception as exc:
             log.exception("batch failed", rpc_id=msg.rpc_id)  # one JSON line, with the stack
             self.writer.put(protocol.Failure(msg.rpc_id, f"{type(exc).__name__}: {exc}"))
-            if self.spec.tp_group is not None:
-                # The other TP ranks may wait in a collective this rank never reaches: end the
+            if self.spec.tp_group is not None or self.spec.image_group is not None:
+                # The other ranks may wait in a collective this rank never reaches: end the
                 # process so the stage restarts the group instead of running out of lockstep.
                 self.writer.close()
                 os._exit(1)
@@ -270,6 +270,7 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
     try:
         group = _join_dp_group(spec, device)
         tp = _join_tp_group(spec, device)
+        parallel = _join_image_group(spec, device)
         runner = build_runner(
             spec.kind,
             Path(spec.model_dir),
@@ -279,6 +280,7 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
             tp=tp,
             cuda_graphs=spec.cuda_graphs,
             invariant_rows=spec.invariant_rows,
+            parallel=parallel,
         )
         worker = Worker(spec, runner, device, requests, results)
     except Exception as exc:
@@ -293,7 +295,7 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
         )
     )
     worker.serve()
-    if group is not None or tp is not None:
+    if group is not None or tp is not None or parallel is not None:
         from stagemesh.stage_service.offload.collective import leave_group
 
         leave_group()
@@ -328,3 +330,16 @@ def _join_tp_group(spec: protocol.WorkerSpec, device: str):
     g = spec.tp_group
     group = join_group(g.address, spec.rank, g.world_size, device, g.timeout_s)
     return TpGroup(g.world_size, spec.rank, group)
+
+
+def _join_image_group(spec: protocol.WorkerSpec, device: str):
+    """Before loading: the ranks that split each image (sequence / CFG parallel) share one group,
+    and with both kinds of split, one sub-group per pass and per sequence slice."""
+    if spec.image_group is None:
+        return None
+    from stagemesh.stage_service.models.parallel import form_axes
+    from stagemesh.stage_service.offload.collective import join_group
+
+    g = spec.image_group
+    world = join_group(g.address, spec.rank, g.world_size, device, g.timeout_s)
+    return form_axes(spec.sp_size, spec.cfg_size, spec.rank, world)

@@ -25,7 +25,9 @@ from stagemesh.stage_service.models.diffusers_adapter.loading import (
     refuse_unsupported,
     weight_files,
 )
+from stagemesh.stage_service.models.diffusers_adapter.parallel import for_sampling, runs_unconditional
 from stagemesh.stage_service.models.diffusers_adapter.sampling import DEFAULT_STRENGTH, decode, sample
+from stagemesh.stage_service.models.parallel import ImageParallel
 from stagemesh.stage_service.offload.config import DloOptions
 
 REQUIRED_INPUTS = ("prompt_embeds", "pooled_prompt_embeds")
@@ -64,7 +66,12 @@ class DenoiseRunner(RunnerBase):
     supports_init_image = True
 
     def __init__(
-        self, model_dir: Path, device: str = "cpu", dlo: DloOptions | None = None, kind: str = "diffusion"
+        self,
+        model_dir: Path,
+        device: str = "cpu",
+        dlo: DloOptions | None = None,
+        kind: str = "diffusion",
+        parallel: ImageParallel | None = None,
     ) -> None:
         opts = dlo or DloOptions()
         refuse_unsupported(opts)
@@ -79,6 +86,9 @@ class DenoiseRunner(RunnerBase):
         self.transformer, self.offload = load_transformer(self.folder, self.family, device, dtype, opts)
         self.pipe = load_pipeline(self.folder, ["scheduler", "vae"], dtype, transformer=self.transformer)
         self.pipe.vae.to(device).eval().requires_grad_(False)
+        # Sequence / CFG parallel: every rank samples; rank 0 alone decodes and answers.
+        self.parallel = parallel or ImageParallel()
+        self.sampling_family = for_sampling(self.family, self.transformer, self.parallel)
 
     def weight_files(self) -> list[WeightFile]:
         # Under DLO the streamed blocks belong to the offload engine; sleep manages the rest.
@@ -112,9 +122,13 @@ class DenoiseRunner(RunnerBase):
         check_batch(batch)
         images, strength = starting_images(batch)
         params = batch[0].params
+        if self.parallel.cfg.rank > 0 and not runs_unconditional(params.guidance_scale):
+            return []  # no unconditional pass to run: rank 0 runs the batch alone
         generators = [torch.Generator("cpu").manual_seed(item.params.seed) for item in batch]
         embeds = self._embeddings(batch)
-        latents = sample(self.pipe, self.family, embeds, params, generators, images, strength, progress)
+        latents = sample(self.pipe, self.sampling_family, embeds, params, generators, images, strength, progress)
+        if not self.parallel.output:
+            return []  # the output rank holds the same latents and answers
         if self.decodes:
             return [{"image": decode(self.pipe, self.family, lat, params)} for lat in latents]
         return [{"latents": lat.detach()} for lat in latents]
