@@ -105,7 +105,7 @@ def test_img2img_equals_diffusers_img2img_pipeline(folders, runners, family, str
     [out] = runners[family, "diffusion"].run([work])
     want = oracle(folders, family, IMG2IMG_PIPELINES[family], work, image)
     assert torch.equal(out["image"], want), (out["image"] - want).abs().max()
-    assert encode_png(out["image"]) == encode_png(want)
+    assert encode_png(out["image"].numpy()) == encode_png(want.numpy())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -147,7 +147,7 @@ def test_sd3_negative_prompt_equals_diffusers(folders, runners, guidance):
     [out] = runners["sd3", "diffusion"].run([work])
     want = oracle(folders, "sd3", "StableDiffusion3Pipeline", work)
     assert torch.equal(out["image"], want), (out["image"] - want).abs().max()
-    assert encode_png(out["image"]) == encode_png(want)
+    assert encode_png(out["image"].numpy()) == encode_png(want.numpy())
     [plain] = runners["sd3", "diffusion"].run([item(runners["sd3", "encoder"], guidance_scale=guidance)])
     # It steers only the unconditional pass, which guidance 1 does not run.
     assert torch.equal(out["image"], plain["image"]) == (guidance == 1.0)
