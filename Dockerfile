@@ -12,13 +12,14 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 
-# The package with its default dependencies (torch from the package index: its CUDA build).
+# The package with the stage extra (torch from the package index: its CUDA build); one image runs
+# every service, though the gateway and the cache service would need only the base install.
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE ./
 COPY stagemesh ./stagemesh
 RUN python3 -m venv /opt/stagemesh \
     && /opt/stagemesh/bin/pip install --upgrade pip \
-    && /opt/stagemesh/bin/pip install . \
+    && /opt/stagemesh/bin/pip install ".[stage]" \
     && rm -rf /src
 
 # The uid the Kubernetes manifests run as (runAsUser 10001): the cache root must be its own.

@@ -117,6 +117,8 @@ class Served:
             device=device,
             step_execution=step_execution,
             cuda_graphs=cuda_graphs,
+            # batch_invariant runs every pass at max_batch_size requests: this point's batch.
+            max_batch_size=batch,
         )
         self.executor = Executor(settings)
         self.executor.start()

@@ -197,7 +197,7 @@ class DirectPath:
                 if response.HasField("outputs"):
                     inputs = dict(response.outputs.outputs)
             marks.append(time.perf_counter_ns())
-        png = encode_png(codec.from_proto(inputs["image"], "image"))
+        png = encode_png(codec.to_array(inputs["image"], "image"))
         t1 = time.perf_counter_ns()
         self.cpu_ns.append(time.process_time_ns() - c0)
         self.phase_ns.append((marks[0] - t0, marks[1] - marks[0], t1 - marks[1]))

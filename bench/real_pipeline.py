@@ -119,7 +119,7 @@ def diffusers_case(folder: Path, device: torch.device, args, group: bool) -> dic
             output_type="pt",
             generator=torch.Generator().manual_seed(args.seed),
         ).images[0]
-        return encode_png(image.permute(1, 2, 0).float().cpu())
+        return encode_png(image.permute(1, 2, 0).float().cpu().numpy())
 
     png = run()
     times = _timed(run, args.repeats, args.warmup)

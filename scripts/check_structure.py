@@ -13,7 +13,9 @@ package or stage service room: what it imports) and exits 1 when any rule is bro
 - a service (stagemesh.gateway, stagemesh.stage_service, stagemesh.cache_service) imports no
   other service and no
   application module;
-- inside stagemesh.stage_service, imports only go down the rooms in ROOMS; every module is in a room.
+- inside stagemesh.stage_service, imports only go down the rooms in ROOMS; every module is in a room;
+- nothing the base install runs (BASE_INSTALL: the gateway, the cache service, the client) imports,
+  at any depth, a package that only the `stage` extra brings (STAGE_EXTRA: torch, ...).
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ ROOMS: tuple[tuple[str, ...], ...] = (
     ("platform",),
 )
 TIER = {room: tier for tier, rooms in enumerate(ROOMS) for room in rooms}
+# `pip install stagemesh` without extras runs these; the stage's worker dependencies come with
+# `stagemesh[stage]` (and the diffusers adapter's with `[diffusers]`).
+BASE_INSTALL = ("stagemesh.gateway", "stagemesh.cache_service", "stagemesh.client")
+STAGE_EXTRA = frozenset({"torch", "safetensors", "diffusers", "transformers", "accelerate"})
 
 
 @dataclass(frozen=True)
@@ -92,16 +98,20 @@ def _imported_names(module: str, path: Path, tree: ast.AST) -> Iterable[tuple[st
                 yield (origin if alias.name == "*" else f"{origin}.{alias.name}"), node.lineno
 
 
-def find_imports(root: Path) -> tuple[dict[str, Path], list[Import]]:
+def find_imports(root: Path) -> tuple[dict[str, Path], list[Import], list[Import]]:
+    """Our modules, the imports between them, and their imports of other distributions (the
+    target is the top-level name: `torch` for `from torch.nn import functional`)."""
     modules = find_modules(root)
-    imports = []
+    imports, external = [], []
     for module, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
         for name, line in _imported_names(module, path, tree):
             target = _nearest_module(name, modules)
-            if target is not None and target != module:
+            if target is None and name.split(".")[0] not in PACKAGES:
+                external.append(Import(module, name.split(".")[0], line))
+            elif target is not None and target != module:
                 imports.append(Import(module, target, line))
-    return modules, imports
+    return modules, imports, external
 
 
 def cycles(modules: Iterable[str], imports: list[Import]) -> list[list[str]]:
@@ -209,6 +219,37 @@ def violations(root: Path, modules: dict[str, Path], imports: list[Import]) -> l
     return found
 
 
+def base_install_violations(
+    root: Path, modules: dict[str, Path], imports: list[Import], external: list[Import]
+) -> list[str]:
+    """Each module the base install reaches that imports a STAGE_EXTRA package, with the chain of
+    imports that reaches it."""
+    edges: dict[str, list[str]] = defaultdict(list)
+    for imp in imports:
+        edges[imp.source].append(imp.target)
+    via: dict[str, str | None] = {m: None for m in modules if any(_within(m, r) for r in BASE_INSTALL)}
+    todo = list(via)
+    while todo:
+        module = todo.pop()
+        for target in edges[module]:
+            if target not in via:
+                via[target] = module
+                todo.append(target)
+    found = []
+    for imp in sorted(external, key=lambda i: (i.source, i.line)):
+        if imp.source in via and imp.target in STAGE_EXTRA:
+            chain, at = [], imp.source
+            while at is not None:
+                chain.append(at)
+                at = via[at]
+            found.append(
+                f"{modules[imp.source].relative_to(root).as_posix()}:{imp.line}: {imp.source} imports "
+                f"{imp.target}, which only the stage extra installs; reached from the base install by "
+                f"{' <- '.join(chain)}"
+            )
+    return found
+
+
 def _group_order(name: str) -> tuple[int, int, str]:
     """Top of the picture first: the application, the services (the stage service room by room),
     then the shared layers."""
@@ -233,9 +274,9 @@ def layer_picture(modules: dict[str, Path], imports: list[Import]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     root = Path(argv[0]) if argv else REPO
-    modules, imports = find_imports(root)
+    modules, imports, external = find_imports(root)
     print("\n".join(layer_picture(modules, imports)))
-    found = violations(root, modules, imports)
+    found = violations(root, modules, imports) + base_install_violations(root, modules, imports, external)
     if found:
         print(f"\n{len(found)} structure violation(s):")
         print("\n".join(f"  {line}" for line in found))

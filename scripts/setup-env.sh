@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv (once) with a pinned torch first, then stagemesh with its test and dev (lint,
-# type-check) extras; again whenever pyproject.toml is newer than the last install.
+# Creates .venv (once) with a pinned torch first, then stagemesh with its test extra (which brings
+# the stage extra: torch, safetensors) and dev (lint, type-check) extras; again whenever
+# pyproject.toml is newer than the last install.
 # Sourced by scripts/up and scripts/test, so each works on a fresh machine.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 
 def _parser() -> argparse.ArgumentParser:
     # Only light modules here: client commands must not pay for importing torch.
-    from stagemesh import client
     from stagemesh.cache_service import server as cache_server
-    from stagemesh.core import logs
+    from stagemesh.client import commands as client
+    from stagemesh.core import envflags, logs
     from stagemesh.gateway import options as gateway_options
     from stagemesh.stage_service.settings import StageSettings
 
-    parser = argparse.ArgumentParser(prog="stagemesh", description=__doc__)
+    parser = envflags.EnvParser(prog="stagemesh", description=__doc__)
     parser.add_argument("--version", action="version", version=f"stagemesh {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -29,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
         help="serve a diffusers-format folder (model_index.json): an encoder stage and a "
         "diffusion stage over it; with --config, stage tables without model_dir use it",
     )
+    envflags.read_environment(up)
 
     for name, add_arguments, main_module, text in (
         ("gateway", gateway_options.add_arguments, "stagemesh.gateway.server", "run the public gateway service alone"),
@@ -42,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     ):
         p = sub.add_parser(name, help=text)
         add_arguments(p)
+        envflags.read_environment(p)  # STAGEMESH_* for every flag, those added later included
         p.set_defaults(service_main=main_module)
 
     for name, text in (
@@ -70,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
                 "--token-file",
                 default=None,
                 metavar="PATH",
-                help="file holding the bearer token for control calls (default: $STAGEMESH_TOKEN)",
+                help="file holding the bearer token for control calls (default: $STAGEMESH_TOKEN_FILE, else "
+                "$STAGEMESH_TOKEN)",
             )
         p.set_defaults(client_main=getattr(client, name))
         if name in ("sleep", "wakeup"):
@@ -120,12 +124,45 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+# What `stagemesh stage` (and `up`, which starts stages) needs beyond the base install.
+STAGE_EXTRA = ("torch", "safetensors")
+
+
+def _missing_stage_extra() -> str | None:
+    for name in STAGE_EXTRA:
+        try:
+            found = importlib.util.find_spec(name)
+        except ImportError:  # a broken installation is as good as none
+            found = None
+        if found is None:
+            return name
+    return None
+
+
+def _service_variables() -> frozenset[str]:
+    """The STAGEMESH_* variables of the service commands' flags, which `up` keeps from its
+    children, except STAGEMESH_MODEL_DIR: as before these variables existed, it names the folder
+    of the embedded model for stages whose table names none."""
+    from stagemesh.core import envflags
+
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    names = {name for command in ("gateway", "stage", "cache") for _, name in envflags.bindings(sub.choices[command])}
+    return frozenset(names - {envflags.PREFIX + "MODEL_DIR"})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in ("up", "stage") and (missing := _missing_stage_extra()) is not None:
+        print(
+            f"stagemesh {args.command}: {missing} is not installed; a stage service needs the stage "
+            "extra: pip install 'stagemesh[stage]'",
+            file=sys.stderr,
+        )
+        return 2
     if args.command == "up":
         from stagemesh import launcher
 
-        return launcher.main(args.config, args.log_level, args.model)
+        return launcher.main(args.config, args.log_level, args.model, unset_env=_service_variables())
     if hasattr(args, "service_main"):
         importlib.import_module(args.service_main).main(args)
         return 0

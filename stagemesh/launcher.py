@@ -139,8 +139,9 @@ def banner(address: str, security: SecurityConfig | None = None, env_token: bool
     return "\n".join(lines)
 
 
-async def up(config: MeshConfig) -> int:
-    supervisor = Supervisor(config.supervision, tls_ca=config.security.tls_ca or None)
+async def up(config: MeshConfig, unset_env: frozenset[str] = frozenset()) -> int:
+    """`unset_env`: variables the children must not inherit (see main)."""
+    supervisor = Supervisor(config.supervision, tls_ca=config.security.tls_ca or None, unset_env=unset_env)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -191,7 +192,12 @@ def _check_security_files(security: SecurityConfig) -> None:
         auth.load_token(security.token_file, "[security] token_file")
 
 
-def main(config_path: str | None, log_level: str | None, model: str | None = None) -> int:
+def main(
+    config_path: str | None, log_level: str | None, model: str | None = None, unset_env: frozenset[str] = frozenset()
+) -> int:
+    """`unset_env`: the services' STAGEMESH_* flag variables. mesh.toml configures the children,
+    so a variable meant for a service started alone (STAGEMESH_PORT, STAGEMESH_TLS_CA, ...) must
+    not reach every child `up` starts."""
     from stagemesh import config as mesh_config
 
     try:
@@ -208,4 +214,4 @@ def main(config_path: str | None, log_level: str | None, model: str | None = Non
         print(f"stagemesh: invalid config {config_path}: {exc}", file=sys.stderr, flush=True)
         return 2
     logs.configure("up", config.log_level)
-    return asyncio.run(up(config))
+    return asyncio.run(up(config, unset_env))

@@ -44,9 +44,12 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, settings: SupervisionConfig, *, tls_ca: str | None = None):
+    def __init__(
+        self, settings: SupervisionConfig, *, tls_ca: str | None = None, unset_env: frozenset[str] = frozenset()
+    ):
         self._settings = settings
         self._tls_ca = tls_ca  # verifies children that serve TLS; None: plaintext health checks
+        self._unset_env = unset_env  # variables of ours the children must not see
         self._children: list[Child] = []
         self._run_dir = Path(tempfile.mkdtemp(prefix="stagemesh-"))
         self._stopping = False
@@ -63,7 +66,7 @@ class Supervisor:
         argv = [*child.argv(child.port), "--ready-file", str(ready)]
         failure = self._failure_file(child)
         failure.unlink(missing_ok=True)
-        env = procutil.child_env({serve.FAILURE_FILE_ENV: str(failure)})
+        env = procutil.child_env({serve.FAILURE_FILE_ENV: str(failure)}, unset=self._unset_env)
         # Popen returns at once; the child is then watched with poll(), as every restart is.
         child.process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)  # noqa: ASYNC220
         log.info("started", child=child.name, pid=child.process.pid)

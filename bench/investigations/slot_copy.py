@@ -33,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.async_output import Forward
 from bench.common import print_table, write_json
-from stagemesh.core.codec import host_bytes
 from stagemesh.stage_service import platform
 from stagemesh.stage_service.models.config import PipelineConfig
 from stagemesh.stage_service.models.weights import ensure_model_dir
 from stagemesh.stage_service.transport.shm_pool import HEADER_BYTES, copy_into
+from stagemesh.stage_service.transport.tensors import host_bytes
 from stagemesh.stage_service.worker.async_output import copy_to_host
 
 

@@ -209,6 +209,7 @@ async def serve(args: argparse.Namespace) -> None:
         [SERVICE_NAME],
         interceptors=interceptors,
         credentials=tls.server_credentials(getattr(args, "tls_cert", None), getattr(args, "tls_key", None)),
+        health_port=getattr(args, "health_port", None),
     )
     servicer = CacheServicer(store, max_bytes=getattr(args, "max_bytes", None))
     cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, host.server)

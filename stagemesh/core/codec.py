@@ -1,61 +1,83 @@
-"""Tensor <-> stagemesh.v1.Tensor conversion (raw little-endian bytes, any torch dtype)."""
+"""stagemesh.v1.Tensor (raw little-endian bytes, a dtype name and a shape): the dtypes, the checks
+every decoder makes, and numpy arrays to and from them.
+
+Torch-free on purpose: the gateway decodes the last stage's image with it, and a gateway-only
+install has no torch. The stage's torch conversions build on these checks
+(stagemesh/stage_service/transport/tensors.py).
+"""
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from stagemesh.core.errors import InvalidArgument
 from stagemesh.v1 import tensor_pb2
 
-_DTYPES = {
-    name: getattr(torch, name)
-    for name in (
-        "float32",
-        "float16",
-        "bfloat16",
-        "float64",
-        "uint8",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "bool",
-    )
+# dtype name -> bytes per element; the names are torch's (str(dtype) without "torch.").
+ITEM_BYTES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "bool": 1,
 }
+DTYPES = tuple(ITEM_BYTES)
+# numpy has no bfloat16: its raw 16 bits are read as uint16 and widened (see to_array).
+_NUMPY = {
+    "float32": "<f4",
+    "float16": "<f2",
+    "bfloat16": "<u2",
+    "float64": "<f8",
+    "uint8": "u1",
+    "int8": "i1",
+    "int16": "<i2",
+    "int32": "<i4",
+    "int64": "<i8",
+    "bool": "?",
+}
+_NAMES = {np.dtype(code): name for name, code in _NUMPY.items() if name != "bfloat16"}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def host_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's own elements as a flat uint8 CPU tensor (a view when already contiguous on
-    the CPU; otherwise one copy of just this view, never its whole storage)."""
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-
-
-def to_proto(tensor: torch.Tensor) -> tensor_pb2.Tensor:
-    raw = host_bytes(tensor).numpy().tobytes()
-    return tensor_pb2.Tensor(dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), data=raw)
-
-
-def from_proto(message: tensor_pb2.Tensor, field: str = "tensor") -> torch.Tensor:
-    dtype = _DTYPES.get(message.dtype)
-    if dtype is None:
-        raise InvalidArgument.field(f"{field}.dtype", f"unknown dtype {message.dtype!r}; allowed: {sorted(_DTYPES)}")
+def checked_shape(message: tensor_pb2.Tensor, field: str = "tensor") -> tuple[int, ...]:
+    """The message's shape, once its dtype is known and its bytes are exactly what dtype and shape
+    need; INVALID_ARGUMENT naming `field` otherwise."""
+    item_bytes = ITEM_BYTES.get(message.dtype)
+    if item_bytes is None:
+        raise InvalidArgument.field(f"{field}.dtype", f"unknown dtype {message.dtype!r}; allowed: {sorted(DTYPES)}")
     shape = tuple(int(d) for d in message.shape)
     if any(d < 0 for d in shape):
         raise InvalidArgument.field(f"{field}.shape", "dimensions must be >= 0")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    expected = itemsize
+    expected = item_bytes
     for d in shape:
         expected *= d
     if len(message.data) != expected:
         raise InvalidArgument.field(
             f"{field}.data", f"holds {len(message.data)} bytes, shape {list(shape)} of {message.dtype} needs {expected}"
         )
-    if expected == 0:
-        return torch.empty(shape, dtype=dtype)
-    raw = torch.frombuffer(bytearray(message.data), dtype=torch.uint8)
-    return raw.view(dtype).reshape(shape)
+    return shape
+
+
+def to_array(message: tensor_pb2.Tensor, field: str = "tensor") -> np.ndarray:
+    """The message as a numpy array: a read-only view of its bytes, except bfloat16, which numpy
+    lacks and which is widened to float32 (exactly: bfloat16 is float32's upper 16 bits)."""
+    shape = checked_shape(message, field)
+    if message.dtype == "bfloat16":
+        bits = np.frombuffer(message.data, dtype=_NUMPY["bfloat16"]).astype("<u4") << 16
+        return bits.view("<f4").reshape(shape)
+    return np.frombuffer(message.data, dtype=_NUMPY[message.dtype]).reshape(shape)
+
+
+def from_array(array: np.ndarray) -> tensor_pb2.Tensor:
+    """A numpy array as a message (what the gateway sends a stage it built from, say, a decoded
+    image). numpy's dtypes only: there is no bfloat16 to send."""
+    name = _NAMES.get(array.dtype.newbyteorder("<"))
+    if name is None:
+        allowed = sorted(n for n in DTYPES if n != "bfloat16")
+        raise ValueError(f"a {array.dtype} array has no stagemesh.v1.Tensor dtype; allowed: {allowed}")
+    little = np.ascontiguousarray(array, dtype=np.dtype(_NUMPY[name]))
+    return tensor_pb2.Tensor(dtype=name, shape=list(array.shape), data=little.tobytes())

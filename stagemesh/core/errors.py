@@ -31,8 +31,19 @@ class FailedPrecondition(StagemeshError):
     """The target is in a state that refuses the call (asleep, paused, loading)."""
 
 
+# How long a caller should wait before trying again, sent as google.rpc.RetryInfo (docs/API.md).
+# UNAVAILABLE: the gateway asks each stage a health check once a second (gateway.watch), so a stage
+# that answers again is routed to within about a second, and a restarted worker takes seconds.
+UNAVAILABLE_RETRY_DELAY_S = 1.0
+# RESOURCE_EXHAUSTED (a full stage queue, results waiting for slow readers): room comes back as
+# soon as a batch ends or a client reads, well under a second on the default model.
+RESOURCE_EXHAUSTED_RETRY_DELAY_S = 0.25
+
+
 class Unavailable(StagemeshError):
     """A stage, worker or peer cannot be reached or died."""
+
+    retry_delay_s = UNAVAILABLE_RETRY_DELAY_S
 
 
 class Unimplemented(StagemeshError):
@@ -45,6 +56,8 @@ class DeadlineExceeded(StagemeshError):
 
 class ResourceExhausted(StagemeshError):
     """Admission refused: queue full or a size limit."""
+
+    retry_delay_s = RESOURCE_EXHAUSTED_RETRY_DELAY_S
 
 
 class Cancelled(StagemeshError):

@@ -9,7 +9,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 _PR_SET_PDEATHSIG = 1
 PARENT_PID_ENV = "STAGEMESH_PARENT_PID"
@@ -48,9 +48,11 @@ def watch_parent(parent_pid: int, on_orphaned: Callable[[], None], interval_s: f
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for a supervised child: ours plus the marker that ties it to us."""
+def child_env(extra: dict[str, str] | None = None, unset: Iterable[str] = ()) -> dict[str, str]:
+    """Environment for a supervised child: ours without `unset`, plus the marker that ties it to us."""
     env = dict(os.environ)
+    for name in unset:
+        env.pop(name, None)
     env[PARENT_PID_ENV] = str(os.getpid())
     env.setdefault("PYTHONUNBUFFERED", "1")
     if extra:

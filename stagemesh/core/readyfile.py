@@ -7,11 +7,13 @@ import os
 from pathlib import Path
 
 
-def write(path: str | os.PathLike, address: str, metrics: str = "") -> None:
-    """`metrics`: the /metrics HTTP address when the service has one (key left out otherwise)."""
+def write(path: str | os.PathLike, address: str, metrics: str = "", health: str = "") -> None:
+    """`metrics`: the /metrics HTTP address, `health`: the plaintext health port's address, when
+    the service has one (each key left out otherwise)."""
     target = Path(path)
     tmp = target.with_name(target.name + ".tmp")
-    info = {"address": address, "pid": os.getpid(), **({"metrics": metrics} if metrics else {})}
+    extra = {key: value for key, value in (("metrics", metrics), ("health", health)) if value}
+    info = {"address": address, "pid": os.getpid(), **extra}
     tmp.write_text(json.dumps(info))
     os.replace(tmp, target)  # readers never see a half-written file
 

@@ -4,6 +4,7 @@ from domain errors to status codes (with google.rpc details)."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import inspect
 import time
@@ -12,8 +13,8 @@ from typing import Any
 
 import grpc
 from google.protobuf import any_pb2
-from google.protobuf.message import DecodeError
-from google.rpc import code_pb2, error_details_pb2, status_pb2
+from google.protobuf.message import DecodeError, Message
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
@@ -21,6 +22,8 @@ from grpc_status import rpc_status
 from stagemesh.core import errors, logs
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# gRPC's server pushback (gRFC A6): a retrying client waits this many milliseconds before its next attempt.
+RETRY_PUSHBACK_HEADER = "grpc-retry-pushback-ms"
 
 _STATUS_BY_ERROR: dict[type[errors.StagemeshError], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -45,22 +48,42 @@ def channel_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
 
 
 def status_for(exc: errors.StagemeshError) -> tuple[grpc.StatusCode, str, tuple]:
-    """The single mapping: a domain error becomes (code, message, trailing metadata)."""
+    """The single mapping: a domain error becomes (code, message, trailing metadata).
+
+    Field violations travel as google.rpc.BadRequest; the delay before a retry of UNAVAILABLE and
+    RESOURCE_EXHAUSTED as google.rpc.RetryInfo, and also as `grpc-retry-pushback-ms`, which
+    gRPC's own retry policy (stagemesh.Client's) waits for instead of its backoff.
+    """
     if isinstance(exc, errors.UpstreamError):
         return exc.code, str(exc), exc.trailing_metadata
     code = next((c for t, c in _STATUS_BY_ERROR.items() if isinstance(exc, t)), grpc.StatusCode.INTERNAL)
+    details: list[Message] = []
+    pushback: tuple[tuple[str, str], ...] = ()
     if isinstance(exc, errors.InvalidArgument):
-        bad_request = error_details_pb2.BadRequest(
-            field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
-                for v in exc.violations
-            ]
+        details.append(
+            error_details_pb2.BadRequest(
+                field_violations=[
+                    error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+                    for v in exc.violations
+                ]
+            )
         )
-        detail = any_pb2.Any()
-        detail.Pack(bad_request)
-        status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(exc), details=[detail])
-        return code, str(exc), tuple(rpc_status.to_status(status).trailing_metadata)
-    return code, str(exc), ()
+    delay_s = getattr(exc, "retry_delay_s", None)
+    if delay_s is not None:
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromTimedelta(datetime.timedelta(seconds=delay_s))
+        details.append(retry)
+        pushback = ((RETRY_PUSHBACK_HEADER, str(round(delay_s * 1000))),)
+    if not details:
+        return code, str(exc), ()
+    status = status_pb2.Status(code=code.value[0], message=str(exc), details=[_packed(d) for d in details])
+    return code, str(exc), (*rpc_status.to_status(status).trailing_metadata, *pushback)
+
+
+def _packed(message: Message) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
 
 
 def request_id_of(context: grpc.aio.ServicerContext, explicit: str = "") -> str:
@@ -95,7 +118,13 @@ def images_hint(context: grpc.aio.ServicerContext) -> int:
     return 1
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+def echoed_request_id(request_id: str) -> tuple[tuple[str, str], ...]:
+    """The x-request-id a server sends back: empty for an id that is no valid metadata value (the
+    method itself refuses such an id in its message, INVALID_ARGUMENT naming request_id)."""
+    return outgoing_metadata(request_id) if request_id and all(" " <= c <= "~" for c in request_id) else ()
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str, echo: tuple) -> None:
     if isinstance(exc, errors.StagemeshError):
         code, message, trailing = status_for(exc)
         log.info("rpc refused", method=method, code=code.name, reason=message)
@@ -107,11 +136,16 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
             (),
         )
         log.exception("rpc failed", method=method)
-    await context.abort(code, message, trailing_metadata=trailing)
+    await context.abort(code, message, trailing_metadata=(*trailing, *echo))
 
 
 def servicer_method(func: Callable) -> Callable:
-    """Wraps a servicer method: binds the request id to logs and maps domain errors to status codes.
+    """Wraps a servicer method: binds the request id to logs, sends it back as x-request-id, and
+    maps domain errors to status codes.
+
+    The id goes out in the initial metadata with the first reply message, and in the trailing
+    metadata of an error. Not before the first message: a client's gRPC retry policy retries
+    UNAVAILABLE only while no response headers have arrived.
 
     Works for unary methods and for server-streaming (async generator) methods.
     """
@@ -121,31 +155,40 @@ def servicer_method(func: Callable) -> Callable:
 
         @functools.wraps(func)
         async def stream_wrapper(self, request, context):
-            with logs.bound_request(request_id_of(context, getattr(request, "request_id", ""))):
+            request_id = request_id_of(context, getattr(request, "request_id", ""))
+            echo = echoed_request_id(request_id)
+            with logs.bound_request(request_id):
                 started = time.perf_counter()
                 try:
                     async for item in func(self, request, context):
+                        if echo:
+                            await context.send_initial_metadata(echo)
+                            echo = ()
                         yield item
                     log.info("rpc done", method=name, ms=round((time.perf_counter() - started) * 1e3, 2))
                 except grpc.aio.AbortError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - mapped to a status, never a traceback
-                    await _abort(context, exc, name)
+                    await _abort(context, exc, name, echoed_request_id(request_id))
 
         return stream_wrapper
 
     @functools.wraps(func)
     async def unary_wrapper(self, request, context):
-        with logs.bound_request(request_id_of(context, getattr(request, "request_id", ""))):
+        request_id = request_id_of(context, getattr(request, "request_id", ""))
+        echo = echoed_request_id(request_id)
+        with logs.bound_request(request_id):
             started = time.perf_counter()
             try:
                 reply = await func(self, request, context)
+                if echo:
+                    await context.send_initial_metadata(echo)
                 log.info("rpc done", method=name, ms=round((time.perf_counter() - started) * 1e3, 2))
                 return reply
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:  # noqa: BLE001 - mapped to a status, never a traceback
-                await _abort(context, exc, name)
+                await _abort(context, exc, name, echo)
 
     return unary_wrapper
 
@@ -248,7 +291,9 @@ _NO_SILENT_CANCELLATION = [
 
 
 class ServiceHost:
-    """A grpc.aio server with health (NOT_SERVING until marked ready) and reflection."""
+    """A grpc.aio server with health (NOT_SERVING until marked ready) and reflection; with a
+    `health_port`, a second, plaintext server answering grpc.health.v1 alone (the same statuses)
+    for probes that cannot speak TLS."""
 
     def __init__(
         self,
@@ -259,6 +304,7 @@ class ServiceHost:
         *,
         interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
         credentials: grpc.ServerCredentials | None = None,
+        health_port: int | None = None,
     ):
         # credentials: TLS for the port (stagemesh.core.tls); None serves plaintext.
         # Innermost, so the other interceptors (metrics) see its refusals like any other status.
@@ -283,6 +329,27 @@ class ServiceHost:
         except RuntimeError as exc:
             raise errors.Unavailable(f"cannot bind {host}:{port}: {exc}") from None
         self.address = f"{host}:{self.port}"
+        self.health_server: grpc.aio.Server | None = None
+        self.health_address = ""
+        if health_port is not None:
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            try:
+                bound = self.health_server.add_insecure_port(f"{host}:{health_port}")
+            except RuntimeError as exc:
+                raise errors.Unavailable(f"cannot bind --health-port {host}:{health_port}: {exc}") from None
+            self.health_address = f"{host}:{bound}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
+
+    async def stop(self, grace_s: float) -> None:
+        """The calls in flight get `grace_s`; the health port answers NOT_SERVING until the end."""
+        await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(None)
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

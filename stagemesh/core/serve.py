@@ -8,7 +8,7 @@ import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from stagemesh.core import errors, logs, procutil, readyfile
+from stagemesh.core import envflags, errors, logs, procutil, readyfile
 from stagemesh.core.metrics import ServiceMetrics
 from stagemesh.core.rpc import ServiceHost
 
@@ -35,10 +35,10 @@ async def run(
     # First: a metrics port that cannot be bound refuses the start before anything listens.
     metrics_address = metrics.start() if metrics is not None else ""
     await host.set_serving(False)
-    await host.server.start()
+    await host.start()
     if ready_file:
-        readyfile.write(ready_file, host.address, metrics=metrics_address)
-    log.info("listening", address=host.address)
+        readyfile.write(ready_file, host.address, metrics=metrics_address, health=host.health_address)
+    log.info("listening", address=host.address, **({"health": host.health_address} if host.health_address else {}))
     try:
         if load is not None:
             loader = asyncio.ensure_future(load())
@@ -57,7 +57,7 @@ async def run(
     finally:
         log.info("stopping", address=host.address)
         await host.set_serving(False)
-        await host.server.stop(STOP_GRACE_S)
+        await host.stop(STOP_GRACE_S)
         if close is not None:
             await close()
         if metrics is not None:
@@ -114,6 +114,7 @@ def main(
 
 
 def _refused(service: str, exc: Exception, code: int) -> None:
-    log.error(f"{service} failed to start", reason=str(exc))
-    record_failure(str(exc))
+    reason = envflags.explain(str(exc))
+    log.error(f"{service} failed to start", reason=reason)
+    record_failure(reason)
     raise SystemExit(code) from None

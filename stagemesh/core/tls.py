@@ -18,6 +18,21 @@ import grpc
 from stagemesh.core import errors
 
 CA_ENV = "STAGEMESH_TLS_CA"
+HEALTH_PORT_HELP = (
+    "also answer grpc.health.v1 (and nothing else) in plaintext on this port, bound to --host, for "
+    "health probes that cannot speak TLS (the kubelet's gRPC probes); 0 picks a free one; unset: none"
+)
+
+
+def health_port_argument(text: str) -> int:
+    """argparse type of --health-port."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port; allowed: 0 (a free port) to 65535")
+    return port
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, client: bool = True) -> None:
@@ -29,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, client: bool = True) -> No
         help="serve TLS with this certificate chain; needs --tls-key (default: plaintext)",
     )
     parser.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert (default: plaintext)")
+    parser.add_argument("--health-port", type=health_port_argument, default=None, metavar="PORT", help=HEALTH_PORT_HELP)
     if client:
         parser.add_argument(
             "--tls-ca",

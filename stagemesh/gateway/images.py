@@ -1,4 +1,4 @@
-"""Images in and out of the gateway: the decoded image tensor turned into what the client asked
+"""Images in and out of the gateway: the decoded image array turned into what the client asked
 for (PNG, JPEG, WebP), and a client's starting image (image-to-image) read back into pixels."""
 
 from __future__ import annotations
@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 
 import numpy as np
-import torch
 from PIL import Image
 
 from stagemesh.core.errors import InvalidArgument
@@ -18,21 +17,21 @@ INIT_IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 _SAVE_FORMATS = {OUTPUT_PNG: "PNG", OUTPUT_JPEG: "JPEG", OUTPUT_WEBP: "WEBP"}
 
 
-def to_uint8(image: torch.Tensor) -> torch.Tensor:
-    """[H, W, 3] float in [0, 1] -> uint8, rounding half away from zero deterministically."""
-    return (image.float() * 255.0).round().clamp(0, 255).to(torch.uint8)
+def to_uint8(image: np.ndarray) -> np.ndarray:
+    """[H, W, 3] float in [0, 1] -> uint8: scaled in float32, rounded half to even, clamped."""
+    return (image.astype(np.float32, copy=False) * np.float32(255.0)).round().clip(0, 255).astype(np.uint8)
 
 
-def encode(image: torch.Tensor, output_format: str, quality: int) -> bytes:
+def encode(image: np.ndarray, output_format: str, quality: int) -> bytes:
     """[H, W, 3] float in [0, 1] as PNG, or as JPEG / WebP at `quality` (1-100)."""
-    pixels = to_uint8(image).contiguous().numpy()
+    pixels = np.ascontiguousarray(to_uint8(image))
     buffer = io.BytesIO()
     options = {} if output_format == OUTPUT_PNG else {"quality": quality}
     Image.fromarray(pixels).save(buffer, format=_SAVE_FORMATS[output_format], **options)
     return buffer.getvalue()
 
 
-def encode_png(image: torch.Tensor) -> bytes:
+def encode_png(image: np.ndarray) -> bytes:
     return encode(image, OUTPUT_PNG, 0)
 
 
@@ -66,7 +65,7 @@ def probe_init_image(data: bytes, limits: Limits) -> InitImage:
     return InitImage(width, height, data)
 
 
-def decode_init_image(image: InitImage) -> torch.Tensor:
+def decode_init_image(image: InitImage) -> np.ndarray:
     """The probed starting image's pixels, uint8 [height, width, 3] RGB (alpha dropped; an
     animation's first frame). Blocks for as long as decoding takes: run it off the event loop."""
     with _open(image.data) as opened:
@@ -75,7 +74,6 @@ def decode_init_image(image: InitImage) -> torch.Tensor:
         except (OSError, SyntaxError, ValueError) as exc:
             raise _refuse(f"cannot be decoded ({exc})") from None
     if rgb.size != (image.width, image.height):
-        raise _refuse(
-            f"decodes to {rgb.size[0]}x{rgb.size[1]} pixels, not the {image.width}x{image.height} it declares"
-        )
-    return torch.from_numpy(np.array(rgb, dtype=np.uint8))
+        declared = f"{image.width}x{image.height}"
+        raise _refuse(f"decodes to {rgb.size[0]}x{rgb.size[1]} pixels, not the {declared} it declares")
+    return np.array(rgb, dtype=np.uint8)

@@ -136,7 +136,7 @@ class Pipeline:
         if params.init_image is None:
             return None
         image = params.init_image
-        return await asyncio.to_thread(lambda: codec.to_proto(decode_init_image(image)))
+        return await asyncio.to_thread(lambda: codec.from_array(decode_init_image(image)))
 
     def _wire_params(self, stage: StageClient, params: Params) -> generation_pb2.GenerationParams:
         """What `stage` is told: a stage that cannot use a negative prompt or a starting image
@@ -200,7 +200,7 @@ class Pipeline:
         if params.output_format == OUTPUT_TENSOR:
             result.tensor.CopyFrom(image_proto)
         else:
-            data = encode(codec.from_proto(image_proto, "image"), params.output_format, params.quality)
+            data = encode(codec.to_array(image_proto, "image"), params.output_format, params.quality)
             setattr(result, params.output_format, data)  # the oneof's png, jpeg or webp
         return result
 

@@ -129,6 +129,7 @@ async def serve_gateway(args: argparse.Namespace) -> None:
         max_receive_bytes=args.max_request_bytes,
         interceptors=[*metrics.interceptors(), *auth.interceptors(token, CONTROL_METHODS)],
         credentials=credentials,
+        health_port=args.health_port,
     )
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
         GatewayServicer(pipeline, control, DeliveryBudget(args.max_undelivered_bytes)), host.server

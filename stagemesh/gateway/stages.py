@@ -2,8 +2,8 @@
 
 Data-plane calls (Execute) go over one channel per stage whose replicas gRPC's round_robin
 balances. Control calls (SleepStage, WakeUpStage, DescribeStage) must reach every replica, so
-they go concurrently over one channel per replica address; a `dns:///` target is resolved at
-call time to find the replicas behind the name.
+they go concurrently over one channel per replica address; a `dns:` target is resolved at call
+time to find the replicas behind the name (by the DNS server it names, as gRPC's resolver does).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stagemesh.core import auth, errors, logs, rpc, tls
 from stagemesh.core.params import Limits
+from stagemesh.gateway import dns
 from stagemesh.v1 import control_pb2, generation_pb2, stage_pb2, stage_pb2_grpc
 
 log = logs.get_logger("stagemesh.gateway")
@@ -30,6 +31,9 @@ _STATUS_DETAILS_KEY = "grpc-status-details-bin"
 _DNS_SCHEME = "dns:"
 _DEFAULT_PORT = 443  # gRPC's default when a target names no port
 NO_WORKER_RANK = -1  # rank of the ACK that stands for a replica that did not answer
+# A replica that went away (a crash, a restart) is dialled again with gRPC's exponential backoff;
+# capped here (gRPC's own cap is 120 s) so that a restarted replica is used again within seconds.
+RECONNECT_BACKOFF_MAX_S = 5.0
 
 
 def channel_target(addresses: list[str]) -> str:
@@ -41,16 +45,32 @@ def channel_target(addresses: list[str]) -> str:
     return "ipv4:" + ",".join(addresses)
 
 
-def dns_host_port(target: str) -> tuple[str, int] | None:
-    """(host, port) of a `dns:[//authority/]host[:port]` target; None for any other target.
+@dataclass(frozen=True)
+class DnsTarget:
+    """A `dns:[//SERVER/]host[:port]` target: the name, its port, and the DNS server it names
+    (None: the system's resolver)."""
 
-    A DNS authority (a resolver address) is not honoured here: the system resolver answers.
-    """
+    host: str
+    port: int
+    server: tuple[str, int] | None = None
+
+
+def dns_target(target: str) -> DnsTarget | None:
+    """The parts of a `dns:` target; None for any other target. A SERVER that is not an IP
+    address (gRPC's resolver takes no other) is refused naming --stage."""
     if not target.startswith(_DNS_SCHEME):
         return None
     rest = target[len(_DNS_SCHEME) :]
+    server = None
     if rest.startswith("//"):
-        rest = rest[2:].split("/", 1)[-1]
+        authority, _, rest = rest[2:].partition("/")
+        if authority:
+            try:
+                server = dns.server_address(authority)
+            except ValueError as exc:
+                raise errors.InvalidArgument.field(
+                    "--stage", f"{target}: the DNS server must be IP[:PORT] or [IPv6][:PORT] ({exc})"
+                ) from None
     if rest.startswith("["):  # [v6]:port
         host, _, port = rest[1:].partition("]")
         port = port.lstrip(":")
@@ -58,7 +78,7 @@ def dns_host_port(target: str) -> tuple[str, int] | None:
         host, port = rest.split(":")
     else:
         host, port = rest, ""
-    return host, int(port) if port else _DEFAULT_PORT
+    return DnsTarget(host, int(port) if port else _DEFAULT_PORT, server)
 
 
 def _address(sockaddr: tuple, family: int) -> str:
@@ -66,9 +86,12 @@ def _address(sockaddr: tuple, family: int) -> str:
     return f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
 
 
-async def resolve(host: str, port: int) -> list[str]:
-    """Every address `host` resolves to (as round_robin sees them), in resolver order."""
-    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+async def resolve(target: DnsTarget) -> list[str]:
+    """Every address the target's name resolves to (as round_robin sees them), in resolver order."""
+    if target.server is not None:
+        found = await dns.lookup(target.host, target.server)
+        return [_address((ip, target.port), socket.AF_INET6 if ":" in ip else socket.AF_INET) for ip in found]
+    infos = await asyncio.get_running_loop().getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
     return list(dict.fromkeys(_address(sockaddr, family) for family, _, _, _, sockaddr in infos))
 
 
@@ -136,7 +159,7 @@ class StageClient:
     token: str | None = field(default=None, repr=False)  # sent on SleepStage/WakeUpStage
 
     def __post_init__(self) -> None:
-        self._dns = dns_host_port(self.addresses[0]) if len(self.addresses) == 1 else None
+        self._dns = dns_target(self.addresses[0]) if len(self.addresses) == 1 else None
         self._channel = self._open(channel_target(self.addresses))
         self._control_metadata = auth.bearer_metadata(self.token)
         # Why the stage is cut off (see gateway.watch); None while it answers.
@@ -152,13 +175,17 @@ class StageClient:
             self._replicas = {a: self._open_replica(a) for a in self.addresses}
 
     def _open(self, target: str) -> grpc.aio.Channel:
-        options = [*rpc.channel_options(), ("grpc.service_config", _ROUND_ROBIN)]
+        options = [
+            *rpc.channel_options(),
+            ("grpc.service_config", _ROUND_ROBIN),
+            ("grpc.max_reconnect_backoff_ms", int(RECONNECT_BACKOFF_MAX_S * 1000)),
+        ]
         if self.tls_ca and len(self.addresses) > 1:
             # An ipv4:/ipv6: list is no host name; verify the replicas' certificates against the first host.
             options.append(("grpc.ssl_target_name_override", self.addresses[0].rsplit(":", 1)[0].strip("[]")))
         elif self.tls_ca and self._dns is not None and target != self.addresses[0]:
             # A resolved replica address: verify it against the name the target gave, as round_robin does.
-            options.append(("grpc.ssl_target_name_override", self._dns[0]))
+            options.append(("grpc.ssl_target_name_override", self._dns.host))
         return tls.channel(target, self.tls_ca, options, aio=True)
 
     def _open_replica(self, address: str):
@@ -186,9 +213,9 @@ class StageClient:
         """address -> (channel, stub) of every replica, resolving a DNS name again."""
         if self._dns is not None:
             try:
-                found = await resolve(*self._dns)
+                found = await resolve(self._dns)
             except OSError as exc:
-                raise errors.Unavailable(f"{self.name}: cannot resolve {self._dns[0]}: {exc}") from None
+                raise errors.Unavailable(f"{self.name}: cannot resolve {self._dns.host}: {exc}") from None
             for address in found:
                 if address not in self._replicas:
                     self._replicas[address] = self._open_replica(address)

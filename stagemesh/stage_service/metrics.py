@@ -28,6 +28,18 @@ def stage_readings(engine: Engine, executor: Executor, control: StageControl, re
             ),
             Reading("stagemesh_stage_waiting_requests", "admitted requests not yet handed to a worker", engine.waiting),
             Reading(
+                "stagemesh_stage_batches",
+                "batches handed to the workers (DP waves not counted)",
+                engine.batches,
+                counter=True,
+            ),
+            Reading(
+                "stagemesh_stage_batched_requests",
+                "requests in those batches; over stagemesh_stage_batches_total, the mean batch size",
+                engine.batched_requests,
+                counter=True,
+            ),
+            Reading(
                 "stagemesh_stage_device_memory_bytes",
                 "device memory the workers use, as each last reported it",
                 executor.device_memory_bytes(),

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from stagemesh.core import auth, codec, converters, logs, rpc, serve, tls
+from stagemesh.core import auth, converters, logs, rpc, serve, tls
 from stagemesh.core.metrics import ServiceMetrics
 from stagemesh.core.params import Limits
 from stagemesh.core.rpc import ServiceHost, servicer_method
@@ -22,6 +22,7 @@ from stagemesh.stage_service.metrics import stage_readings
 from stagemesh.stage_service.models.contract import TensorSpec
 from stagemesh.stage_service.models.diffusers_adapter import FolderError
 from stagemesh.stage_service.settings import StageSettings
+from stagemesh.stage_service.transport import tensors
 from stagemesh.v1 import control_pb2, stage_pb2, stage_pb2_grpc
 from stagemesh.weight_store.checkpoint import CheckpointError
 
@@ -44,7 +45,7 @@ def _ack_proto(stage_id: int, ack: Ack) -> control_pb2.WorkerAck:
 
 
 def _encode_outputs(outputs: dict[str, torch.Tensor]) -> dict[str, Any]:
-    return {name: codec.to_proto(t) for name, t in outputs.items()}
+    return {name: tensors.to_proto(t) for name, t in outputs.items()}
 
 
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
@@ -63,7 +64,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         check_inputs(request.inputs, self.input_specs)
         image = init_image(request.inputs, self.limits.supports_init_image)
         params = converters.params_from_proto(request.params, self.limits, image)
-        inputs = {name: codec.from_proto(t, f"inputs[{name}]") for name, t in request.inputs.items()}
+        inputs = {name: tensors.from_proto(t, f"inputs[{name}]") for name, t in request.inputs.items()}
         explicit_steps = request.params.HasField("num_inference_steps")
         images = rpc.images_hint(context)
         async for event in self._engine.run(request_id, params, inputs, explicit_steps, images):
@@ -132,6 +133,7 @@ async def serve_stage(settings: StageSettings) -> None:
         [SERVICE_NAME],
         interceptors=[*metrics.interceptors(), *auth.interceptors(token, CONTROL_METHODS)],
         credentials=tls.server_credentials(settings.tls_cert, settings.tls_key),
+        health_port=settings.health_port,
     )
     _export_cache_security(token, settings.tls_ca)
     loop = asyncio.get_running_loop()
@@ -140,7 +142,9 @@ async def serve_stage(settings: StageSettings) -> None:
         loop.create_task(host.set_serving(serving))
 
     executor = Executor(settings, on_death=lambda group, why: engine.worker_died(group, why))
-    engine = Engine(executor, settings.kind, settings.max_batch_size, settings.max_queue, on_health)
+    engine = Engine(
+        executor, settings.kind, settings.max_batch_size, settings.max_queue, on_health, settings.batch_invariant
+    )
     control = StageControl(executor.stage_name, engine, executor, settings.enable_sleep)
     servicer = StageServicer(settings, engine, executor, control)
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, host.server)

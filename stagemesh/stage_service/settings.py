@@ -8,15 +8,17 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from stagemesh.core import logs, metrics
+from stagemesh.core import envflags, logs, metrics, tls
 from stagemesh.core.params import Limits
 from stagemesh.stage_service.offload.config import HELP as DLO_HELP
 from stagemesh.stage_service.offload.config import DloOptions
-from stagemesh.stage_service.transport.protocol import HEARTBEAT_S
+from stagemesh.stage_service.transport.protocol import HEARTBEAT_S, SLEEP_HOST_BUFFERS
 
 # encoder / denoise / decode: stages of a diffusers-format folder (docs/MODELS.md)
 KINDS = ("ar", "diffusion", "encoder", "denoise", "decode")
 PRESETS = ("tiny", "flux-sized")
+# The kinds that run a denoising loop, which sequence and CFG parallelism split.
+IMAGE_PARALLEL_KINDS = ("diffusion", "denoise")
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,11 @@ class StageSettings(DloOptions):
     max_batch_size: int = 4
     step_execution: bool = False
     cuda_graphs: bool = True
+    batch_invariant: bool = True
+    sp_size: int = 1
+    cfg_parallel: bool = False
     enable_sleep: bool = True
+    sleep_host_buffer: str = "first_sleep"
     hang_timeout_s: float = 30.0
     max_queue: int = 256
     max_size: int = 1024
@@ -51,6 +57,7 @@ class StageSettings(DloOptions):
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    health_port: int | None = None
     token_file: str = ""
 
     _HELP = {
@@ -67,13 +74,30 @@ class StageSettings(DloOptions):
         "checkpoint (model_index.json); default: the embedded model's cache folder",
         "model_preset": "dimensions used when the folder holds no weights yet: 'tiny' or 'flux-sized'",
         "max_batch_size": "most compatible requests run together as one batch",
+        "batch_invariant": "a request's output bytes do not depend on the requests it is batched with: a "
+        "diffusion or denoise stage still forms batches but runs each request's forward passes with the "
+        "shapes it has alone; --no-batch-invariant samples a batch as one (faster where kernels are "
+        "launch-bound, but the same seed may round differently by one level in a few pixels)",
         "enable_sleep": "accept SleepStage/WakeUpStage (freeing device memory on demand); "
         "--no-enable-sleep makes them UNIMPLEMENTED",
+        "sleep_host_buffer": "when each worker prepares the host buffer a level-1 sleep copies the weights into "
+        "(page-locked, the size of the weights the sleep manages): 'first_sleep' (the first level-1 sleep "
+        "also faults its pages in and locks them: seconds per 20 GB), 'at_start' (before the worker "
+        "reports ready) or 'background' (on threads once the model is loaded, while the worker serves); "
+        "prepared ahead, the first sleep copies at link speed and the buffer holds that host memory for "
+        "the worker's life, and the checkpoint is also kept mapped and page-locked from the first level-2 "
+        "sleep on (its page cache: the weights' size again), so level-2 wakes copy at link speed too",
         "step_execution": "copy and pack outputs on the worker's main thread (synchronous path) instead of "
         "handing them to the async output thread",
         "cuda_graphs": "replay each denoising step of the embedded DiT from a captured CUDA graph (one launch "
-        "per step instead of hundreds; on a CUDA device, without DLO or TP); "
+        "per step instead of hundreds; on a CUDA device, without DLO, TP, sp_size or cfg_parallel); "
         "--no-cuda-graphs launches every kernel from Python",
+        "sp_size": "sequence-parallel ranks of a denoising stage: that many worker processes split the image "
+        "tokens of every request and attend over them together (Ulysses all-to-all, ring attention where "
+        "the head count does not divide); the embedded DiT and FLUX; see PARALLEL.md",
+        "cfg_parallel": "run the conditional and the unconditional pass of classifier-free guidance on two "
+        "ranks (twice the worker processes; with sp_size, 2 x sp_size); the embedded DiT and SD3, not "
+        "FLUX (its guidance is distilled); see PARALLEL.md",
         "hang_timeout_s": "a worker process silent this long (no heartbeat, which it sends every second even "
         "while a batch runs) is taken as hung (stopped, or stuck outside Python): it is killed, what it "
         "owed fails with UNAVAILABLE, and its group restarts",
@@ -92,6 +116,7 @@ class StageSettings(DloOptions):
         "tls_cert": "serve TLS with this certificate chain (PEM); needs --tls-key; empty: plaintext",
         "tls_key": "private key (PEM) of --tls-cert",
         "tls_ca": "CA bundle (PEM) verifying the cache service when it serves TLS; empty: plaintext channel",
+        "health_port": tls.HEALTH_PORT_HELP,
         "token_file": "file holding the bearer token that SleepStage/WakeUpStage must carry, also sent to the "
         "cache service when publishing; empty: $STAGEMESH_TOKEN, or none",
         **DLO_HELP,
@@ -100,6 +125,7 @@ class StageSettings(DloOptions):
     def __post_init__(self) -> None:
         _check_kind(self.kind)  # first: the other checks' advice assumes a known kind
         _check_counts(self)
+        _check_sleep_host_buffer(self)
         _check_defaults_within_limits(self)
         super().__post_init__()  # refused DLO combinations fail at start, saying what to change
         if self.dp_size > 1 and self.workers not in (1, self.dp_size):
@@ -113,6 +139,7 @@ class StageSettings(DloOptions):
                 f"{self.dp_size}: every DP rank needs its own GPU; use device = 'cuda' "
                 "(rank i uses cuda:i)"
             )
+        self._check_image_parallel()
         self._check_tp()
         if not self.hang_timeout_s >= HEARTBEAT_S * 2:
             raise ValueError(
@@ -120,6 +147,9 @@ class StageSettings(DloOptions):
                 f"send a heartbeat every {HEARTBEAT_S:g} s)"
             )
         metrics.check_port(self.metrics_port, "metrics_port")
+        port = self.health_port
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+            raise ValueError(f"health_port = {port!r}: allowed 0 (a free port) to 65535, or unset for none")
 
     def _check_tp(self) -> None:
         tp = self.tensor_parallel_size
@@ -146,6 +176,43 @@ class StageSettings(DloOptions):
                 "TP rank needs its own GPU; use device = 'cuda' (rank i uses cuda:i)"
             )
 
+    def _check_image_parallel(self) -> None:
+        if self.image_parallel_size() == 1:
+            return
+        split = ((f"sp_size = {self.sp_size}", self.sp_size > 1), ("cfg_parallel = true", self.cfg_parallel))
+        names = " and ".join(part for part, on in split if on)
+        if self.kind not in IMAGE_PARALLEL_KINDS:
+            raise ValueError(
+                f"{names} on a {self.kind!r} stage: sequence and CFG parallelism split the denoising "
+                f"stage ({' or '.join(map(repr, IMAGE_PARALLEL_KINDS))}); set sp_size = 1 and cfg_parallel = false"
+            )
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"{names} with tensor_parallel_size = {self.tensor_parallel_size}: tensor parallelism does "
+                "not combine with sequence or CFG parallelism; set tensor_parallel_size = 1, or sp_size = 1 "
+                "and cfg_parallel = false"
+            )
+        if self.dp_size > 1:
+            raise ValueError(
+                f"{names} with dp_size = {self.dp_size}: every rank runs each request with the others "
+                "(no DP waves); run more stage replicas instead, or set dp_size = 1"
+            )
+        world = self.image_parallel_size()
+        if self.workers not in (1, world):
+            raise ValueError(
+                f"workers = {self.workers} with {names}: the stage's {world} ranks are its workers; "
+                f"set workers = {world} (or leave it at 1)"
+            )
+        if self.device.startswith("cuda:"):
+            raise ValueError(
+                f"device = {self.device!r} with {names}: every rank needs its own GPU; use "
+                "device = 'cuda' (rank i uses cuda:i)"
+            )
+
+    def image_parallel_size(self) -> int:
+        """Ranks that split each image: sp_size per pass, two passes with cfg_parallel; 1: none."""
+        return self.sp_size * (2 if self.cfg_parallel else 1)
+
     def dp_group_size(self) -> int:
         """Ranks of the stage's DP group (DLO AllGather on a diffusion stage); 1: no group."""
         grouped = self.kind == "diffusion" and DloOptions.from_settings(self).forms_dp_group
@@ -153,7 +220,7 @@ class StageSettings(DloOptions):
 
     def worker_processes(self) -> int:
         """dp_size data-parallel ranks are that many processes, with or without a DP group."""
-        return max(self.workers, self.dp_size, self.tensor_parallel_size)
+        return max(self.workers, self.dp_size, self.tensor_parallel_size, self.image_parallel_size())
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -166,8 +233,12 @@ class StageSettings(DloOptions):
                 kwargs["choices"] = KINDS
             elif f.name == "model_preset":
                 kwargs["choices"] = PRESETS
+            elif f.name == "sleep_host_buffer":
+                kwargs["choices"] = SLEEP_HOST_BUFFERS
             elif f.name == "metrics_port":
                 kwargs["type"] = metrics.port_argument  # int | None: unset is off
+            elif f.name == "health_port":
+                kwargs["type"] = tls.health_port_argument
             if f.type in ("bool", bool):
                 kwargs["action"] = argparse.BooleanOptionalAction
             elif f.type in ("int", int):
@@ -189,7 +260,7 @@ class StageSettings(DloOptions):
         try:
             return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
         except ValueError as exc:  # a refused combination: say what to change, no traceback
-            print(f"stagemesh stage: error: {exc}", file=sys.stderr, flush=True)
+            print(f"stagemesh stage: error: {envflags.explain(str(exc))}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None  # a usage error, as argparse's own
 
     @classmethod
@@ -253,8 +324,19 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"kind = {kind!r}: not a stage kind; allowed: {', '.join(KINDS)}")
 
 
+def _check_sleep_host_buffer(settings: StageSettings) -> None:
+    mode = settings.sleep_host_buffer
+    if mode not in SLEEP_HOST_BUFFERS:
+        raise ValueError(f"sleep_host_buffer = {mode!r}: allowed: {', '.join(SLEEP_HOST_BUFFERS)}")
+    if mode != "first_sleep" and not settings.enable_sleep:
+        raise ValueError(
+            f"sleep_host_buffer = {mode!r} with enable_sleep = false: it would hold host memory for a "
+            "sleep that never comes; enable sleep or leave sleep_host_buffer at 'first_sleep'"
+        )
+
+
 # Options that count something and mean nothing below 1.
-_AT_LEAST_ONE = ("workers", "max_batch_size", "max_size", "max_steps", "default_size", "default_steps")
+_AT_LEAST_ONE = ("workers", "sp_size", "max_batch_size", "max_size", "max_steps", "default_size", "default_steps")
 
 
 def _check_counts(settings: StageSettings) -> None:

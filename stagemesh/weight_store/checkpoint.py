@@ -5,7 +5,8 @@ consistent with shape and dtype, data inside the file); with `validate=True` saf
 reader must also open the file and agree on the names, so any loader that reads it later accepts
 it. Sleep (level-2 wake) and the DLO mmap plan both read checkpoints through it.
 `map_file` / `map_tensors` give views through a read-only shared memory map: no copy until they are copied
-to their destination, and the file's page cache serves them.
+to their destination, and the file's page cache serves them; `file_version` tells whether a
+mapping still shows the file now at its path.
 """
 
 from __future__ import annotations
@@ -98,15 +99,32 @@ def map_file(path: str | Path) -> torch.Tensor:
     the kernel copy every page first. Weights are never written; a write would fault."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
-        if not size:
-            return torch.empty(0, dtype=torch.uint8)
-        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        return map_descriptor(fd)
     finally:
         os.close(fd)
+
+
+def map_descriptor(fd: int) -> torch.Tensor:
+    """`map_file` of the file open as `fd` (which the caller may close afterwards): the very file
+    whose version (`file_version(os.fstat(fd))`) the caller has checked."""
+    size = os.fstat(fd).st_size
+    if not size:
+        return torch.empty(0, dtype=torch.uint8)
+    mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         return torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
+
+
+FileVersion = tuple[int, int, int, int, int]
+
+
+def file_version(st: os.stat_result) -> FileVersion:
+    """What tells one version of a file from another: a file renamed over the path is another
+    inode; one rewritten in place has another size, or another modification and change time
+    (the change time cannot be set back; both move in ticks of the file system's clock, so a
+    rewrite within the tick of the write before it keeps them)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def record_view(data: torch.Tensor, r: TensorRecord) -> torch.Tensor:

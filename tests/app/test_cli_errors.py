@@ -92,6 +92,14 @@ REFUSED_CONFIGS = {
         {"second": 'kind = "diffusion"\nmax_size = 512\ndefault_size = 768'},
         "[[stages]] 1: default_size = 768 is above max_size = 512: every request leaving it unset would be refused",
     ),
+    "sleep-host-buffer-typo": (
+        {"second": 'kind = "diffusion"\nsleep_host_buffer = "eager"'},
+        "[[stages]] 1: sleep_host_buffer = 'eager': allowed: first_sleep, at_start, background",
+    ),
+    "sleep-host-buffer-without-sleep": (
+        {"second": 'kind = "diffusion"\nenable_sleep = false\nsleep_host_buffer = "at_start"'},
+        "[[stages]] 1: sleep_host_buffer = 'at_start' with enable_sleep = false: it would hold host memory",
+    ),
     "diffusion-only": (
         {"first": 'kind = "diffusion"', "second": ""},
         "stage 0 (diffusion) draws from an encoded prompt, so the stage right before it must be of kind 'ar'",

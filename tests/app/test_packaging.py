@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import email.parser
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -58,5 +59,12 @@ def test_wheel_metadata(wheel):
     assert "Typing :: Typed" in metadata.get_all("Classifier")
     requires = [r.replace(" ", "") for r in metadata.get_all("Requires-Dist")]
     assert any(r.startswith("protobuf") and "<8" in r for r in requires), requires
+    # The base install (client, gateway, cache service) pulls no torch; the stage extra does.
+    base = {re.split(r"[<>=!~;\[]", r, maxsplit=1)[0] for r in requires if ";" not in r}
+    assert not base & {"torch", "safetensors", "diffusers", "transformers"}, sorted(base)
+    assert {"numpy", "pillow", "grpcio"} <= base, sorted(base)
+    stage = {re.split(r"[<>=!~;]", r, maxsplit=1)[0] for r in requires if 'extra=="stage"' in r}
+    assert {"torch", "safetensors"} <= stage, requires
+    assert 'stagemesh[stage];extra=="test"' in requires, requires
     entry_points = wheel.read(metadata_name.replace("METADATA", "entry_points.txt")).decode()
     assert "stagemesh = stagemesh.cli:main" in entry_points

@@ -77,3 +77,22 @@ def test_finds_imports_across_layers(tmp_path):
         "stagemesh.stage_service.runner: stagemesh.stage_service.runner is in no room",
     ):
         assert expected in result.stdout
+
+
+def test_finds_a_stage_dependency_the_base_install_would_import(tmp_path):
+    root = plant(
+        tmp_path,
+        {
+            "stagemesh/gateway/server.py": "from stagemesh.core import codec\n",
+            # Inside a function counts: the base install would fail when it runs.
+            "stagemesh/core/codec.py": "def decode():\n    from torch.nn import functional\n",
+            "stagemesh/stage_service/server.py": "import torch\n",  # the stage may
+        },
+    )
+    result = check(root)
+    assert result.returncode == 1, result.stdout
+    assert (
+        "stagemesh/core/codec.py:2: stagemesh.core.codec imports torch, which only the stage extra installs; "
+        "reached from the base install by stagemesh.core.codec <- stagemesh.gateway.server" in result.stdout
+    )
+    assert "stagemesh.stage_service.server imports torch" not in result.stdout

@@ -6,9 +6,8 @@ import math
 from dataclasses import replace
 
 import pytest
-import torch
 
-from stagemesh.core import codec, converters
+from stagemesh.core import converters
 from stagemesh.core.errors import FieldViolation, InvalidArgument
 from stagemesh.core.params import InitImage, Limits, resolve
 from stagemesh.v1 import generation_pb2
@@ -82,25 +81,6 @@ def test_unknown_output_format_enum_is_refused():
     with pytest.raises(InvalidArgument) as info:
         converters.params_from_proto(generation_pb2.GenerationParams(prompt="a", output_format=99), LIMITS)
     assert info.value.violations[0].field == "params.output_format"
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int64])
-def test_tensor_codec_round_trip(dtype):
-    t = (torch.arange(24, dtype=torch.float32).reshape(2, 3, 4) - 5).to(dtype)
-    view = t.transpose(0, 2)  # non-contiguous
-    back = codec.from_proto(codec.to_proto(view))
-    assert back.dtype == dtype and back.shape == view.shape and torch.equal(back, view)
-
-
-def test_tensor_codec_refuses_inconsistent_messages():
-    msg = codec.to_proto(torch.zeros(2, 2))
-    msg.data = msg.data[:-1]
-    with pytest.raises(InvalidArgument, match="needs 16"):
-        codec.from_proto(msg, "inputs[x]")
-    msg = codec.to_proto(torch.zeros(2))
-    msg.dtype = "complex128"
-    with pytest.raises(InvalidArgument, match="unknown dtype"):
-        codec.from_proto(msg)
 
 
 # ---- negative_prompt, num_images, quality, init_image, strength ----------------------------------

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from stagemesh.core import codec
+from stagemesh.stage_service.transport import tensors
 from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 from tests.e2e.test_api_errors import _bad_request
 
@@ -35,7 +35,7 @@ def _unary(stub, **kw) -> gateway_pb2.GenerateUnaryResponse:
 def _pixels(result: generation_pb2.GenerationResult) -> torch.Tensor:
     """float32 [H, W, 3] in [0, 1], from a TENSOR result or any encoded one."""
     if result.HasField("tensor"):
-        return codec.from_proto(result.tensor)
+        return tensors.from_proto(result.tensor)
     data = getattr(result, result.WhichOneof("image"))
     with Image.open(io.BytesIO(data)) as image:
         return torch.from_numpy(np.asarray(image.convert("RGB")).copy()).float() / 255
@@ -198,8 +198,8 @@ def _execute_violations(stub, params: generation_pb2.GenerationParams, inputs: d
 
 def test_a_stage_rechecks_what_its_caller_sends(stages):
     ar, diffusion = stages
-    hidden = codec.to_proto(torch.zeros(5, 64))
-    image = codec.to_proto(torch.zeros(32, 32, 3, dtype=torch.uint8))
+    hidden = tensors.to_proto(torch.zeros(5, 64))
+    image = tensors.to_proto(torch.zeros(32, 32, 3, dtype=torch.uint8))
     base = dict(prompt="p", width=32, height=32, num_inference_steps=2, seed=1)
     cases = [
         (diffusion, dict(base, strength=0.5), {"hidden_states": hidden}, "params.strength"),
@@ -209,7 +209,7 @@ def test_a_stage_rechecks_what_its_caller_sends(stages):
         (
             diffusion,
             base,
-            {"hidden_states": hidden, "init_image": codec.to_proto(torch.zeros(32, 32, 3))},
+            {"hidden_states": hidden, "init_image": tensors.to_proto(torch.zeros(32, 32, 3))},
             "inputs[init_image]",
         ),
         (ar, base, {"init_image": image}, "inputs[init_image]"),
@@ -222,16 +222,16 @@ def test_a_stage_rechecks_what_its_caller_sends(stages):
 
 def test_a_stage_runs_an_image_to_image_request_sent_to_it_directly(stages):
     _, diffusion = stages
-    image: tensor_pb2.Tensor = codec.to_proto(torch.full((32, 32, 3), 200, dtype=torch.uint8))
+    image: tensor_pb2.Tensor = tensors.to_proto(torch.full((32, 32, 3), 200, dtype=torch.uint8))
     params = generation_pb2.GenerationParams(prompt="p", num_inference_steps=4, strength=0.5, seed=3)
     request = stage_pb2.ExecuteRequest(
         request_id="direct",
         params=params,
-        inputs={"hidden_states": codec.to_proto(torch.zeros(5, 64)), "init_image": image},
+        inputs={"hidden_states": tensors.to_proto(torch.zeros(5, 64)), "init_image": image},
     )
     replies = list(diffusion.Execute(request, timeout=30))
     assert [(r.progress.step, r.progress.total) for r in replies if r.HasField("progress")] == [(1, 2), (2, 2)]
-    drawn = codec.from_proto(replies[-1].outputs.outputs["image"])
+    drawn = tensors.from_proto(replies[-1].outputs.outputs["image"])
     assert drawn.shape == (32, 32, 3)  # the starting image's size: width and height were left unset
 
 

@@ -227,13 +227,14 @@ class Service:
         return self.process.wait(timeout)
 
 
-def spawn_service(name: str, args: list[str], folder: Path, env: dict | None = None) -> Service:
-    """Start `stagemesh ARGS --port 0 --ready-file ...` without waiting (start several at once,
-    then `wait_bound` each); its log goes to `folder/NAME.log`."""
+def spawn_service(name: str, args: list[str], folder: Path, env: dict | None = None, port: int = 0) -> Service:
+    """Start `stagemesh ARGS --port PORT --ready-file ...` without waiting (start several at once,
+    then `wait_bound` each); its log goes to `folder/NAME.log` (appended to: a restart's follows)."""
     ready, log_path = folder / f"{name}.ready", folder / f"{name}.log"
-    with open(log_path, "w") as log:
+    ready.unlink(missing_ok=True)
+    with open(log_path, "a") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "stagemesh", *args, "--port", "0", "--ready-file", str(ready)],
+            [sys.executable, "-m", "stagemesh", *args, "--port", str(port), "--ready-file", str(ready)],
             cwd=REPO,
             env={**(env or os.environ), "PYTHONUNBUFFERED": "1"},
             stdout=log,

@@ -94,7 +94,14 @@ def item(seed: int) -> WorkItem:
 class Harness:
     """A real Worker serving real multiprocessing queues on a thread of this process."""
 
-    def __init__(self, runner=None, packer=None, step_execution: bool = False, own_packer: bool = False):
+    def __init__(
+        self,
+        runner=None,
+        packer=None,
+        step_execution: bool = False,
+        own_packer: bool = False,
+        invariant_rows: int = 0,
+    ):
         self.requests = CTX.Queue()
         self.results, self.sender = result_pipe(CTX)
         spec = protocol.WorkerSpec(
@@ -105,6 +112,7 @@ class Harness:
             device="cpu",
             parent_pid=os.getpid(),
             step_execution=step_execution,
+            invariant_rows=invariant_rows,
         )
         self.runner = runner or StubRunner()
         self.worker = Worker(spec, self.runner, "cpu", self.requests, self.sender)

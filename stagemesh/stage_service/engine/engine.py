@@ -25,6 +25,7 @@ from stagemesh.stage_service.engine.request import Batch, Dispatcher, OutputsEve
 from stagemesh.stage_service.engine.waves_scheduler import WaveScheduler
 from stagemesh.stage_service.executor.executor import BatchItemFailed, Executor, ProgressFn
 from stagemesh.stage_service.executor.outputs import output_timeout
+from stagemesh.stage_service.models.batch_invariance import BATCHED_KINDS, padding_key
 
 log = logs.get_logger("stagemesh.engine")
 
@@ -38,17 +39,24 @@ class BatchDispatcher:
 
     depth = DISPATCH_DEPTH
 
-    def __init__(self, engine: Engine, kind: str, max_batch_size: int) -> None:
+    def __init__(self, engine: Engine, kind: str, max_batch_size: int, batch_invariant: bool = False) -> None:
         self._engine = engine
         self._kind = kind
         self._max_batch = max(1, max_batch_size)
+        # The runner pads a batch_invariant pass to fixed shapes: only requests whose inputs pad
+        # alike share one, or the runner splits the batch into several passes.
+        self._same_padding = batch_invariant
 
     def admit(self, req: StageRequest) -> None:
         pass  # every validated request runs in some batch
 
-    def _compatible(self, a: Params, b: Params) -> bool:
+    def _compatible(self, a: StageRequest, b: StageRequest) -> bool:
+        if self._kind not in BATCHED_KINDS:
+            return True
         # A denoising stage samples a batch as one: same size, steps and guidance.
-        return self._kind not in ("diffusion", "denoise") or a.batch_key() == b.batch_key()
+        if a.params.batch_key() != b.params.batch_key():
+            return False
+        return not self._same_padding or padding_key(a.inputs) == padding_key(b.inputs)
 
     def take(self, waiting: collections.deque[StageRequest]) -> list[StageRequest]:
         hold = self._engine.groups.hold_for(waiting[0], waiting, self._max_batch, self._engine.now())
@@ -59,7 +67,7 @@ class BatchDispatcher:
         batch, rest = [head], []
         while waiting:
             r = waiting.popleft()
-            if len(batch) < self._max_batch and self._compatible(head.params, r.params):
+            if len(batch) < self._max_batch and self._compatible(head, r):
                 batch.append(r)
             else:
                 rest.append(r)
@@ -78,6 +86,7 @@ class Engine:
         max_batch_size: int,
         max_queue: int,
         on_health: Callable[[bool], Any] | None = None,
+        batch_invariant: bool = False,
     ):
         self._executor = executor
         self._max_queue = max_queue
@@ -93,6 +102,8 @@ class Engine:
         self._closed_reason: str | None = None  # set while the stage sleeps: new requests refused
         self._active_batches = 0
         self._admitted = 0  # requests inside run(): waiting, running or delivering
+        self.batches = 0  # batches handed to worker groups (DP waves not counted)
+        self.batched_requests = 0  # requests in those batches
         self._idle = asyncio.Event()
         self._idle.set()
         self.groups = ImageGroups()
@@ -100,7 +111,7 @@ class Engine:
         self.dispatcher: Dispatcher = (
             WaveScheduler(self, executor)
             if any(g.waves for g in executor.groups)
-            else BatchDispatcher(self, kind, max_batch_size)
+            else BatchDispatcher(self, kind, max_batch_size, batch_invariant)
         )
 
     def start(self) -> None:
@@ -238,6 +249,8 @@ class Engine:
     async def execute_batch(self, batch: Batch) -> None:
         for r in batch.requests:
             r.batch = batch
+        self.batches += 1
+        self.batched_requests += len(batch.requests)
         on_progress = self.progress_listener(batch.requests)
         batch.rpc_id, fut = self._executor.submit(batch.group, [r.work_item() for r in batch.requests], on_progress)
         try:

@@ -1,7 +1,8 @@
 """Worker groups: the unit of dispatch, death and restart of a stage.
 
-A group is one worker process, the N tensor-parallel ranks of one model, or the N ranks of a
-DLO AllGather group that take requests in DP waves. Every call reaches every process of the
+A group is one worker process, the N tensor-parallel ranks of one model, the N ranks that split
+each image (sequence or CFG parallel), or the N ranks of a DLO AllGather group that take
+requests in DP waves. Every call reaches every process of the
 group and resolves with the answers of its output ranks (a TP group has one, rank 0; a wave
 group has all of them), or with the first error. When one process of a group dies the group
 is down as a whole, and it is restarted as a whole, with a fresh rendezvous address: a group
@@ -45,12 +46,23 @@ class StageOptions(Protocol):
     @property
     def cuda_graphs(self) -> bool: ...
     @property
+    def sleep_host_buffer(self) -> str: ...
+    @property
+    def batch_invariant(self) -> bool: ...
+    @property
+    def max_batch_size(self) -> int: ...
+    @property
     def tensor_parallel_size(self) -> int: ...
+    @property
+    def sp_size(self) -> int: ...
+    @property
+    def cfg_parallel(self) -> bool: ...
     @property
     def hang_timeout_s(self) -> float: ...
     def resolved_model_dir(self) -> Path: ...
     def worker_processes(self) -> int: ...
     def dp_group_size(self) -> int: ...
+    def image_parallel_size(self) -> int: ...
 
 
 @dataclass
@@ -79,7 +91,7 @@ class _Worker:
 class WorkerGroup:
     index: int
     specs: list[protocol.WorkerSpec]  # one per process, in rank order
-    collective: str = ""  # "tp" or "dp": the processes form one torch.distributed group
+    collective: str = ""  # "tp", "image" or "dp": the processes form one torch.distributed group
     waves: bool = False  # a dispatch is a DP wave: one batch per rank, every rank answers
     workers: list[_Worker] = field(default_factory=list)  # the running processes, in rank order
 
@@ -111,12 +123,15 @@ class WorkerGroup:
         address = protocol.DpGroup(f"tcp://127.0.0.1:{free_port()}", self.size, timeout_s)
         if self.collective == "dp":
             return [dataclasses.replace(spec, dp_group=address) for spec in self.specs]
+        if self.collective == "image":
+            return [dataclasses.replace(spec, image_group=address) for spec in self.specs]
         return [dataclasses.replace(spec, tp_group=address) for spec in self.specs]
 
 
 def build_groups(settings: StageOptions, parent_pid: int) -> list[WorkerGroup]:
-    """The stage's groups: TP ranks as one group, a DLO AllGather group as one wave group, else
-    one group per worker process. Option combinations were checked where the settings were built."""
+    """The stage's groups: TP ranks or the ranks that split each image as one group, a DLO
+    AllGather group as one wave group, else one group per worker process. Option combinations
+    were checked where the settings were built."""
     base = protocol.WorkerSpec(
         0,
         settings.stage_id,
@@ -127,13 +142,18 @@ def build_groups(settings: StageOptions, parent_pid: int) -> list[WorkerGroup]:
         settings.threads,
         settings.step_execution,
         cuda_graphs=settings.cuda_graphs,
+        sleep_host_buffer=settings.sleep_host_buffer,
+        invariant_rows=_invariant_rows(settings),
         dlo=DloOptions.from_settings(settings),
+        sp_size=settings.sp_size,
+        cfg_size=2 if settings.cfg_parallel else 1,
     )
     ranks = range(settings.worker_processes())
-    if settings.tensor_parallel_size > 1:
+    lockstep = "tp" if settings.tensor_parallel_size > 1 else "image" if settings.image_parallel_size() > 1 else ""
+    if lockstep:
         # Rank 0 alone reports progress and outputs; the others run each batch with it.
         specs = [dataclasses.replace(base, rank=r, output_rank=r == 0) for r in ranks]
-        return [WorkerGroup(0, specs, collective="tp")]
+        return [WorkerGroup(0, specs, collective=lockstep)]
     if settings.dp_group_size() > 1:
         return [WorkerGroup(0, [dataclasses.replace(base, rank=r) for r in ranks], collective="dp", waves=True)]
     return [WorkerGroup(r, [dataclasses.replace(base, rank=r)]) for r in ranks]
@@ -229,3 +249,11 @@ def first_answer(call: GroupCall) -> cf.Future:
     call.future.add_done_callback(forward)
     out.add_done_callback(_cancel_if_cancelled(weakref.ref(call.future)))
     return out
+
+
+def _invariant_rows(settings: StageOptions) -> int:
+    """Requests per forward pass under batch_invariant: the stage's largest batch, or one where a
+    DP wave gives each rank one request; 0 without it."""
+    if not settings.batch_invariant:
+        return 0
+    return 1 if settings.dp_group_size() > 1 else settings.max_batch_size

@@ -85,9 +85,11 @@ class ItemError(ValueError):
 
 class Runner(Protocol):
     """What the worker calls. `kind` names the stage kind the runner serves; the two flags say
-    whether the pipeline uses a negative prompt and a starting image (INIT_IMAGE_INPUT)."""
+    whether the pipeline uses a negative prompt and a starting image (INIT_IMAGE_INPUT);
+    `batch_invariant` whether it gives an item the same output whatever its batch mates."""
 
     kind: str
+    batch_invariant: bool
     supports_negative_prompt: bool
     supports_init_image: bool
 
@@ -113,6 +115,8 @@ class RunnerBase:
     sets `offload`."""
 
     offload: Any = None  # offload.engine.LayerwiseOffload when enable_dlo is set
+    # True: an item's output does not depend on its batch mates (batch_invariant, done by the runner).
+    batch_invariant = False
     supports_negative_prompt = False
     supports_init_image = False
 

@@ -13,6 +13,9 @@ from torch import nn
 from stagemesh.stage_service import platform
 from stagemesh.stage_service.models.config import DiTConfig
 from stagemesh.stage_service.models.contract import Progress
+from stagemesh.stage_service.models.parallel import Axis, exchange_passes
+from stagemesh.stage_service.models.sequence_parallel import Shard
+from stagemesh.stage_service.models.sequence_parallel import attention as split_attention
 from stagemesh.stage_service.models.tp import TpGroup, column, row, split
 from stagemesh.stage_service.offload.plan import OffloadPlan
 
@@ -62,7 +65,9 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
 
 class Attention(nn.Module):
     """Multi-head attention; self-attention when no context is given. Under TP each rank
-    runs its own heads (q, k, v column-parallel) and the output projection is row-parallel."""
+    runs its own heads (q, k, v column-parallel) and the output projection is row-parallel.
+    Under sequence parallelism (`shard`) x is this rank's slice of the tokens and self-attention
+    reaches the whole sequence through the group; cross-attention needs nothing of the others."""
 
     def __init__(self, hidden: int, heads: int, tp: TpGroup | None = None) -> None:
         super().__init__()
@@ -76,13 +81,20 @@ class Attention(nn.Module):
         return t.view(b, n, self.heads, d // self.heads).transpose(1, 2)
 
     def forward(
-        self, x: torch.Tensor, context: torch.Tensor | None = None, key_mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
+        shard: Shard | None = None,
     ) -> torch.Tensor:
-        context = x if context is None else context
-        k, v = self.kv(context).chunk(2, dim=-1)
-        # key_mask [B, L] True = attend; broadcast over heads and queries.
-        mask = None if key_mask is None else key_mask[:, None, None, :]
-        out = F.scaled_dot_product_attention(self._heads(self.q(x)), self._heads(k), self._heads(v), attn_mask=mask)
+        k, v = self.kv(x if context is None else context).chunk(2, dim=-1)
+        q, k, v = self._heads(self.q(x)), self._heads(k), self._heads(v)
+        if shard is not None and context is None:
+            out, _ = split_attention(q, k, v, shard)
+        else:
+            # key_mask [B, L] True = attend; broadcast over heads and queries.
+            mask = None if key_mask is None else key_mask[:, None, None, :]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         b, _, n, _ = out.shape
         return self.proj(out.transpose(1, 2).reshape(b, n, -1))
 
@@ -101,10 +113,15 @@ class DiTBlock(nn.Module):
         self.adaLN = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 6 * hidden))
 
     def forward(
-        self, x: torch.Tensor, c: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        c: torch.Tensor,
+        context: torch.Tensor,
+        context_mask: torch.Tensor | None,
+        shard: Shard | None = None,
     ) -> torch.Tensor:
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN(c).chunk(6, dim=-1)
-        x = x + gate1[:, None] * self.attn(modulate(self.norm1(x), shift1, scale1))
+        x = x + gate1[:, None] * self.attn(modulate(self.norm1(x), shift1, scale1), shard=shard)
         x = x + self.cross_attn(self.norm_cross(x), context, context_mask)
         return x + gate2[:, None] * self.mlp(modulate(self.norm2(x), shift2, scale2))
 
@@ -131,6 +148,8 @@ class DiT(nn.Module):
         super().__init__()
         self.config = config
         self.tp = tp  # None: TP1; the blocks' attention and MLP are split across tp.size ranks
+        # Set by the runner (weights do not depend on it): the image tokens split across sp ranks.
+        self.sequence_parallel: Axis | None = None
         c, p, hid = config.latent_channels, config.patch_size, config.hidden_size
         self.x_embed = nn.Linear(c * p * p, hid)
         self.t_embed = nn.Sequential(nn.Linear(TIME_FREQ_DIM, hid), nn.SiLU(), nn.Linear(hid, hid))
@@ -165,9 +184,16 @@ class DiT(nn.Module):
         tokens = self.x_embed(self._patchify(x.to(dtype))) + pos[None]
         c = self.t_embed(timestep_embedding(t).to(dtype))
         context = self.cond_embed(cond.to(dtype))
+        sp = self.sequence_parallel
+        shard = Shard(sp, tokens.shape[1]) if sp is not None and sp.split else None
+        if shard is not None:
+            tokens = shard.take(tokens, dim=1)
         for block in self.blocks:
-            tokens = block(tokens, c, context, cond_mask)
-        return self._unpatchify(self.final(tokens, c), h, w)
+            tokens = block(tokens, c, context, cond_mask, shard)
+        out = self.final(tokens, c)
+        if shard is not None:
+            out = shard.gather(out, dim=1)
+        return self._unpatchify(out, h, w)
 
 
 class LatentDecoder(nn.Module):
@@ -288,9 +314,14 @@ def velocity(
     mask: torch.Tensor,
     guided: bool,
     guidance: float | torch.Tensor,
+    cfg: Axis | None = None,
 ) -> torch.Tensor:
     """The flow velocity of latents `x` at times `t` (one per DiT row), float32; with guidance
-    `cond` holds the conditional rows then the unconditional ones."""
+    `cond` holds the conditional rows then the unconditional ones. Under CFG parallelism (`cfg`
+    split) it holds this rank's half alone and the two ranks exchange their predictions."""
+    if guided and cfg is not None and cfg.split:
+        v_c, v_u = exchange_passes(dit(x, t, cond, mask).float(), cfg)
+        return v_u + guidance * (v_c - v_u)
     v = dit(torch.cat([x, x]) if guided else x, t, cond, mask).float()
     if not guided:
         return v
@@ -306,6 +337,7 @@ def _euler(
     n: int,
     guidance_scale: float,
     progress: Progress | None,
+    cfg: Axis | None,
     start: int = 0,
 ) -> torch.Tensor:
     """Steps start..n-1 of the n-step schedule from t = 1 to 0; progress counts the steps run."""
@@ -313,7 +345,7 @@ def _euler(
     for i in range(start, n):
         t, t_next = 1.0 - i / n, 1.0 - (i + 1) / n
         t_rows = torch.full((cond.shape[0],), t, device=x.device)
-        x = x + (t_next - t) * velocity(dit, x, t_rows, cond, mask, guided, guidance_scale)
+        x = x + (t_next - t) * velocity(dit, x, t_rows, cond, mask, guided, guidance_scale, cfg)
         if progress is not None:
             progress(i + 1 - start, n - start)
     return x
@@ -356,13 +388,16 @@ def sample(
     seeds: list[int],
     progress: Progress | None = None,
     graphs: CapturedSteps | None = None,
+    cfg: Axis | None = None,
     negatives: list[torch.Tensor | None] | None = None,
     start: StartImages | None = None,
 ) -> torch.Tensor:
     """Euler flow-matching sampler; returns images [B, height, width, 3] float32 in [0, 1].
-    With `graphs` the steps are replayed from captured CUDA graphs (same arithmetic).
-    `negatives`: per row, the conditioning guidance steers away from (a negative prompt's);
-    None (or a None row) means the model's learned unconditional input. `start`: image-to-image."""
+    With `graphs` the steps are replayed from captured CUDA graphs (same arithmetic). With `cfg`
+    (CFG parallel, guided) this rank runs one pass: rank 0 the conditional, rank 1 the
+    unconditional; both hold the same latents after every step. `negatives`: per row, the
+    conditioning guidance steers away from (a negative prompt's); None (or a None row) means the
+    model's learned unconditional input. `start`: image-to-image."""
     _check_sample_args(dit, conds, width, height, num_inference_steps, seeds, negatives)
     device, dtype = dit.null_cond.device, dit.null_cond.dtype
     with torch.inference_mode():
@@ -370,14 +405,17 @@ def sample(
         if guidance_scale != 1.0:
             unconditional = negatives or [None] * len(conds)
             rows += [dit.null_cond if n is None else platform.to_device(n, device).to(dtype) for n in unconditional]
+        # Padded to the length of all rows, as one rank would: equal masks, equal arithmetic.
         cond, mask = pad_conds(rows, cond_bucket(max(r.shape[0] for r in rows)))
+        if guidance_scale != 1.0 and cfg is not None and cfg.split:
+            cond, mask = cond.chunk(2)[cfg.rank], mask.chunk(2)[cfg.rank]
         # Latents stay float32 so the Euler sum does not drift in low precision.
         x, first = _start_latents(dit, width, height, seeds, num_inference_steps, start)
         x = platform.to_device(x, device)
         if graphs is not None:
             x = graphs.denoise(x, cond, mask, num_inference_steps, guidance_scale, progress, start=first)
         else:
-            x = _euler(dit, x, cond, mask, num_inference_steps, guidance_scale, progress, start=first)
+            x = _euler(dit, x, cond, mask, num_inference_steps, guidance_scale, progress, cfg, start=first)
         rgb = decoder(x).float()
         # Channels last on the device: each request's image is then one contiguous slice, which
         # the output path ships without a strided gather on the host.

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from stagemesh.stage_service import platform
+from stagemesh.stage_service.models.batch_invariance import groups_by_key, run_in_groups
 from stagemesh.stage_service.models.contract import (
     INIT_IMAGE_INPUT,
     ItemError,
@@ -18,8 +19,9 @@ from stagemesh.stage_service.models.contract import (
     WorkItem,
     check_batch,
 )
-from stagemesh.stage_service.models.dit import StartImages, sample
+from stagemesh.stage_service.models.dit import StartImages, cond_bucket, sample
 from stagemesh.stage_service.models.dit_offload import load_offloaded_dit
+from stagemesh.stage_service.models.parallel import ImageParallel
 from stagemesh.stage_service.models.step_graphs import StepGraphs
 from stagemesh.stage_service.models.tp import TpGroup
 from stagemesh.stage_service.models.weights import (
@@ -112,25 +114,33 @@ class DiffusionRunner(RunnerBase):
         group=None,
         tp: TpGroup | None = None,
         cuda_graphs: bool = True,
+        invariant_rows: int = 0,
+        parallel: ImageParallel | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.device = device
         self.config = read_config(self.model_dir)
+        # batch_invariant: every pass runs this many requests (models.batch_invariance); 0: as given.
+        self.invariant_rows = invariant_rows
+        self.batch_invariant = invariant_rows > 0
         self.runtime_cache = None  # the runtime-cache result when dlo_enable_runtime_cache is set
         opts = dlo or DloOptions()
         self.tp = _tp_coordinate(opts, tp)
+        self.parallel = parallel or ImageParallel()
+        if self.tp is not None and self.parallel.world > 1:
+            raise ValueError("sp_size and cfg_parallel do not combine with tensor_parallel_size > 1")
         if opts.enable_dlo:
             self.dit, self.decoder, self.offload, self.runtime_cache = load_offloaded_dit(
                 self.model_dir, device, opts, group=group, tp=self.tp
             )
         else:
             self.dit, self.decoder = load_dit(self.model_dir, device, tp=self.tp)
-        # Graphs fix the weights' addresses: not with DLO (it streams them) or TP (collectives).
-        self.graphs = (
-            StepGraphs(self.dit)
-            if (cuda_graphs and platform.is_cuda(device) and self.offload is None and self.tp is None)
-            else None
-        )
+        # Every sequence-parallel rank holds every weight; only its slice of the tokens differs.
+        self.dit.sequence_parallel = self.parallel.sp if self.parallel.sp.split else None
+        # Graphs fix the weights' addresses: not with DLO (it streams them), nor with TP or
+        # image parallelism (collectives).
+        captured = cuda_graphs and platform.is_cuda(device) and self.offload is None
+        self.graphs = StepGraphs(self.dit) if captured and self.tp is None and self.parallel.world == 1 else None
 
     def weight_files(self) -> list[WeightFile]:
         # Under DLO the streamed blocks belong to the offload engine (host copies or the
@@ -201,11 +211,36 @@ class DiffusionRunner(RunnerBase):
         """Sample the whole batch as one; every item must share shape, steps and guidance.
 
         `progress(step, num_inference_steps)` follows each denoising step and may raise to
-        abort the batch.
+        abort the batch. With `invariant_rows`, requests whose conditioning pads alike run
+        together at exactly that many requests, so each one's kernels see the shapes they see
+        when it runs alone.
         """
         if not batch:
             return []
         check_batch(batch)
+        if self.parallel.cfg.rank > 0 and batch[0].params.guidance_scale == 1.0:
+            return []  # unguided: no unconditional pass to run; rank 0's pass runs the batch alone
+        if not self.invariant_rows:
+            return self._sample(batch, progress)
+        keys = [self._padding(i, item) for i, item in enumerate(batch)]
+        return run_in_groups(self._sample_filled, batch, groups_by_key(keys, self.invariant_rows), progress)
+
+    def _padding(self, index: int, item: WorkItem) -> tuple[int, int]:
+        """The lengths an item's conditioning and its negative prompt's pad to (0: none): a pass
+        pads every row to the longest, so only items alike here share one under batch_invariant."""
+        negative = item.inputs.get(NEGATIVE_HIDDEN_STATES)
+        length = 0 if negative is None else cond_bucket(self._cond(index, item, NEGATIVE_HIDDEN_STATES).shape[0])
+        return cond_bucket(self._cond(index, item).shape[0]), length
+
+    def _sample_filled(self, batch: list[WorkItem], progress: Progress | None) -> list[dict[str, torch.Tensor]]:
+        """`batch` filled up to invariant_rows requests with copies of its first; their outputs dropped."""
+        filled = batch + [batch[0]] * (self.invariant_rows - len(batch))
+        return self._sample(filled, progress, keep=len(batch))
+
+    def _sample(
+        self, batch: list[WorkItem], progress: Progress | None, keep: int | None = None
+    ) -> list[dict[str, torch.Tensor]]:
+        """Images of the first `keep` items of `batch` (default: all)."""
         head = batch[0]
         images = sample(
             self.dit,
@@ -218,9 +253,14 @@ class DiffusionRunner(RunnerBase):
             seeds=[i.params.seed for i in batch],
             progress=progress,
             graphs=self.graphs,
+            cfg=self.parallel.cfg,
             negatives=self._negatives(batch),
             start=self._start(batch),
         )
+        if keep is not None and keep < len(batch):
+            # The images kept share one storage without the fillers' (the output path ships a
+            # request's image with the storage it views).
+            images = images[:keep].clone()
         return [{"image": _output(img)} for img in images]
 
     def limits(self) -> dict:
@@ -261,11 +301,15 @@ def build_runner(
     group=None,
     tp: TpGroup | None = None,
     cuda_graphs: bool = True,
+    invariant_rows: int = 0,
+    parallel: ImageParallel | None = None,
 ) -> Runner:
     """Load the runner for a stage kind from an existing model folder (see ensure_model_dir).
     `group`: the stage's DP process group (DLO AllGather with dp_size > 1); `tp`: the rank's
     TP coordinate (tensor_parallel_size > 1, diffusion only); `cuda_graphs`: the embedded
-    DiT's steps from captured graphs where that applies (DiffusionRunner)."""
+    DiT's steps from captured graphs where that applies (DiffusionRunner); `invariant_rows`:
+    batch_invariant's fixed number of requests per pass (DiffusionRunner; 0: off); `parallel`:
+    the rank's place in the stage's sequence/CFG-parallel group (sp_size > 1 or cfg_parallel)."""
     from stagemesh.stage_service.models.diffusers_adapter import FOLDER_ONLY_KINDS, is_diffusers_folder
 
     # A diffusers-format folder (model_index.json) goes to the adapter, which alone imports
@@ -273,13 +317,24 @@ def build_runner(
     if is_diffusers_folder(model_dir) or kind in FOLDER_ONLY_KINDS:
         from stagemesh.stage_service.models.diffusers_adapter import build_runner as build_diffusers_runner
 
-        return build_diffusers_runner(kind, model_dir, device, dlo, group, tp)
+        return build_diffusers_runner(kind, model_dir, device, dlo, group, tp, parallel)
     try:
         cls = _RUNNERS[kind]
     except KeyError:
         raise ValueError(f"unknown runner kind {kind!r}; expected one of {sorted(_RUNNERS)}") from None
     if cls is DiffusionRunner:
-        return cls(model_dir, device, dlo, group, tp, cuda_graphs=cuda_graphs)
+        return cls(
+            model_dir,
+            device,
+            dlo,
+            group,
+            tp,
+            cuda_graphs=cuda_graphs,
+            invariant_rows=invariant_rows,
+            parallel=parallel,
+        )
     if tp is not None and tp.size > 1:
         raise ValueError(f"tensor parallelism covers the diffusion stage only, not {kind!r}")
+    if parallel is not None and parallel.world > 1:
+        raise ValueError(f"sp_size and cfg_parallel cover the diffusion stage only, not {kind!r}")
     return cls(model_dir, device)

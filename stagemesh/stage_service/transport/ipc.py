@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from stagemesh.core import logs
-from stagemesh.core.codec import dtype_name, host_bytes
 from stagemesh.stage_service.transport.shm_pool import SlotPool, SlotReader, copy_into, map_fd
+from stagemesh.stage_service.transport.tensors import dtype_name, host_bytes
 
 SHM_THRESHOLD_BYTES = 1_000_000
 WORKER_POOL_SLOTS = 16  # reusable segments per worker (see shm_pool): queued batches of four and outputs still read

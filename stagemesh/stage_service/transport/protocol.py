@@ -5,11 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# When a worker prepares the level-1 sleep host buffer: by the first level-1 sleep, before it
+# reports ready, or on threads once its model is loaded (worker/sleep.py).
+SLEEP_HOST_BUFFERS = ("first_sleep", "at_start", "background")
+
 
 @dataclass(frozen=True)
 class DpGroup:
-    """A torch.distributed group the ranks of a stage form: the DP ranks (DLO AllGather) or
-    the TP ranks (tensor_parallel_size > 1)."""
+    """A torch.distributed group the ranks of a stage form: the DP ranks (DLO AllGather), the
+    TP ranks (tensor_parallel_size > 1) or the ranks that split one image (sp_size > 1 or
+    cfg_parallel)."""
 
     address: str  # tcp://127.0.0.1:PORT; rank 0 hosts the rendezvous store
     world_size: int
@@ -29,12 +34,21 @@ class WorkerSpec:
     step_execution: bool = False
     # Denoising steps from captured CUDA graphs (embedded DiT, CUDA, no DLO or TP).
     cuda_graphs: bool = True
+    # When the level-1 sleep host buffer is prepared: one of SLEEP_HOST_BUFFERS.
+    sleep_host_buffer: str = "first_sleep"
+    # batch_invariant: the number of requests every forward pass runs with, so that a request's
+    # kernels see the shapes they see when it runs alone (models.batch_invariance); 0: off.
+    invariant_rows: int = 0
     # The stage's offload.config.DloOptions (frozen; typed loosely: transport sits below offload).
     dlo: Any = None
     # Set when the ranks form one process group; a fresh address for every (re)start of it.
     dp_group: DpGroup | None = None
     # Set when the ranks are the TP ranks of one model.
     tp_group: DpGroup | None = None
+    # Set when the ranks split each image: sp_size ranks per pass, cfg_size (1 or 2) passes.
+    image_group: DpGroup | None = None
+    sp_size: int = 1
+    cfg_size: int = 1
     # False: the rank runs every batch with the group's output rank and reports nothing of it.
     output_rank: bool = True
 

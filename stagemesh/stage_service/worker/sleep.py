@@ -1,10 +1,26 @@
 """Giving a worker's device memory back and taking it again.
 
-Level 1 copies every weight into one exact-size host buffer (pinned on a GPU, reused across
-cycles) and frees the device copies; level 2 frees them without a copy. Waking allocates one
-device buffer for all weights and fills it from the host buffer (level 1) or from the
-checkpoint through a memory map (level 2). The Parameter and buffer objects stay the same
-throughout: only their storage changes, so nothing that holds a module sees a difference.
+Level 1 copies every weight into one exact-size host buffer (`HostCopy`: an anonymous mapping
+faulted in and page-locked piece by piece, kept across cycles) and frees the device copies;
+level 2 frees them without a copy. Waking allocates one device buffer for all weights and fills
+it from the host buffer (level 1) or straight from the page-locked checkpoint mapping (level 2,
+`reload.MappedFill`). The Parameter and buffer objects stay the same throughout: only their
+storage changes, so nothing that holds a module sees a difference.
+
+When the host buffer is prepared is `host_buffer` (the stage's `sleep_host_buffer`):
+"first_sleep" (by the first level-1 sleep, which then pays for faulting in and locking it),
+"at_start" (before the worker reports ready) or "background" (on threads once the model is
+loaded, while the worker serves). Prepared ahead, the buffer is also warmed by one DMA per piece
+(`host_pages.WarmDma`), so the first sleep copies at link speed; it then holds host memory of the
+weights' size for the worker's life.
+
+The two modes that prepare ahead also hold the checkpoint: the first level-2 sleep maps it and
+starts locking the pieces the weights lie in on threads (while the stage sleeps), and the
+mapping and its locks are kept across cycles, so every later level-2 wake is pure DMA from
+page-locked page cache (which the kernel then cannot evict: the weights' size again). Each wake
+first checks that every file is still the version mapped (`checkpoint.file_version`); one that
+was replaced or rewritten is mapped and locked afresh. "first_sleep" maps and locks per wake
+and lets go right after.
 
 The controller manages what a runner's `weight_files()` names; a runner may leave tensors out
 (`WeightFile.skip`: those a layerwise offload engine streams from its own host copies) and hand
@@ -15,6 +31,7 @@ inside the measured window of a sleep and restored on wake.
 from __future__ import annotations
 
 import gc
+import mmap
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -23,8 +40,9 @@ import torch
 
 from stagemesh.stage_service import platform
 from stagemesh.stage_service.models.contract import DeviceHolder, WeightFile
-from stagemesh.stage_service.worker.reload import Copy, Reloader
-from stagemesh.weight_store.checkpoint import read_index
+from stagemesh.stage_service.transport.protocol import SLEEP_HOST_BUFFERS
+from stagemesh.stage_service.worker.checkpoint_source import CheckpointSource, Wanted
+from stagemesh.stage_service.worker.host_pages import PIECE_BYTES, WARM_DMA, WARM_DMAS, HostCopy, Ranges, WarmDma
 
 _ALIGN = 64  # bytes: every tensor starts on a 64-byte boundary of the flat buffers
 
@@ -55,16 +73,50 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class SleepController:
-    def __init__(self, files: list[WeightFile], device: str):
+    """`host_buffer`: when the level-1 host buffer is prepared (SLEEP_HOST_BUFFERS), and whether
+    the checkpoint is held locked across level-2 cycles (every mode but "first_sleep");
+    `piece_bytes`: the unit in which host memory is locked and copied (a multiple of the page
+    size); `warm_dma`: how memory locked ahead of need is warmed (host_pages.WARM_DMAS)."""
+
+    def __init__(
+        self,
+        files: list[WeightFile],
+        device: str,
+        host_buffer: str = "first_sleep",
+        piece_bytes: int = PIECE_BYTES,
+        warm_dma: str = WARM_DMA,
+    ):
+        if host_buffer not in SLEEP_HOST_BUFFERS:
+            raise ValueError(f"host_buffer = {host_buffer!r}; allowed: {', '.join(SLEEP_HOST_BUFFERS)}")
+        if piece_bytes <= 0 or piece_bytes % mmap.PAGESIZE:
+            raise ValueError(f"piece_bytes = {piece_bytes}: must be a positive multiple of {mmap.PAGESIZE}")
+        if warm_dma not in WARM_DMAS:
+            raise ValueError(f"warm_dma = {warm_dma!r}; allowed: {', '.join(WARM_DMAS)}")
         self.device = torch.device(device)
         self.files = files
+        self.host_buffer = host_buffer
         self.level = 0
+        self._piece_bytes = piece_bytes
+        self._warm_dma = warm_dma
         self._entries = list(self._collect())
         self._total = _aligned(sum(_aligned(e.nbytes) for e in self._entries))
-        self._host: torch.Tensor | None = None  # level-1 copy, kept for reuse across cycles
+        self._host: HostCopy | None = None  # level-1 copy, kept for reuse across cycles
         self._device_flat: torch.Tensor | None = None  # set once the weights live in one buffer
-        self._reloader = Reloader(self.device)
         self._holders: list[DeviceHolder] = []  # released by the last sleep, restored on wake
+        wanted = [Wanted(e.key, tuple(e.shape), e.dtype, e.offset, e.nbytes) for e in self._entries if e.key]
+        self._checkpoint = CheckpointSource(
+            files,
+            wanted,
+            self.device,
+            piece_bytes,
+            held=host_buffer != "first_sleep",  # the modes that hold host memory for sleep ahead of need
+            warm=lambda: self._warmer(read_only=True),
+        )
+        if host_buffer != "first_sleep":
+            self._host = HostCopy(self._total, self.device, piece_bytes, warm=self._warmer(read_only=False))
+            self._host.prepare()
+            if host_buffer == "at_start":
+                self._host.wait()
 
     def _collect(self) -> Iterator[_Entry]:
         offset = 0
@@ -86,25 +138,64 @@ class SleepController:
     def weight_bytes(self) -> int:
         return sum(e.nbytes for e in self._entries)
 
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the level-1 buffer holds now (0 when there is none)."""
+        return self._host.nbytes if self._host is not None else 0
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Bytes of the checkpoint held mapped (on a GPU: page-locked) between level-2 wakes."""
+        return self._checkpoint.held_bytes
+
+    def host_stats(self) -> dict[str, float]:
+        """How the level-1 buffer was prepared: bytes, locked_bytes, fault_s, lock_s, warm_s, ready_s."""
+        return self._host.stats() if self._host is not None else {}
+
+    def fill_stats(self) -> dict[str, float]:
+        """How the last level-2 wake read the checkpoint (`CheckpointSource.stats`)."""
+        return self._checkpoint.stats()
+
+    def settle(self) -> None:
+        """Wait until the last level-2 wake has undone its locks and unmapped the checkpoint
+        (done on a thread after the wake returns, off its path, unless the checkpoint is held).
+        Sleep and wake settle first."""
+        self._checkpoint.settle()
+
+    def close(self) -> None:
+        """Give back the host memory this controller holds (the worker's end)."""
+        self._checkpoint.close()
+        self._drop_host()
+
+    def _drop_host(self) -> None:
+        if self._host is not None:
+            self._host.close()
+            self._host = None
+
+    def _warmer(self, read_only: bool) -> WarmDma | None:
+        if self._warm_dma == "off" or not platform.is_cuda(self.device):
+            return None
+        return WarmDma(self.device, self._warm_dma, read_only=read_only)
+
     # sleep ------------------------------------------------------------------------------------
     def sleep(self, level: int, holders: Sequence[DeviceHolder] = ()) -> SleepResult:
         """`holders`: further device memory to release with the weights (restored by wake)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         started = time.perf_counter()
-        if self.level:  # already asleep: 1 -> 2 drops the host copy; anything else is a no-op
+        self.settle()
+        if self.level:  # already asleep: 1 -> 2 drops a lazily made host copy; anything else is a no-op
             if level == 2 and self.level == 1:
-                self._host = None
-                self._reloader.prepare()
+                if self.host_buffer == "first_sleep":
+                    self._drop_host()
                 self.level = 2
+                self._checkpoint.hold()
             # A shallower request leaves the deeper state: report the level the stage is at.
             return SleepResult(self.level, 0, (time.perf_counter() - started) * 1e3)
         before = self._free_memory()
         released = self._storage_bytes()
         if level == 1:
             self._copy_to_host()
-        else:
-            self._reloader.prepare()  # pin the staging chunks now, not on the wake path
         self._holders = list(holders)
         released += sum(h.release_device() for h in self._holders)
         for e in self._entries:
@@ -123,20 +214,32 @@ class SleepController:
         self._device_flat = None  # the last reference: the flat buffer goes back with the release
         freed = self._release(before, released, collect=not compact)
         self.level = level
+        if level == 2:
+            self._checkpoint.hold()  # in the modes that hold it: locked while the stage sleeps
         return SleepResult(level, freed, (time.perf_counter() - started) * 1e3)
 
     def _copy_to_host(self) -> None:
-        pin = platform.is_cuda(self.device)
-        if self._host is None or self._host.numel() != self._total:
-            self._host = torch.empty(self._total, dtype=torch.uint8, pin_memory=pin)
+        if self._host is None:
+            self._host = HostCopy(self._total, self.device, self._piece_bytes).prepare()
+        host = self._host
+        if self._device_flat is not None:  # after a wake: one range, copied piece by piece
+            sources, spans = [self._device_flat], [(0, self._total)]
+        else:
+            sources = [_bytes(e.tensor.data) for e in self._entries]
+            spans = [(e.offset, e.nbytes) for e in self._entries]
+        ranges = Ranges(spans)
         stream = platform.Stream(self.device)
         stream.wait_event(platform.DeviceEvent(self.device).record())  # weights are final
-        with stream.active():
-            if self._device_flat is not None:  # after a wake: one copy at full bandwidth
-                self._host.copy_(self._device_flat, non_blocking=pin)
-            else:
-                for e in self._entries:
-                    self._host[e.offset : e.offset + e.nbytes].copy_(_bytes(e.tensor.data), non_blocking=pin)
+        try:
+            with stream.active():
+                for piece in host.ready():  # each as soon as it is faulted in and locked
+                    for i, lo, hi in ranges.within(piece):  # a copy stays inside one locked piece
+                        src = sources[i][lo - spans[i][0] : hi - spans[i][0]]
+                        host.tensor[lo:hi].copy_(src, non_blocking=piece.locked)
+        except BaseException:
+            stream.synchronize()
+            self.close()  # a buffer that could not be prepared is made afresh by the next sleep
+            raise
         stream.synchronize()
 
     # wake -------------------------------------------------------------------------------------
@@ -145,13 +248,16 @@ class SleepController:
         level = self.level
         if not level:
             return SleepResult(0, 0, 0.0)
+        self.settle()
         before = self._free_memory()
         flat = torch.empty(self._total, dtype=torch.uint8, device=self.device)
         if level == 1:
             assert self._host is not None, "a level-1 sleep keeps the host copy"
-            flat.copy_(self._host, non_blocking=True)
+            for piece in self._host.ready():  # a copy stays inside one locked piece
+                span = slice(piece.start, piece.end)
+                flat[span].copy_(self._host.tensor[span], non_blocking=piece.locked)
         else:
-            self._fill_from_checkpoint(flat)
+            self._checkpoint.fill(flat)
         for e in self._entries:
             if level == 2 and not e.key:
                 continue
@@ -161,32 +267,10 @@ class SleepController:
         if platform.is_cuda(self.device):
             torch.cuda.synchronize(self.device)
         self._device_flat = flat
-        self._reloader.release()
         self.level = 0
         cuda = platform.is_cuda(self.device)
         taken = before - self._free_memory() if cuda else self._storage_bytes() + restored
         return SleepResult(level, taken, (time.perf_counter() - started) * 1e3)
-
-    def _fill_from_checkpoint(self, flat: torch.Tensor) -> None:
-        by_key = {e.key: e for e in self._entries if e.key}
-        copies: list[Copy] = []
-        found: set[str] = set()
-        for weight_file in self.files:
-            for key, record in read_index(weight_file.path).items():
-                e = by_key.get(key)
-                if e is None:
-                    continue
-                if record.shape != tuple(e.shape) or record.dtype != e.dtype:
-                    raise ValueError(
-                        f"{weight_file.path}: {key} is {record.shape} {record.dtype}, "
-                        f"the model holds {tuple(e.shape)} {e.dtype}"
-                    )
-                copies.append(Copy(weight_file.path, record.file_offset, e.offset, e.nbytes))
-                found.add(key)
-        missing = sorted(by_key.keys() - found)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) to reload, e.g. {missing[:3]}")
-        self._reloader.fill(flat, copies)
 
     # measurement ------------------------------------------------------------------------------
     def _free_memory(self) -> int:

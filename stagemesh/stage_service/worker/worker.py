@@ -19,6 +19,7 @@ from typing import Any
 
 from stagemesh.core import logs
 from stagemesh.stage_service import platform
+from stagemesh.stage_service.models.batch_invariance import BATCHED_KINDS, run_items_alone
 from stagemesh.stage_service.models.contract import ItemError, Runner
 from stagemesh.stage_service.transport import ipc, protocol
 from stagemesh.stage_service.worker.async_output import AsyncOutputThread, ResultWriter, new_output_id
@@ -97,6 +98,9 @@ def resolve_device(device: str, rank: int) -> str:
 
 class Worker:
     def __init__(self, spec: protocol.WorkerSpec, runner: Runner, device: str, requests, results):
+        # First, so that nothing else is made when it fails: "at_start" prepares the level-1
+        # host buffer here, before the worker reports ready.
+        self.sleep = SleepController(runner.weight_files(), device, host_buffer=spec.sleep_host_buffer)
         self.spec = spec
         self.runner = runner
         self.device = device
@@ -110,7 +114,8 @@ class Worker:
             if spec.output_rank and not spec.step_execution
             else None
         )
-        self.sleep = SleepController(runner.weight_files(), device)
+        # batch_invariant with a runner that cannot fix its batch shapes: one request at a time.
+        self.items_alone = spec.invariant_rows > 0 and spec.kind in BATCHED_KINDS and not runner.batch_invariant
 
     def serve(self) -> None:
         heartbeat = _Heartbeat(self.writer)
@@ -118,9 +123,14 @@ class Worker:
             self._serve()
         finally:
             heartbeat.stop()
-        if self.async_output is not None:
-            self.async_output.drain()
-            self.async_output.close()
+            try:
+                if self.async_output is not None:
+                    self.async_output.drain()
+                    self.async_output.close()
+            finally:
+                # The host memory sleep holds (the level-1 buffer, the locked checkpoint) is
+                # given back however serving ended.
+                self.sleep.close()
 
     def _serve(self) -> None:
         while True:
@@ -145,7 +155,11 @@ class Worker:
         try:
             items = [dataclasses.replace(item, inputs=ipc.unpack(item.inputs)) for item in msg.items]
             started = platform.DeviceEvent(self.device, timing=True).record()
-            outputs = self.runner.run(items, progress if self.spec.output_rank else None)
+            on_step = progress if self.spec.output_rank else None
+            if self.items_alone:
+                outputs = run_items_alone(self.runner.run, items, on_step)
+            else:
+                outputs = self.runner.run(items, on_step)
             if not self.spec.output_rank:
                 return
             finished = platform.DeviceEvent(self.device, timing=True).record()
@@ -164,8 +178,8 @@ class Worker:
         except Exception as exc:
             log.exception("batch failed", rpc_id=msg.rpc_id)  # one JSON line, with the stack
             self.writer.put(protocol.Failure(msg.rpc_id, f"{type(exc).__name__}: {exc}"))
-            if self.spec.tp_group is not None:
-                # The other TP ranks may wait in a collective this rank never reaches: end the
+            if self.spec.tp_group is not None or self.spec.image_group is not None:
+                # The other ranks may wait in a collective this rank never reaches: end the
                 # process so the stage restarts the group instead of running out of lockstep.
                 self.writer.close()
                 os._exit(1)
@@ -256,15 +270,24 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
     try:
         group = _join_dp_group(spec, device)
         tp = _join_tp_group(spec, device)
+        parallel = _join_image_group(spec, device)
         runner = build_runner(
-            spec.kind, Path(spec.model_dir), device, dlo=spec.dlo, group=group, tp=tp, cuda_graphs=spec.cuda_graphs
+            spec.kind,
+            Path(spec.model_dir),
+            device,
+            dlo=spec.dlo,
+            group=group,
+            tp=tp,
+            cuda_graphs=spec.cuda_graphs,
+            invariant_rows=spec.invariant_rows,
+            parallel=parallel,
         )
+        worker = Worker(spec, runner, device, requests, results)
     except Exception as exc:
         if not _says_it_all(exc):
             log.exception("model load failed")  # a bug: its stack is what the log needs
         results.put(protocol.LoadFailed(spec.rank, f"{type(exc).__name__}: {exc}"))
         return
-    worker = Worker(spec, runner, device, requests, results)
     # Ready once the worker can serve: its heartbeats start with serve(), right after.
     worker.writer.put(
         protocol.Ready(
@@ -278,7 +301,7 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
         )
     )
     worker.serve()
-    if group is not None or tp is not None:
+    if group is not None or tp is not None or parallel is not None:
         from stagemesh.stage_service.offload.collective import leave_group
 
         leave_group()
@@ -313,3 +336,16 @@ def _join_tp_group(spec: protocol.WorkerSpec, device: str):
     g = spec.tp_group
     group = join_group(g.address, spec.rank, g.world_size, device, g.timeout_s)
     return TpGroup(g.world_size, spec.rank, group)
+
+
+def _join_image_group(spec: protocol.WorkerSpec, device: str):
+    """Before loading: the ranks that split each image (sequence / CFG parallel) share one group,
+    and with both kinds of split, one sub-group per pass and per sequence slice."""
+    if spec.image_group is None:
+        return None
+    from stagemesh.stage_service.models.parallel import form_axes
+    from stagemesh.stage_service.offload.collective import join_group
+
+    g = spec.image_group
+    world = join_group(g.address, spec.rank, g.world_size, device, g.timeout_s)
+    return form_axes(spec.sp_size, spec.cfg_size, spec.rank, world)

@@ -13,11 +13,12 @@ import torch
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from stagemesh.core import codec, errors
+from stagemesh.core import errors
 from stagemesh.core.params import Params
 from stagemesh.stage_service.engine.engine import Engine, OutputsEvent
 from stagemesh.stage_service.executor.executor import Executor
 from stagemesh.stage_service.settings import StageSettings
+from stagemesh.stage_service.transport import tensors
 from stagemesh.v1 import generation_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 
 COND_DIM = 64  # the embedded DiT's conditioning width (PipelineConfig.tiny())
@@ -33,7 +34,7 @@ def _violations(exc: grpc.RpcError) -> dict[str, str]:
 
 
 def _tensor(rows: int, cols: int = COND_DIM, dtype: torch.dtype = torch.float32) -> tensor_pb2.Tensor:
-    return codec.to_proto(torch.zeros(rows, cols, dtype=dtype))
+    return tensors.to_proto(torch.zeros(rows, cols, dtype=dtype))
 
 
 @pytest.mark.mesh

@@ -22,11 +22,11 @@ import grpc
 import pytest
 import torch
 
-from stagemesh.core import codec
 from stagemesh.core.params import Params
 from stagemesh.gateway.images import encode_png
 from stagemesh.stage_service.models.diffusers_adapter import FolderError, check_stage_folder
 from stagemesh.stage_service.models.diffusers_adapter.synthetic import write_tiny
+from stagemesh.stage_service.transport import tensors
 from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2
 from tests.support.meshproc import REPO, Mesh, parallel_meshes, start_mesh
 
@@ -125,8 +125,8 @@ def test_image_equals_diffusers_own_pipeline(meshes, reference, name):
     family = MESHES[name][0]
     for case in CASES:
         want = reference[family, case]
-        assert _generate(meshes[name], case).png == encode_png(want), (name, case)
-        got = codec.from_proto(_generate(meshes[name], case, generation_pb2.OUTPUT_FORMAT_TENSOR).tensor)
+        assert _generate(meshes[name], case).png == encode_png(want.numpy()), (name, case)
+        got = tensors.from_proto(_generate(meshes[name], case, generation_pb2.OUTPUT_FORMAT_TENSOR).tensor)
         if "dlo" in name:
             # DLO runs the blocks from aligned slot copies; diffusers' CPU weights are views
             # into the safetensors mapping, where MKL's GEMV rounds differently (last bits).

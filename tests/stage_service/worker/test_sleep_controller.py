@@ -6,6 +6,8 @@ loaders the workers use, and the weight sources are the runners' own `weight_fil
 
 from __future__ import annotations
 
+import errno
+import mmap
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from stagemesh.stage_service.models.weights import DIT_FILE
 from stagemesh.stage_service.worker.sleep import SleepController
 
 ALIGN = 64
+PIECE = 4 * mmap.PAGESIZE  # small pieces: the tiny model's weights span dozens of them
 
 
 @pytest.fixture
@@ -150,14 +153,97 @@ def test_level_1_host_buffer_is_exact_and_reused_across_cycles(diffusion):
     expected = _expected_host_bytes(files)
     assert expected % ALIGN == 0 and expected >= controller.weight_bytes
     controller.sleep(1)
-    host = controller._host  # the buffer itself is under test
-    assert host is not None and host.dtype == torch.uint8 and host.numel() == expected
+    assert controller.host_bytes == expected
+    host = controller._host.tensor  # the buffer itself is under test
+    assert host.dtype == torch.uint8 and host.numel() == expected
     pointer = host.data_ptr()
     controller.wake()
     for _ in range(3):
         controller.sleep(1)
-        assert controller._host.data_ptr() == pointer and controller._host.numel() == expected
+        assert controller._host.tensor.data_ptr() == pointer and controller.host_bytes == expected
         controller.wake()
+
+
+@pytest.mark.parametrize("mode", ["at_start", "background"])
+def test_a_buffer_prepared_ahead_is_held_from_the_start_and_kept_at_every_level(diffusion, mode):
+    files = diffusion.weight_files()
+    state_before = _snapshot(files)
+    expected = _expected_host_bytes(files)
+    controller = SleepController(files, "cpu", host_buffer=mode, piece_bytes=PIECE)
+    assert controller.host_bytes == expected  # held before any sleep
+    pieces = controller._host.pieces.pieces
+    if mode == "at_start":
+        assert len(pieces) > 1 and all(p.ready.is_set() for p in pieces)  # prepared before it returned
+    pointer = controller._host.tensor.data_ptr()
+    controller.sleep(1)
+    assert controller._host.tensor.data_ptr() == pointer  # the first sleep used it
+    controller.wake()
+    controller.sleep(1)
+    controller.sleep(2)  # deeper: the buffer stays, as it would at start
+    assert controller.host_bytes == expected and controller._host.tensor.data_ptr() == pointer
+    controller.wake()
+    assert _snapshot(files) == state_before
+    controller.close()
+    assert controller.host_bytes == 0
+
+
+def test_first_sleep_mode_holds_nothing_until_a_level_1_sleep(diffusion):
+    files = diffusion.weight_files()
+    expected = _expected_host_bytes(files)
+    controller = SleepController(files, "cpu")
+    assert controller.host_bytes == 0
+    controller.sleep(2)
+    controller.wake()
+    assert controller.host_bytes == 0  # level 2 needs no host copy
+    controller.sleep(1)
+    assert controller.host_bytes == expected
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_weights_split_across_many_pieces_round_trip_bit_exactly(diffusion, level):
+    files = diffusion.weight_files()
+    cond = _fixed_cond(diffusion)
+    image_before = _bits(_image(diffusion, cond))
+    state_before = _snapshot(files)
+    controller = SleepController(files, "cpu", piece_bytes=PIECE)
+    assert controller._total > 20 * PIECE  # most tensors cross a piece edge somewhere
+    for _ in range(2):  # the first sleep copies tensor by tensor, later ones the one flat buffer
+        controller.sleep(level)
+        _assert_all_released(files)
+        controller.wake()
+        assert _snapshot(files) == state_before
+    assert _bits(_image(diffusion, cond)) == image_before
+
+
+def test_a_host_buffer_that_cannot_be_prepared_fails_the_sleep_and_leaves_the_stage_awake(diffusion, monkeypatch):
+    # Running out of host memory cannot be provoked safely here: the fault-in reports it instead.
+    from stagemesh.stage_service import platform
+
+    files = diffusion.weight_files()
+    state_before = _snapshot(files)
+    controller = SleepController(files, "cpu", piece_bytes=PIECE)
+    real_fault_in = platform.fault_in
+
+    def out_of_memory(tensor):
+        raise OSError(errno.ENOMEM, "cannot fault in host memory")
+
+    monkeypatch.setattr(platform, "fault_in", out_of_memory)
+    with pytest.raises(OSError, match="cannot fault in"):
+        controller.sleep(1)
+    assert controller.level == 0 and controller.host_bytes == 0  # nothing freed, nothing held
+    assert _snapshot(files) == state_before
+    monkeypatch.setattr(platform, "fault_in", real_fault_in)
+    controller.sleep(1)  # a fresh buffer this time
+    controller.wake()
+    assert _snapshot(files) == state_before
+
+
+def test_bad_host_buffer_options_are_refused(diffusion):
+    files = diffusion.weight_files()
+    with pytest.raises(ValueError, match="first_sleep, at_start, background"):
+        SleepController(files, "cpu", host_buffer="eager")
+    with pytest.raises(ValueError, match="multiple of"):
+        SleepController(files, "cpu", piece_bytes=PIECE + 1)
 
 
 def test_level_1_then_level_2_drops_the_host_copy_and_reloads_from_the_checkpoint(diffusion):

@@ -101,6 +101,17 @@ def test_sleep_drains_first_then_frees_the_weights(harness_factory):
     assert h.next_of(protocol.Ack).error is None and weight.shape == (8, 8)
 
 
+def test_a_worker_that_stops_gives_back_the_host_memory_sleep_holds(harness_factory):
+    h = harness_factory()
+    h.send(protocol.Control("ctl-sleep", "sleep", {"level": 1}))
+    assert h.next_of(protocol.Ack).error is None
+    assert h.worker.sleep.host_bytes > 0  # the level-1 copy of the weights
+    h.send(protocol.Shutdown())
+    h.thread.join(WAIT_S)
+    assert not h.thread.is_alive()
+    assert h.worker.sleep.host_bytes == 0 and h.worker.sleep.checkpoint_bytes == 0
+
+
 def test_control_errors_come_back_as_acks(harness_factory):
     h = harness_factory()
     h.send(protocol.Control("ctl-x", "teleport"))

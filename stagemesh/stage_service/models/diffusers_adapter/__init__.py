@@ -30,14 +30,17 @@ __all__ = [
 ]
 
 
-def build_runner(kind: str, model_dir, device: str = "cpu", dlo=None, group=None, tp=None):
-    """The runner of a `kind` stage over a diffusers folder (imports diffusers on first use)."""
+def build_runner(kind: str, model_dir, device: str = "cpu", dlo=None, group=None, tp=None, parallel=None):
+    """The runner of a `kind` stage over a diffusers folder (imports diffusers on first use).
+    `parallel`: the rank's sequence / CFG-parallel coordinate (denoising kinds only)."""
     if group is not None or (tp is not None and tp.size > 1):
         raise ValueError(
             "DP process groups and tensor parallelism are not available for "
             "diffusers-format folders; use dp_size = 1 (or dlo_use_allgather = "
             "false) and tensor_parallel_size = 1"
         )
+    if parallel is not None and parallel.world > 1 and kind not in ("diffusion", "denoise"):
+        raise ValueError(f"sp_size and cfg_parallel split a denoising stage, not kind {kind!r}")
     if kind == "encoder":
         from stagemesh.stage_service.models.diffusers_adapter.encoder import EncoderRunner
 
@@ -45,7 +48,7 @@ def build_runner(kind: str, model_dir, device: str = "cpu", dlo=None, group=None
     if kind in ("diffusion", "denoise"):
         from stagemesh.stage_service.models.diffusers_adapter.denoise import DenoiseRunner
 
-        return DenoiseRunner(model_dir, device, dlo, kind)
+        return DenoiseRunner(model_dir, device, dlo, kind, parallel)
     if kind == "decode":
         from stagemesh.stage_service.models.diffusers_adapter.denoise import DecodeRunner
 

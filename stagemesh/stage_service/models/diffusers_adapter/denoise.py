@@ -1,9 +1,12 @@
 """Stage kinds "diffusion" (transformer + scheduler loop + VAE decode -> image), "denoise" (the
-same without the VAE -> latents) and "decode" (the VAE alone: latents -> image).
+same without the decode -> latents) and "decode" (the VAE alone: latents -> image).
 
-The denoising stage calls the pipeline itself with the encoder stage's embeddings, one CPU
-generator per request seeded with its seed, and a step callback for progress; so its image equals
-`pipe(prompt=..., generator=torch.Generator().manual_seed(seed))` of the unsplit pipeline.
+The denoising stages run `sampling.sample` over the encoder stage's embeddings with one CPU
+generator per request seeded with its seed. Text-to-image equals `pipe(prompt=...,
+generator=torch.Generator().manual_seed(seed))` of the unsplit pipeline; image-to-image (a
+starting image in INIT_IMAGE_INPUT, params.strength) equals the family's Img2Img pipeline called
+with `image=...` and `strength=...`. Both denoising kinds load the VAE: its encoder turns a
+starting image into latents.
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from stagemesh.stage_service.models.contract import RunnerBase, WeightFile, check_batch
-from stagemesh.stage_service.models.diffusers_adapter.families import family_of, pixel_multiple, vae_scale_factor
+from stagemesh.stage_service.models.contract import INIT_IMAGE_INPUT, ItemError, RunnerBase, WeightFile, check_batch
+from stagemesh.stage_service.models.diffusers_adapter.families import family_of, pixel_multiple
 from stagemesh.stage_service.models.diffusers_adapter.folder import check_stage_folder
 from stagemesh.stage_service.models.diffusers_adapter.loading import (
     checkpoint_dtype,
@@ -22,22 +25,53 @@ from stagemesh.stage_service.models.diffusers_adapter.loading import (
     refuse_unsupported,
     weight_files,
 )
+from stagemesh.stage_service.models.diffusers_adapter.parallel import for_sampling, runs_unconditional
+from stagemesh.stage_service.models.diffusers_adapter.sampling import DEFAULT_STRENGTH, decode, sample
+from stagemesh.stage_service.models.parallel import ImageParallel
 from stagemesh.stage_service.offload.config import DloOptions
 
 REQUIRED_INPUTS = ("prompt_embeds", "pooled_prompt_embeds")
 OPTIONAL_INPUTS = ("negative_prompt_embeds", "negative_pooled_prompt_embeds")
 
 
-def _image(t: torch.Tensor) -> torch.Tensor:
-    """[3, H, W] in [0, 1] -> the [H, W, 3] float32 image the gateway encodes."""
-    return t.permute(1, 2, 0).float().detach()
+def starting_images(batch) -> tuple[list[torch.Tensor] | None, float]:
+    """The batch's starting images and strength; (None, 1.0) for text-to-image. Items share
+    params.strength (the batch key); unset with starting images means DEFAULT_STRENGTH."""
+    strength = batch[0].params.strength
+    given = [INIT_IMAGE_INPUT in item.inputs for item in batch]
+    if strength is None and not any(given):
+        return None, 1.0
+    if strength is not None and not 0 < strength <= 1:
+        raise ValueError(f"params.strength {strength} is out of range; allowed: greater than 0, at most 1")
+    images = []
+    for index, item in enumerate(batch):
+        image = item.inputs.get(INIT_IMAGE_INPUT)
+        if image is None:
+            why = "params.strength is set" if strength is not None else "other items of its batch have one"
+            raise ItemError(index, f"{item.request_id}: inputs lack {INIT_IMAGE_INPUT!r} ({why})")
+        want = [item.params.height, item.params.width, 3]
+        if image.dtype != torch.uint8 or list(image.shape) != want:
+            raise ItemError(
+                index,
+                f"{item.request_id}: {INIT_IMAGE_INPUT!r} must be uint8 {want} (height, width, RGB); "
+                f"got {image.dtype} {list(image.shape)}",
+            )
+        images.append(image)
+    return images, DEFAULT_STRENGTH if strength is None else strength
 
 
 class DenoiseRunner(RunnerBase):
     """kind "diffusion" decodes with the VAE; kind "denoise" hands latents to a "decode" stage."""
 
+    supports_init_image = True
+
     def __init__(
-        self, model_dir: Path, device: str = "cpu", dlo: DloOptions | None = None, kind: str = "diffusion"
+        self,
+        model_dir: Path,
+        device: str = "cpu",
+        dlo: DloOptions | None = None,
+        kind: str = "diffusion",
+        parallel: ImageParallel | None = None,
     ) -> None:
         opts = dlo or DloOptions()
         refuse_unsupported(opts)
@@ -46,29 +80,27 @@ class DenoiseRunner(RunnerBase):
         self.device = device
         self.folder = check_stage_folder(model_dir, kind)
         self.family = family_of(self.folder)
+        # The negative embeddings reach this stage only where the family guides with them.
+        self.supports_negative_prompt = self.family.supports_negative_prompt
         dtype = checkpoint_dtype(self.folder)
         self.transformer, self.offload = load_transformer(self.folder, self.family, device, dtype, opts)
-        keep = ["scheduler", "vae"] if self.decodes else ["scheduler"]
-        self.pipe = load_pipeline(self.folder, keep, dtype, transformer=self.transformer)
-        if self.decodes:
-            self.pipe.vae.to(device).eval().requires_grad_(False)
-        else:
-            # Without a VAE the pipeline falls back to a scale of 8; latents must match the VAE.
-            self.pipe.vae_scale_factor = vae_scale_factor(self.folder)
+        self.pipe = load_pipeline(self.folder, ["scheduler", "vae"], dtype, transformer=self.transformer)
+        self.pipe.vae.to(device).eval().requires_grad_(False)
+        # Sequence / CFG parallel: every rank samples; rank 0 alone decodes and answers.
+        self.parallel = parallel or ImageParallel()
+        self.sampling_family = for_sampling(self.family, self.transformer, self.parallel)
 
     def weight_files(self) -> list[WeightFile]:
         # Under DLO the streamed blocks belong to the offload engine; sleep manages the rest.
         streamed = self.offload.streamed if self.offload is not None else ()
         skip = tuple(f"{block.path}." for block in streamed)
         files = weight_files(self.folder, "transformer", self.transformer, skip)
-        if self.decodes:
-            files += weight_files(self.folder, "vae", self.pipe.vae)
-        return files
+        return files + weight_files(self.folder, "vae", self.pipe.vae)
 
     def device_holders(self) -> list:
         return [self.offload] if self.offload is not None else []
 
-    def _inputs(self, batch) -> dict[str, torch.Tensor]:
+    def _embeddings(self, batch) -> dict[str, torch.Tensor]:
         names = [n for n in REQUIRED_INPUTS + OPTIONAL_INPUTS if n in batch[0].inputs]
         for item in batch:
             needed = REQUIRED_INPUTS + (self.family.guided_inputs if item.params.guidance_scale > 1 else ())
@@ -83,32 +115,23 @@ class DenoiseRunner(RunnerBase):
 
     @torch.inference_mode()
     def run(self, batch, progress=None) -> list[dict[str, torch.Tensor]]:
-        """The whole batch as one pipeline call; items share shape, steps and guidance.
-        `progress(step, num_inference_steps)` follows each step and may raise to abort."""
+        """The whole batch as one sampling loop; items share shape, steps, guidance and strength.
+        `progress(step, steps run)` follows each step and may raise to abort."""
         if not batch:
             return []
         check_batch(batch)
-        head = batch[0]
-        steps = head.params.num_inference_steps
-
-        def on_step(pipe, i, t, tensors):
-            progress(i + 1, steps)
-            return tensors
-
-        out = self.pipe(
-            **self._inputs(batch),
-            height=head.params.height,
-            width=head.params.width,
-            num_inference_steps=steps,
-            guidance_scale=head.params.guidance_scale,
-            generator=[torch.Generator("cpu").manual_seed(item.params.seed) for item in batch],
-            output_type="pt" if self.decodes else "latent",
-            callback_on_step_end=on_step if progress is not None else None,
-            return_dict=False,
-        )[0]
+        images, strength = starting_images(batch)
+        params = batch[0].params
+        if self.parallel.cfg.rank > 0 and not runs_unconditional(params.guidance_scale):
+            return []  # no unconditional pass to run: rank 0 runs the batch alone
+        generators = [torch.Generator("cpu").manual_seed(item.params.seed) for item in batch]
+        embeds = self._embeddings(batch)
+        latents = sample(self.pipe, self.sampling_family, embeds, params, generators, images, strength, progress)
+        if not self.parallel.output:
+            return []  # the output rank holds the same latents and answers
         if self.decodes:
-            return [{"image": _image(img)} for img in out]
-        return [{"latents": lat.detach()} for lat in out]
+            return [{"image": decode(self.pipe, self.family, lat, params)} for lat in latents]
+        return [{"latents": lat.detach()} for lat in latents]
 
     def limits(self) -> dict:
         return {"pixel_multiple": pixel_multiple(self.folder)}
@@ -133,7 +156,6 @@ class DecodeRunner(RunnerBase):
     def run(self, batch, progress=None) -> list[dict[str, torch.Tensor]]:
         """One item at a time (a batch may mix sizes), as the pipelines decode."""
         outputs = []
-        config = self.vae.config
         for i, item in enumerate(batch):
             latents = item.inputs.get("latents")
             if latents is None:
@@ -142,13 +164,7 @@ class DecodeRunner(RunnerBase):
                     f"{sorted(item.inputs)}); the stage before must be a "
                     "'denoise' stage of the same checkpoint"
                 )
-            latents = latents[None].to(self.device)
-            if self.family.unpack is not None:
-                latents = self.family.unpack(self.pipe, latents, item.params.height, item.params.width)
-            latents = latents / config.scaling_factor + (config.shift_factor or 0.0)
-            image = self.vae.decode(latents, return_dict=False)[0]
-            image = self.pipe.image_processor.postprocess(image, output_type="pt")
-            outputs.append({"image": _image(image[0])})
+            outputs.append({"image": decode(self.pipe, self.family, latents.to(self.device), item.params)})
             if progress is not None:
                 progress(i + 1, len(batch))
         return outputs

@@ -1,5 +1,5 @@
 """Stage kind "encoder": the pipeline's tokenizers and text encoders, prompt -> named embeddings
-(e.g. prompt_embeds, pooled_prompt_embeds, and the negative ones when the request guides)."""
+(e.g. prompt_embeds, pooled_prompt_embeds, and the negative prompt's negative_* when SD3 guides)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from stagemesh.stage_service.models.contract import RunnerBase, WeightFile
+from stagemesh.stage_service.models.contract import ItemError, RunnerBase, WeightFile
 from stagemesh.stage_service.models.diffusers_adapter.families import family_of
 from stagemesh.stage_service.models.diffusers_adapter.folder import check_stage_folder
 from stagemesh.stage_service.models.diffusers_adapter.loading import checkpoint_dtype, load_pipeline, weight_files
@@ -19,6 +19,7 @@ class EncoderRunner(RunnerBase):
     def __init__(self, model_dir: Path, device: str = "cpu") -> None:
         self.folder = check_stage_folder(model_dir, self.kind)
         self.family = family_of(self.folder)
+        self.supports_negative_prompt = self.family.supports_negative_prompt
         self.device = device
         self.names = self.folder.text_components()
         self.pipe = load_pipeline(self.folder, self.names, checkpoint_dtype(self.folder))
@@ -33,9 +34,16 @@ class EncoderRunner(RunnerBase):
     def run(self, batch, progress=None) -> list[dict[str, torch.Tensor]]:
         """One prompt at a time, exactly as the pipeline encodes it (padding makes the shapes
         equal, but a batched encoder could round differently from the unsplit pipeline)."""
+        for i, item in enumerate(batch):  # before any work: the others run again without it
+            if item.params.negative_prompt and not self.supports_negative_prompt:
+                raise ItemError(
+                    i,
+                    f"{item.request_id}: params.negative_prompt is not supported by "
+                    f"{self.family.pipeline_class}: {self.family.negative_prompt_refusal}",
+                )
         outputs = []
         for i, item in enumerate(batch):
-            named = self.family.encode(self.pipe, item.params.prompt, item.params.guidance_scale, self.device)
+            named = self.family.encode(self.pipe, item.params, self.device)
             outputs.append({k: v[0].detach() for k, v in named.items()})
             if progress is not None:
                 progress(i + 1, len(batch))

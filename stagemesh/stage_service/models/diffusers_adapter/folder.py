@@ -37,10 +37,8 @@ class CheckpointFolder:
     def needed_by(self, kind: str) -> list[str]:
         if kind == "encoder":
             return self.text_components()
-        if kind == "diffusion":
+        if kind in ("diffusion", "denoise"):  # the VAE's encoder takes image-to-image's start
             return ["transformer", "scheduler", "vae"]
-        if kind == "denoise":
-            return ["transformer", "scheduler"]
         if kind == "decode":
             return ["vae"]
         raise FolderError(
@@ -57,8 +55,6 @@ class CheckpointFolder:
             )
         for name in needed:
             self._check_component(name, kind)
-        if kind == "denoise":
-            self.component_config("vae")  # latent packing depends on the VAE's scale factor
 
     def _check_component(self, name: str, kind: str) -> None:
         if name not in self.components:

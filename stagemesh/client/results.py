@@ -1,0 +1,274 @@
+"""What the client's calls return: small frozen dataclasses, never raw protobuf messages.
+
+numpy and PIL are imported only when a result is asked for `.tensor` or `.image`.
+"""
+
+from __future__ import annotations
+
+import builtins
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeAlias
+
+from stagemesh.client.requests import FORMAT_ENUMS
+from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2
+
+if TYPE_CHECKING:
+    import numpy as np
+    from PIL import Image
+
+_FORMAT_NAMES = {enum_value: name for name, enum_value in FORMAT_ENUMS.items()}
+_FORMAT_NAMES[generation_pb2.OUTPUT_FORMAT_UNSPECIFIED] = "png"
+# File suffixes that name an encoded format: save() converts when the suffix asks for another one.
+_SUFFIX_FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
+_NUMPY_DTYPES = ("float32", "float16", "float64", "uint8", "int8", "int16", "int32", "int64", "bool")
+
+
+@dataclass(frozen=True)
+class TensorData:
+    """A tensor result as it came: dtype name, shape, raw little-endian row-major bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: builtins.bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """One generated image.
+
+    `format` is "png", "jpeg", "webp" or "tensor"; `index` which of the request's num_images this
+    is (from 0; image i used seed + i); `stage_latency_ms` the milliseconds each stage spent, by
+    stage id.
+    """
+
+    request_id: str
+    format: str
+    width: int
+    height: int
+    seed: int
+    index: int
+    stage_latency_ms: dict[int, float]
+    _encoded: builtins.bytes = field(repr=False, default=b"")
+    _tensor: TensorData | None = field(repr=False, default=None)
+
+    @classmethod
+    def from_proto(cls, msg: generation_pb2.GenerationResult) -> GenerationResult:
+        which = msg.WhichOneof("image")
+        tensor = None
+        if which == "tensor":
+            tensor = TensorData(msg.tensor.dtype, tuple(int(d) for d in msg.tensor.shape), msg.tensor.data)
+        return cls(
+            request_id=msg.request_id,
+            format=_FORMAT_NAMES.get(msg.output_format, which or "png"),
+            width=msg.width,
+            height=msg.height,
+            seed=msg.seed,
+            index=msg.index,
+            stage_latency_ms={int(k): v for k, v in msg.stage_latency_ms.items()},
+            _encoded=getattr(msg, which) if which in ("png", "jpeg", "webp") else b"",
+            _tensor=tensor,
+        )
+
+    @property
+    def bytes(self) -> builtins.bytes:
+        """The encoded image (PNG, JPEG or WebP) as sent; for a tensor result its raw data."""
+        return self._tensor.data if self._tensor is not None else self._encoded
+
+    @property
+    def tensor(self) -> np.ndarray:
+        """A tensor result as a numpy array ([height, width, 3] float32 in [0, 1]); ValueError for
+        an encoded result (ask for output_format="tensor")."""
+        if self._tensor is None:
+            raise ValueError(f"this result is {self.format}, not a tensor; ask for output_format='tensor'")
+        import numpy as np
+
+        if self._tensor.dtype not in _NUMPY_DTYPES:
+            raise ValueError(f"a {self._tensor.dtype} tensor has no numpy dtype; use .bytes")
+        return np.frombuffer(self._tensor.data, dtype=np.dtype(self._tensor.dtype).newbyteorder("<")).reshape(
+            self._tensor.shape
+        )
+
+    @property
+    def image(self) -> Image.Image:
+        """The image as a PIL image (a tensor result is scaled from [0, 1] to 8-bit RGB)."""
+        import io
+
+        from PIL import Image
+
+        if self._tensor is None:
+            image = Image.open(io.BytesIO(self._encoded))
+            image.load()
+            return image
+        import numpy as np
+
+        # As the gateway encodes its PNGs: scale, round half to even, clamp.
+        pixels = np.clip(np.rint(np.asarray(self.tensor, dtype=np.float32) * np.float32(255.0)), 0, 255)
+        return Image.fromarray(pixels.astype(np.uint8))
+
+    def save(self, path: str | Path) -> Path:
+        """Write the image to `path`: the bytes as sent when the suffix matches the result's format
+        (or names none), else converted to the format the suffix names (.png, .jpg/.jpeg, .webp);
+        a tensor result to .npy as the array, to an image suffix as the 8-bit image."""
+        path = Path(path)
+        wanted = _SUFFIX_FORMATS.get(path.suffix.lower())
+        if self._tensor is not None and path.suffix.lower() == ".npy":
+            import numpy as np
+
+            np.save(path, self.tensor)
+        elif self._tensor is None and wanted in (None, self.format):
+            path.write_bytes(self._encoded)
+        else:
+            self.image.convert("RGB").save(path)
+        return path
+
+
+@dataclass(frozen=True)
+class StageStarted:
+    """A stage began work on the request."""
+
+    stage_id: int
+    kind: str
+
+
+@dataclass(frozen=True)
+class DenoisingStep:
+    """Step `step` of `total` (from 1) of the diffusion stage, for image `index` of the request."""
+
+    stage_id: int
+    step: int
+    total: int
+    index: int
+
+
+# What on_progress receives, one per streamed event: a result is an event too.
+ProgressEvent: TypeAlias = StageStarted | DenoisingStep | GenerationResult
+
+
+def event_from_proto(msg: gateway_pb2.GenerateResponse) -> ProgressEvent:
+    which = msg.WhichOneof("event")
+    if which == "stage_started":
+        return StageStarted(msg.stage_started.stage_id, msg.stage_started.kind)
+    if which == "denoising_step":
+        s = msg.denoising_step
+        return DenoisingStep(s.stage_id, s.step, s.total, s.index)
+    return GenerationResult.from_proto(msg.result)
+
+
+class StageState(enum.StrEnum):
+    UNSPECIFIED = "unspecified"
+    SERVING = "serving"
+    LOADING = "loading"
+    UNAVAILABLE = "unavailable"
+    SLEEPING = "sleeping"
+    PAUSED = "paused"
+
+
+_STAGE_STATES = {
+    v.number: StageState[v.name.removeprefix("STAGE_STATE_")] for v in gateway_pb2.StageState.DESCRIPTOR.values
+}
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """One stage as the gateway reports it, aggregated over its replicas."""
+
+    stage_id: int
+    kind: str
+    replicas: int
+    state: StageState
+    sleep_level: int
+    device: str
+    device_memory_bytes: int
+
+
+@dataclass(frozen=True)
+class StageListing:
+    """ListStages: the stages in pipeline order, and whether admission of Generate is closed.
+    Iterating it (and len()) goes over the stages."""
+
+    stages: list[StageInfo]
+    generation_paused: bool
+
+    def __iter__(self) -> Iterator[StageInfo]:
+        return iter(self.stages)
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    @classmethod
+    def from_proto(cls, msg: gateway_pb2.ListStagesResponse) -> StageListing:
+        return cls(
+            stages=[
+                StageInfo(
+                    stage_id=s.stage_id,
+                    kind=s.kind,
+                    replicas=s.replicas,
+                    state=_STAGE_STATES.get(s.state, StageState.UNSPECIFIED),
+                    sleep_level=s.sleep_level,
+                    device=s.device,
+                    device_memory_bytes=s.device_memory_bytes,
+                )
+                for s in msg.stages
+            ],
+            generation_paused=msg.generation_paused,
+        )
+
+
+class ControlStatus(enum.StrEnum):
+    UNSPECIFIED = "unspecified"
+    SUCCESS = "success"
+    SKIPPED = "skipped"  # nothing to do: no stage was called
+    ERROR = "error"  # at least one worker failed; its ack says why
+
+
+_CONTROL_STATUSES = {
+    v.number: ControlStatus[v.name.removeprefix("CONTROL_STATUS_")] for v in control_pb2.ControlStatus.DESCRIPTOR.values
+}
+
+
+@dataclass(frozen=True)
+class WorkerAck:
+    """One worker's answer to a sleep or wake. `rank` is -1 for a replica that did not answer."""
+
+    stage_id: int
+    rank: int
+    ok: bool
+    level: int
+    freed_bytes: int
+    latency_ms: float
+    error: str
+
+
+@dataclass(frozen=True)
+class ControlResult:
+    """The answer to sleep() or wake_up(): overall status, why it was skipped, one ack per worker."""
+
+    status: ControlStatus
+    reason: str
+    acks: list[WorkerAck]
+
+    @property
+    def ok(self) -> bool:
+        return self.status != ControlStatus.ERROR
+
+    @classmethod
+    def from_proto(cls, msg: gateway_pb2.SleepResponse | gateway_pb2.WakeUpResponse) -> ControlResult:
+        return cls(
+            status=_CONTROL_STATUSES.get(msg.status, ControlStatus.UNSPECIFIED),
+            reason=getattr(msg, "reason", ""),
+            acks=[
+                WorkerAck(
+                    stage_id=a.stage_id,
+                    rank=a.rank,
+                    ok=a.status == control_pb2.ACK_STATUS_SUCCESS,
+                    level=a.level,
+                    freed_bytes=a.freed_bytes,
+                    latency_ms=a.latency_ms,
+                    error=a.error,
+                )
+                for a in msg.acks
+            ],
+        )
