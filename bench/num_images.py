@@ -2,7 +2,8 @@
 N one-image requests sent one after the other, through a real mesh of the embedded model.
 
 Starts `stagemesh up` in a temp dir with the stages' defaults (as `stagemesh up` runs them: torch's
-own thread count, max_batch_size 4, unless flags say otherwise), then alternates, `--rounds` times,
+own thread count, max_batch_size 4, batch_invariant on, unless flags say otherwise), then
+alternates, `--rounds` times,
 
   (a) one request:  GenerateUnary(num_images=N, seed=S)          -> N images;
   (b) N requests:   GenerateUnary(num_images=1, seed=S+i), i < N, one after the other.
@@ -47,9 +48,13 @@ DEFAULT_OUTPUT = REPO / "bench" / "results" / "num_images.json"
 PROMPT = "a lighthouse at dusk"
 
 
-def write_mesh_config(path: Path, model_dir: str, max_batch_size: int, threads: int, device: str = "cpu") -> Path:
+def write_mesh_config(path: Path, args: argparse.Namespace) -> Path:
     """The default mesh (ar + diffusion, one worker each) on free ports, with a private cache root."""
-    stage = f'model_dir = "{model_dir}"\nthreads = {threads}\nmax_batch_size = {max_batch_size}\ndevice = "{device}"\n'
+    invariant = "true" if args.batch_invariant else "false"
+    stage = (
+        f'model_dir = "{args.model_dir}"\nthreads = {args.threads}\nmax_batch_size = {args.max_batch_size}\n'
+        f'device = "{args.device}"\nbatch_invariant = {invariant}\n'
+    )
     path.write_text(
         f'[gateway]\nport = 0\n\n[cache]\nroot = "{path.parent / "cache-root"}"\n\n'
         f'[[stages]]\nkind = "ar"\n{stage}\n[[stages]]\nkind = "diffusion"\n{stage}'
@@ -192,6 +197,7 @@ def summarize(args: argparse.Namespace, run: dict, forward: dict) -> dict:
             "output": "PNG",
             "device": args.device,
             "max_batch_size": args.max_batch_size,
+            "batch_invariant": args.batch_invariant,
             "threads": args.threads or "torch default",
             "rounds": args.rounds,
             "warmup": args.warmup,
@@ -219,7 +225,7 @@ def report(results: dict) -> None:
     print()
     print(
         f"{c['images']} images of {c['size']}x{c['size']}, {c['steps']} steps, PNG, on {c['device']}; max_batch_size "
-        f"{c['max_batch_size']}, threads {c['threads']}; {c['rounds']} rounds"
+        f"{c['max_batch_size']}, batch_invariant {c['batch_invariant']}, threads {c['threads']}; {c['rounds']} rounds"
     )
     common.print_table(
         ["path", "wall p50 s", "min s", "max s", "images/s"],
@@ -279,6 +285,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-batch-size", type=int, default=4, help="the stages' max_batch_size (default: 4)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per stage worker; 0: torch's default")
     parser.add_argument("--device", default="cpu", help="the stages' device, e.g. cuda (default: cpu)")
+    parser.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the diffusion stage's batch_invariant (default: on, the stage's default: every pass runs "
+        "max_batch_size rows, so a one-image request costs a full batch)",
+    )
     parser.add_argument("--forward-repeats", type=int, default=5, help="runs of the in-process forward (default: 5)")
     parser.add_argument("--model-dir", default=None, help="model folder (default: the embedded model's cache folder)")
     parser.add_argument("--output", default=str(DEFAULT_OUTPUT), help=f"JSON result file (default: {DEFAULT_OUTPUT})")
@@ -293,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     common.prepare_mesh_run(args)
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-") as tmp:
         root = Path(tmp)
-        config = write_mesh_config(root / "mesh.toml", args.model_dir, args.max_batch_size, args.threads, args.device)
+        config = write_mesh_config(root / "mesh.toml", args)
         print(f"starting the mesh (model dir {args.model_dir}) ...", flush=True)
         mesh = start_mesh(config, root / "mesh.log")
         try:

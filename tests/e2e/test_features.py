@@ -66,9 +66,9 @@ def test_num_images_draws_seed_plus_index_and_reports_each(stub):
     assert not torch.equal(images[0], images[1]) and not torch.equal(images[1], images[2])
     for i, image in enumerate(images):
         alone = _pixels(_unary(stub, seed=41 + i, output_format=TENSOR).result)
-        # The images of one request run batched together; a batch can move a value by float
-        # rounding (docs/API.md), so equal within that, not necessarily bit for bit.
-        assert torch.allclose(image, alone, atol=1 / 255), (i, (image - alone).abs().max())
+        # The images of one request run batched together; with batch_invariant (the stage's
+        # default) each is the bytes it would be alone.
+        assert torch.equal(image, alone), (i, (image - alone).abs().max())
 
 
 def test_num_images_streams_every_images_steps_and_results(stub):

@@ -59,10 +59,11 @@ class BatchDispatcher:
         return not self._same_padding or padding_key(a.inputs) == padding_key(b.inputs)
 
     def take(self, waiting: collections.deque[StageRequest]) -> list[StageRequest]:
-        hold = self._engine.groups.hold_for(waiting[0], waiting, self._max_batch, self._engine.now())
-        if hold > 0:  # more images of the head's Generate are on their way: one batch for them
-            self._engine.wake_after(hold)
-            return []
+        if waiting[0].images > 1:  # more images of the head's Generate may be on their way
+            hold = self._engine.groups.hold_for(waiting[0], waiting, self._max_batch, self._engine.now())
+            if hold > 0:
+                self._engine.wake_after(hold)
+                return []
         head = waiting.popleft()
         batch, rest = [head], []
         while waiting:
