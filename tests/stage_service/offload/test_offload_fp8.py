@@ -210,12 +210,3 @@ def test_refused_combinations_name_what_to_change():
         LayerwiseOffload(_dit(depth=2), "cpu", quantized={})
     with pytest.raises(ValueError, match="no quantised weight given"):
         LayerwiseOffload(_dit(depth=2), "cpu", stream_dtype=FP8, quantized={})
-
-
-def test_stage_option_reaches_the_cli_and_mesh_toml():
-    from stagemesh.stage_service.settings import StageSettings
-
-    s = StageSettings.from_mapping({"kind": "diffusion", "enable_dlo": True, "dlo_stream_dtype": "float8_e4m3fn"})
-    assert DloOptions.from_settings(s).dlo_stream_dtype == "float8_e4m3fn"
-    with pytest.raises(ValueError, match="dlo_stream_dtype"):
-        StageSettings.from_mapping({"kind": "diffusion", "enable_dlo": True, "dlo_stream_dtype": "fp8"})
