@@ -100,7 +100,9 @@ class Runner(Protocol):
 
     def offload_bytes(self) -> int: ...  # copied host -> device by the DLO engine since load; 0 without DLO
 
-    def dlo_stats(self) -> dict[str, Any] | None: ...  # {"world", "host_mode", "host_bytes", "stream_dtype"}; None without DLO
+    def dlo_stats(
+        self,
+    ) -> dict[str, Any] | None: ...  # {"world", "host_mode", "host_bytes", "stream_dtype"}; None without DLO
 
     def sleep_refusal(self, level: int) -> str | None: ...  # why it cannot sleep at `level`; None: it can
 

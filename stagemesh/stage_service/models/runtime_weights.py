@@ -200,12 +200,12 @@ class DitWeightCache:
         self.identity = model_identity(self.model_dir)
 
     @property
-    def fp8(self) -> bool:
+    def streams_fp8(self) -> bool:
         return bool(self.stream_dtype)
 
     def quantized_specs(self) -> Specs:
         """Full name -> (shape, dtype) of the weights this engine streams in FP8; none without."""
-        if not self.fp8:
+        if not self.streams_fp8:
             return {}
         if self._quantized is None:
             dit, _ = build_dit(self.config, "meta", self.tp)
@@ -216,7 +216,7 @@ class DitWeightCache:
     def _key(self, loader_version: str, digest: str) -> str:
         size, rank = _coordinate(self.tp)
         # Resident blocks are not quantised: their count changes what the entry holds.
-        stream = f"{self.stream_dtype}+resident={self.resident_layers}" if self.fp8 else ""
+        stream = f"{self.stream_dtype}+resident={self.resident_layers}" if self.streams_fp8 else ""
         return layout_key(
             model_identity=self.identity,
             dtype=self.config.dtype,
@@ -325,7 +325,7 @@ def load_through_cache(
         log.info("dlo runtime cache hit; checkpoint load skipped", key=result.key, load_s=round(result.load_s, 4))
         return dit, decoder, True, result
     dit, decoder, mapped, _ = load_private()
-    if mapped and not cache.fp8:
+    if mapped and not cache.streams_fp8:
         log.info("dlo runtime cache not needed: the checkpoint is mapped directly")
         return dit, decoder, True, None
     try:

@@ -141,7 +141,7 @@ class LayerwiseOffload:
         self.streamed = [b for b in self.discovery.blocks if b.path not in resident_paths]
         self.resident = resident
         self.stream_dtype = _check_stream_dtype(stream_dtype, quantized)
-        tail = fp8.quantizable if self.fp8 else None
+        tail = fp8.quantizable if self.streams_fp8 else None
         self.layouts = [BlockLayout(b.module, b.path, tail=tail) for b in self.streamed]
         roots = {b.path for b in self.streamed}
         _check_no_sharing(model, self.layouts, roots)
@@ -149,7 +149,7 @@ class LayerwiseOffload:
         _move_rest(model, roots, self.device)
         self._init_state()
         with torch.inference_mode(False):
-            self.store = self._make_store(keep_source and (not self.fp8 or quantized is not None), init_block)
+            self.store = self._make_store(keep_source and (not self.streams_fp8 or quantized is not None), init_block)
             self._make_slots()
         if background_staging is None:
             background_staging = isinstance(self.store, StagedStore) and platform.is_cuda(device)
@@ -165,11 +165,11 @@ class LayerwiseOffload:
 
     # set-up -------------------------------------------------------------------------------
     @property
-    def fp8(self) -> bool:
+    def streams_fp8(self) -> bool:
         return self.stream_dtype is not None
 
     def _stream_layouts(self, quantized: Mapping[str, fp8.Quantized] | None) -> list[StreamLayout]:
-        if not self.fp8:
+        if not self.streams_fp8:
             return list(self.layouts)
         fp8.refuse_float8_blocks(self.layouts)
         if not any(layout.tail for layout in self.layouts):
@@ -193,7 +193,7 @@ class LayerwiseOffload:
 
     def _make_slots(self) -> None:
         self._alloc_slots()
-        if self.host_mode == "sharded" or self.fp8:
+        if self.host_mode == "sharded" or self.streams_fp8:
             # Drop the full private copies (or the mapping): the host keeps only this rank's
             # shards, or the FP8 form.
             for i, (layout, views) in enumerate(zip(self.layouts, self._views)):
@@ -203,12 +203,12 @@ class LayerwiseOffload:
     def _alloc_slots(self) -> None:
         n = len(self.layouts)
         assembled = max((self.store.block_nbytes(i) for i in range(n)), default=0)
-        size = max((layout.nbytes for layout in self.layouts), default=0) if self.fp8 else assembled
+        size = max((layout.nbytes for layout in self.layouts), default=0) if self.streams_fp8 else assembled
         self._slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
         # FP8: the copied (and gathered) block lands here and is rebuilt into the slot.
         self._packed = (
             [torch.empty(assembled, dtype=torch.uint8, device=self.device) for _ in range(2)]
-            if self.fp8
+            if self.streams_fp8
             else self._slots
         )
         shard = max((self.store.h2d_nbytes(i) for i in range(n)), default=0)
@@ -227,7 +227,7 @@ class LayerwiseOffload:
         dev = self.device
         self._copy = platform.Stream(dev)
         # The second stage of a fill (gather, FP8 rebuild) runs beside the next block's copy.
-        self._comm = platform.Stream(dev) if self.world > 1 or self.fp8 else None
+        self._comm = platform.Stream(dev) if self.world > 1 or self.streams_fp8 else None
         self._ready = [platform.DeviceEvent(dev) for _ in range(2)]
         self._free = [platform.DeviceEvent(dev) for _ in range(2)]
         self._copied = [platform.DeviceEvent(dev) for _ in range(2)]
@@ -311,8 +311,10 @@ class LayerwiseOffload:
             assembled = self._packed[s][: self.store.block_nbytes(i)]
             if self.world > 1:
                 gather_into(assembled, self._shards[s][:sent], self.group)
-            if self.fp8:
-                self.streams[i].expand(assembled, self._slots[s])
+            if self.streams_fp8:
+                layout = self.streams[i]
+                assert isinstance(layout, fp8.QuantizedLayout)  # every stream layout under FP8
+                layout.expand(assembled, self._slots[s])
             self._ready[s].record(self._comm)
 
     # life cycle ---------------------------------------------------------------------------
@@ -387,7 +389,7 @@ class LayerwiseOffload:
         self.synchronize()
         if self._stager is not None:
             self._stager.shutdown(wait=True)
-        if self.host_mode == "packed" and not self.fp8:
+        if self.host_mode == "packed" and not self.streams_fp8:
             for layout, buf in zip(self.layouts, self.store.buffers):
                 layout.bind(layout.views(buf.tensor))
         self._closed = True

@@ -25,7 +25,7 @@ from stagemesh.stage_service.offload.config import STREAM_DTYPES
 from stagemesh.stage_service.offload.layout import BlockLayout, Entry, align_up, byte_view, pack_range
 from stagemesh.stage_service.offload.plan import OffloadPlan, discover, pick_resident
 
-FLOAT8 = getattr(torch, "float8_e4m3fn", None)
+FLOAT8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 SCALE_DTYPE = torch.bfloat16
 # Name of a weight's scales next to its FP8 tensor (runtime-cache entries). A parameter named
@@ -40,11 +40,7 @@ def stream_dtype(name: str) -> torch.dtype | None:
     """The torch dtype of a `dlo_stream_dtype` value; None streams the model's own dtype."""
     if name not in STREAM_DTYPES:
         raise ValueError(f"dlo_stream_dtype must be one of {list(STREAM_DTYPES)}, got {name!r}")
-    if not name:
-        return None
-    if FLOAT8 is None:
-        raise ValueError(f"dlo_stream_dtype = {name!r} needs a torch with float8 types (2.1 or newer)")
-    return FLOAT8
+    return FLOAT8 if name else None
 
 
 def quantizable(module: nn.Module, name: str, tensor: torch.Tensor) -> bool:
@@ -66,8 +62,6 @@ def refuse_float8_blocks(layouts: list[BlockLayout]) -> None:
 
 def quantize_rows(weight: torch.Tensor, work_device: str | torch.device = "cpu") -> Quantized:
     """(q, scale) of a 2-D weight, computed on `work_device` in float32 and returned on the host."""
-    if FLOAT8 is None:
-        raise RuntimeError("this torch has no float8_e4m3fn")
     w = weight.detach().to(work_device, torch.float32)
     exact = w.abs().amax(dim=1) / FP8_MAX
     scale = exact.to(SCALE_DTYPE)
@@ -199,4 +193,3 @@ def quantized_specs(
             for e in BlockLayout(block.module, block.path, tail=quantizable).tail:
                 out[e.qualname] = (e.shape, e.dtype)
     return out
-

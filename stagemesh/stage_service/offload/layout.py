@@ -28,8 +28,13 @@ TailRule = Callable[[nn.Module, str, torch.Tensor], bool]
 
 
 class Span(Protocol):
-    offset: int
-    nbytes: int
+    """Where a stored tensor's bytes lie in a packed block."""
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
 
 
 class StreamLayout(Protocol):
@@ -45,7 +50,12 @@ class StreamLayout(Protocol):
     def sources(self) -> Sequence[tuple[Span, torch.Tensor]]: ...
 
     def pack_range(
-        self, sources: Sequence[tuple[Span, torch.Tensor]], lo: int, hi: int, out: torch.Tensor, non_blocking: bool = False
+        self,
+        sources: Sequence[tuple[Span, torch.Tensor]],
+        lo: int,
+        hi: int,
+        out: torch.Tensor,
+        non_blocking: bool = False,
     ) -> None: ...
 
     def bind_packed(self, host: torch.Tensor) -> None: ...
@@ -145,7 +155,12 @@ class BlockLayout:
         return any(e.current().is_meta for e in self.entries)
 
     def pack_range(
-        self, sources: Sequence[tuple[Span, torch.Tensor]], lo: int, hi: int, out: torch.Tensor, non_blocking: bool = False
+        self,
+        sources: Sequence[tuple[Span, torch.Tensor]],
+        lo: int,
+        hi: int,
+        out: torch.Tensor,
+        non_blocking: bool = False,
     ) -> None:
         pack_range(sources, lo, hi, out, non_blocking)
 

@@ -100,7 +100,8 @@ def test_mesh_toml_keys(tmp_path: Path):
     path.write_text('[[stages]]\nkind = "diffusion"\ndlo_resident_layers = 1\n')
     with pytest.raises(ValueError, match="--dlo-no-use-allgather"):
         mesh_config.load(path)
-    fp8 = '[[stages]]\nkind = "ar"\n[[stages]]\nkind = "diffusion"\nenable_dlo = true\ndlo_stream_dtype = "float8_e4m3fn"\n'
+    fp8 = '[[stages]]\nkind = "ar"\n[[stages]]\nkind = "diffusion"\nenable_dlo = true\n'
+    fp8 += 'dlo_stream_dtype = "float8_e4m3fn"\n'
     path.write_text(fp8)
     assert mesh_config.load(path).stages[1].dlo_stream_dtype == "float8_e4m3fn"
     path.write_text('[[stages]]\nkind = "diffusion"\ndlo_stream_dtype = "float8_e4m3fn"\n')
