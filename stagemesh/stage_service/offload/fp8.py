@@ -65,8 +65,10 @@ def quantize_rows(weight: torch.Tensor, work_device: str | torch.device = "cpu")
     w = weight.detach().to(work_device, torch.float32)
     exact = w.abs().amax(dim=1) / FP8_MAX
     scale = exact.to(SCALE_DTYPE)
-    # Round up, so that |w| / scale <= 448 for every element of the row.
-    scale = torch.where(scale.float() < exact, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
+    # Round up, so that |w| / scale <= 448 for every element of the row: the next bfloat16 above
+    # a positive one is its bit pattern plus one (integer arithmetic works on every device).
+    above = (scale.view(torch.int16) + 1).view(SCALE_DTYPE)
+    scale = torch.where(scale.float() < exact, above, scale)
     scale = torch.where(exact > 0, scale, torch.ones_like(scale))  # an all-zero row stays zero
     q = (w / scale.float().unsqueeze(1)).clamp_(-FP8_MAX, FP8_MAX).to(FLOAT8)
     return q.cpu(), scale.cpu()
@@ -131,7 +133,7 @@ class QuantizedLayout:
         return {w.slot.qualname: quantize_rows(w.slot.current(), self.work_device) for w in self.weights}
 
     def sources(self) -> list[tuple[_Span | Entry, torch.Tensor]]:
-        head = [(e, src) for e, src in self.slot.sources() if e.offset < self.slot.head_nbytes]
+        head = self.slot.sources(upto=self.slot.head_nbytes)
         quantized = self.quantized()
         tail: list[tuple[_Span | Entry, torch.Tensor]] = []
         for w in self.weights:

@@ -146,9 +146,11 @@ class BlockLayout:
             else:
                 e.module._buffers[e.name] = v
 
-    def sources(self) -> list[tuple[Entry, torch.Tensor]]:
-        """(entry, current bytes) for each distinct stored tensor, in offset order."""
-        return [(e, byte_view(e.current())) for e in self._unique]
+    def sources(self, upto: int | None = None) -> list[tuple[Entry, torch.Tensor]]:
+        """(entry, current bytes) for each distinct stored tensor, in offset order; with `upto`,
+        only those that start before that offset (the head: the tail may be placeholders)."""
+        unique = self._unique if upto is None else [e for e in self._unique if e.offset < upto]
+        return [(e, byte_view(e.current())) for e in unique]
 
     def needs_values(self) -> bool:
         """Whether some tensor of the block is still on "meta" (built, not yet given values)."""

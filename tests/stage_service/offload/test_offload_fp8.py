@@ -186,6 +186,9 @@ def test_quantised_weights_given_are_streamed_as_given():
         model.get_parameter(name).data = fp8.placeholder(shape, dtype)
     engine = LayerwiseOffload(model, "cpu", stream_dtype=FP8, quantized=given, keep_source=True)
     assert engine.stats().host_mode == "staged"  # streamed from the given tensors, not packed
+    # The placeholders are never read (nor made contiguous: that would allocate the weight).
+    for layout in engine.streams:
+        assert sum(t.numel() for _, t in layout.sources()) <= layout.nbytes
     assert all(torch.equal(a, b) for a, b in zip(_run(model), want))
 
 
