@@ -8,6 +8,7 @@ the other slot. Events order the streams:
 
     ready[s]  recorded after slot s is filled      -> the compute stream waits before using it
     free[s]   recorded after the block in slot s ran -> the copy stream waits before refilling it
+                                                        (FP8: the rebuild into the slot waits)
 
 A forward pre-hook points the block's parameters at typed views into its slot. Which block runs
 next is learned from the order the blocks actually ran in (first guess: declared order, wrapping
@@ -292,8 +293,12 @@ class LayerwiseOffload:
             self._pending[s] = self._stager.submit(self._issue, i, s)
 
     def _issue(self, i: int, s: int) -> None:
-        """Fill slot s with block i; every rank calls this in the same order (collectives)."""
-        self._copy.wait_event(self._free[s])
+        """Fill slot s with block i; every rank calls this in the same order (collectives).
+        FP8: the copy lands in slot s's FP8 buffer, which is free once the last rebuild from it
+        ran; only the rebuild waits for the block in slot s to have run. So the link can run
+        two blocks ahead of the compute instead of one."""
+        if not self.streams_fp8:
+            self._copy.wait_event(self._free[s])
         if self._comm is not None:
             # The last gather or rebuild for slot s read the buffers this copy overwrites (a
             # prefetched block that never ran has no later free event to wait for).
@@ -314,6 +319,7 @@ class LayerwiseOffload:
             if self.streams_fp8:
                 layout = self.streams[i]
                 assert isinstance(layout, fp8.QuantizedLayout)  # every stream layout under FP8
+                self._comm.wait_event(self._free[s])
                 layout.expand(assembled, self._slots[s])
             self._ready[s].record(self._comm)
 
