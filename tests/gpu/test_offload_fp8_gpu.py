@@ -38,14 +38,18 @@ def _run(model: DiT, iterations: int = 4) -> list[torch.Tensor]:
     return out
 
 
-def _dequantised_resident(depth: int) -> DiT:
-    """The resident model with every block Linear weight replaced by q * scale, the values FP8
-    streaming rebuilds: FP8 DLO must compute exactly what this computes."""
-    model = _dit(depth).cuda()
+def _dequantised(depth: int) -> DiT:
+    """The model under DLO in its own dtype with every streamed Linear weight replaced by
+    q * scale (computed on the device, as the engine rebuilds it): FP8 streaming must compute
+    exactly what this computes, since both run the blocks from slots with the same kernels."""
+    model = _dit(depth)
     for name in fp8.quantized_specs(model):
         p = model.get_parameter(name)
         q, scale = fp8.quantize_rows(p, "cuda")
-        fp8.dequantize_into(p.data, q.cuda(), scale.cuda())  # as the engine does, on the device
+        rebuilt = p.detach().cuda()
+        fp8.dequantize_into(rebuilt, q.cuda(), scale.cuda())
+        p.data = rebuilt.cpu()
+    LayerwiseOffload(model, "cuda")
     return model
 
 
@@ -55,13 +59,14 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("depth", [7, 70])
 def test_fp8_streaming_equals_its_dequantised_weights_and_stays_close_to_bf16(depth: int):
-    want = _run(_dequantised_resident(depth))
+    want = _run(_dequantised(depth))
     bf16 = _run(_dit(depth).cuda())
     model = _dit(depth)
     engine = LayerwiseOffload(model, "cuda", stream_dtype=FP8)
     got = _run(model)
     # Bit for bit: the rebuild on the second stream never races the copy or the compute.
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), float((a - b).abs().max())
     assert min(_cosine(a, b) for a, b in zip(got, bf16)) >= 0.995
     assert all(buf.pinned and buf.tensor.is_pinned() for buf in engine.store.buffers)
     base = LayerwiseOffload(_dit(depth), "cuda").stats()
@@ -70,12 +75,12 @@ def test_fp8_streaming_equals_its_dequantised_weights_and_stays_close_to_bf16(de
 
 
 def test_fp8_with_resident_layers_and_after_sleep():
-    want = _run(_dequantised_resident(7))
+    want = _run(_dequantised(7))
     plain = _dit(7)
     LayerwiseOffload(plain, "cuda", stream_dtype=FP8)
     model = _dit(7)
     engine = LayerwiseOffload(model, "cuda", stream_dtype=FP8, use_allgather=False, resident_layers=3)
-    # Resident blocks are not quantised: only the streamed ones match the dequantised model.
+    # Resident blocks are not quantised: close to the dequantised model, not equal.
     got = _run(model)
     assert min(_cosine(a, b) for a, b in zip(got, want)) >= 0.995
     assert engine.release_device() > 0
@@ -89,7 +94,7 @@ def test_an_fp8_mapping_is_page_locked_and_streamed_from_directly(tmp_path):
 
     from stagemesh.weight_store.checkpoint import map_tensors
 
-    want = _run(_dequantised_resident(7))
+    want = _run(_dequantised(7))
     model = _dit(7)
     names = fp8.quantized_specs(model)
     entry = {k: v.contiguous() for k, v in model.state_dict().items() if k not in names}
