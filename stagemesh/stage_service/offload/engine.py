@@ -149,8 +149,11 @@ class LayerwiseOffload:
         self.streams = self._stream_layouts(quantized)
         _move_rest(model, roots, self.device)
         self._init_state()
+        # FP8 from unquantised tensors (a checkpoint mapping): quantised into packed buffers,
+        # not streamed from where they are.
+        in_place = keep_source and (not self.streams_fp8 or quantized is not None)
         with torch.inference_mode(False):
-            self.store = self._make_store(keep_source and (not self.streams_fp8 or quantized is not None), init_block)
+            self.store = self._make_store(in_place, init_block)
             self._make_slots()
         if background_staging is None:
             background_staging = isinstance(self.store, StagedStore) and platform.is_cuda(device)
