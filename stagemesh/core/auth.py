@@ -1,9 +1,11 @@
-"""Bearer-token auth for control calls (Sleep, WakeUp, Pause, Resume, cache mutations).
+"""Bearer-token auth for control calls (Sleep, WakeUp, Pause, Resume, cache mutations), and the
+gateway's optional API key for its data plane (Generate, GenerateUnary, ListStages, HTTP).
 
-The token comes from a file (`--token-file`, `[security] token_file`) or $STAGEMESH_TOKEN, never
-from a flag carrying the value: command lines are visible to every user through `ps`. When a
-token is configured, a server interceptor refuses the protected methods without it
-(UNAUTHENTICATED); every other method (Generate, ListStages, health, reflection) stays open.
+The token comes from a file (`--token-file`, `[security] token_file`) or $STAGEMESH_TOKEN, the
+API key from a file (`--api-key-file`, `[gateway] api_key_file`), never from a flag carrying the
+value: command lines are visible to every user through `ps`. When a secret is configured, a
+server interceptor refuses the methods it protects without it (UNAUTHENTICATED); every other
+method (health, reflection, and whatever no configured secret protects) stays open.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import grpc
 from stagemesh.core import errors, logs, rpc
 
 TOKEN_ENV = "STAGEMESH_TOKEN"
+# Read by the client commands only (`stagemesh generate`, `status`); a gateway reads its key from a file.
+API_KEY_ENV = "STAGEMESH_API_KEY"
 HEADER = "authorization"
 SCHEME = "bearer"
 
@@ -40,25 +44,44 @@ def load_token(token_file: str | None, option: str = "--token-file") -> str | No
     """The configured token: the file's content if a file is named, else $STAGEMESH_TOKEN, else None."""
     if not token_file:
         return _valid(os.environ.get(TOKEN_ENV) or None, f"${TOKEN_ENV}")
-    path = Path(token_file).expanduser()
+    return read_secret_file(token_file, option, "token")
+
+
+def load_api_key(api_key_file: str | None, option: str = "--api-key-file") -> str | None:
+    """The data plane's API key: the file's content if a file is named, else None (no environment
+    fallback: a variable left in a shell must not close a gateway's data plane by surprise)."""
+    return read_secret_file(api_key_file, option, "API key") if api_key_file else None
+
+
+def client_api_key(api_key_file: str | None) -> str | None:
+    """The key a client command sends: the file's content if a file is named, else $STAGEMESH_API_KEY."""
+    if not api_key_file:
+        return _valid(os.environ.get(API_KEY_ENV) or None, f"${API_KEY_ENV}", "API key")
+    return read_secret_file(api_key_file, "--api-key-file", "API key")
+
+
+def read_secret_file(secret_file: str, option: str, what: str) -> str:
+    """One secret (`what`: "token", "API key") from a file: printable ASCII on one line."""
+    path = Path(secret_file).expanduser()
     try:
         text = path.read_text(encoding="ascii")
         mode = path.stat().st_mode
     except (OSError, UnicodeDecodeError) as exc:
-        raise errors.InvalidArgument.field(option, f"cannot read token file {path}: {exc}") from None
-    token = text.rstrip("\r\n")  # editors and `echo` add a trailing newline
-    if not token:
-        raise errors.InvalidArgument.field(option, f"token file {path} is empty; put the token in it")
+        raise errors.InvalidArgument.field(option, f"cannot read {what} file {path}: {exc}") from None
+    secret = text.rstrip("\r\n")  # editors and `echo` add a trailing newline
+    if not secret:
+        raise errors.InvalidArgument.field(option, f"{what} file {path} is empty; put the {what} in it")
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("token file is readable by group or others; chmod 600 it", path=str(path))
-    return _valid(token, option)
+        log.warning(f"{what} file is readable by group or others; chmod 600 it", path=str(path))
+    _valid(secret, option, what)
+    return secret
 
 
-def _valid(token: str | None, where: str) -> str | None:
-    # gRPC metadata values must be printable ASCII without line breaks.
-    if token is not None and not all(0x20 <= ord(c) < 0x7F for c in token):
-        raise errors.InvalidArgument.field(where, "the token must be printable ASCII on one line")
-    return token
+def _valid(secret: str | None, where: str, what: str = "token") -> str | None:
+    # gRPC metadata and HTTP header values must be printable ASCII without line breaks.
+    if secret is not None and not all(0x20 <= ord(c) < 0x7F for c in secret):
+        raise errors.InvalidArgument.field(where, f"the {what} must be printable ASCII on one line")
+    return secret
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -66,15 +89,19 @@ def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return ((HEADER, f"Bearer {token}"),) if token else ()
 
 
-def check_bearer(metadata: Iterable[tuple[str, str | bytes]] | None, token: str) -> None:
-    """Raise Unauthenticated unless `metadata` carries `authorization: Bearer <token>`."""
+def check_bearer(metadata: Iterable[tuple[str, str | bytes]] | None, *tokens: str) -> None:
+    """Raise Unauthenticated unless `metadata` carries `authorization: Bearer <t>` for one of `tokens`
+    (keys compared in lower case, as gRPC metadata and ASGI headers both give them)."""
     values = [v for k, v in metadata or () if k == HEADER]
     if not values:
         raise errors.Unauthenticated("missing bearer token")
     value = values[0] if isinstance(values[0], str) else bytes(values[0]).decode("latin-1")
     scheme, _, presented = value.partition(" ")
-    # compare_digest: the time taken does not depend on how much of the token matched.
-    if scheme.lower() != SCHEME or not hmac.compare_digest(presented.strip().encode(), token.encode()):
+    given = presented.strip().encode("latin-1", errors="replace")
+    # compare_digest against every accepted secret, without stopping at the first match: the time
+    # taken depends neither on how much of a secret matched nor on which one did.
+    matches = [hmac.compare_digest(given, token.encode()) for token in tokens]
+    if scheme.lower() != SCHEME or not any(matches):
         raise errors.Unauthenticated("invalid bearer token")
 
 
@@ -84,10 +111,10 @@ def control_methods(service_name: str, names: Iterable[str]) -> frozenset[str]:
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses the `protected` methods unless they carry the token."""
+    """Refuses the `protected` methods unless they carry one of `tokens`."""
 
-    def __init__(self, token: str, protected: Iterable[str]):
-        self._token = token
+    def __init__(self, tokens: Iterable[str], protected: Iterable[str]):
+        self._tokens = tuple(tokens)
         self._protected = frozenset(protected)
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -95,9 +122,9 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or handler_call_details.method not in self._protected:
             return handler
         try:
-            check_bearer(handler_call_details.invocation_metadata, self._token)
+            check_bearer(handler_call_details.invocation_metadata, *self._tokens)
         except errors.Unauthenticated as exc:
-            log.warning("control call refused", method=handler_call_details.method, reason=str(exc))
+            log.warning("call refused", method=handler_call_details.method, reason=str(exc))
             return _refusal(handler, exc)
         return handler
 
@@ -120,6 +147,11 @@ def _refusal(handler: grpc.RpcMethodHandler, exc: errors.StagemeshError) -> grpc
     )
 
 
-def interceptors(token: str | None, protected: Iterable[str]) -> list[grpc.aio.ServerInterceptor]:
-    """The interceptors a server installs: none when no token is configured."""
-    return [BearerTokenInterceptor(token, protected)] if token else []
+def interceptors(
+    token: str | None, protected: Iterable[str], also_accepted: str | None = None
+) -> list[grpc.aio.ServerInterceptor]:
+    """The interceptors a server installs: none when no token is configured. `also_accepted`: a
+    second secret the protected methods take too (the control token on the data plane)."""
+    if not token:
+        return []
+    return [BearerTokenInterceptor([token, *([also_accepted] if also_accepted else [])], protected)]

@@ -1,0 +1,105 @@
+"""Running a generation for an HTTP request: every image of it in one answer, or a server-sent
+event stream; either way a client that goes away cancels the work in every stage."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import Any, TypeVar, cast
+
+from starlette.types import Receive
+
+from stagemesh.core import errors, logs
+from stagemesh.core.params import Params
+from stagemesh.gateway.http import errors as http_errors
+from stagemesh.gateway.http import openai_schema as schema
+from stagemesh.gateway.pipeline import DenoisingStep, Pipeline, StageStarted
+from stagemesh.v1 import generation_pb2
+
+log = logs.get_logger("stagemesh.gateway.http")
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready; the work was cancelled."""
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Return once the client has gone (the body was read before: only http.disconnect is left)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+    """`work`'s result; cancelled (and ClientGone raised) if the client disconnects first.
+    uvicorn does not cancel a handler whose client has gone, so the handler watches itself."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.cancelled():
+        log.info("client went away; generation cancelled")
+        raise ClientGone()
+    return task.result()
+
+
+async def all_images(pipeline: Pipeline, request_id: str, params: Params) -> list[generation_pb2.GenerationResult]:
+    """Every GenerationResult of the request (one per image), in index order."""
+    results = [
+        event
+        async for event in pipeline.generate(request_id, params, None)
+        if isinstance(event, generation_pb2.GenerationResult)
+    ]
+    if not results:
+        raise errors.StagemeshError("the pipeline ended without a result")
+    return sorted(results, key=lambda r: r.index)
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
+
+
+async def open_stream(
+    pipeline: Pipeline, request_id: str, params: Params, prefix: str, output_format: str
+) -> AsyncIterator[bytes]:
+    """The event stream of one request. Its first event is taken here, before the response starts:
+    a request refused at admission (paused, a stage asleep) gets its HTTP status, not a stream."""
+    # Pipeline.generate is an async generator function; an error raised from it has closed it.
+    events = cast(AsyncGenerator[object, None], pipeline.generate(request_id, params, None))
+    first = await anext(events)
+    return _stream(first, events, prefix, output_format)
+
+
+async def _stream(
+    first: object, events: AsyncGenerator[object, None], prefix: str, output_format: str
+) -> AsyncIterator[bytes]:
+    # Starlette cancels this generator when the client disconnects; the cancellation reaches the
+    # stage calls through the pipeline's own generator.
+    try:
+        yield _sse(_event(first, prefix, output_format))
+        async for event in events:
+            yield _sse(_event(event, prefix, output_format))
+    except errors.StagemeshError as exc:
+        # The status line has gone out: the error becomes the stream's last event, in OpenAI's shape.
+        yield _sse({"type": "error", **http_errors.from_domain(exc)[1]})
+    except Exception:
+        log.exception("stream failed")
+        yield _sse({"type": "error", **http_errors.internal("the event stream")[1]})
+    finally:
+        await events.aclose()
+
+
+def _event(event: object, prefix: str, output_format: str) -> dict[str, Any]:
+    if isinstance(event, StageStarted):
+        return schema.stage_started_event(prefix, event.stage_id, event.kind)
+    if isinstance(event, DenoisingStep):
+        return schema.progress_event(prefix, event.stage_id, event.step, event.total, getattr(event, "index", 0))
+    assert isinstance(event, generation_pb2.GenerationResult)
+    return schema.completed_event(prefix, event, output_format)

@@ -1,0 +1,81 @@
+"""The gateway's HTTP port: uvicorn serving the HTTP app on the gateway's own event loop, beside
+the grpc.aio server, so both call the same Pipeline and ControlPlane objects."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+from starlette.types import ASGIApp
+
+from stagemesh.core import errors, logs, rpc
+
+log = logs.get_logger("stagemesh.gateway.http")
+
+BACKLOG = 2048
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn without its own signal handlers: the gateway's stop (serve.run) owns SIGTERM and
+    SIGINT and stops this server with the gRPC one."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bound and listening before the ready file is written, so its address is live when read."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.create_server((host, port), family=family, backlog=BACKLOG)
+    except OSError as exc:
+        raise errors.Unavailable(f"cannot bind --http-port {host}:{port}: {exc}") from None
+    sock.setblocking(False)
+    return sock
+
+
+class HttpListener:
+    def __init__(
+        self, app: ASGIApp, host: str, port: int, *, tls_cert: str | None, tls_key: str | None, grace_s: float
+    ):
+        self._socket = _bind(host, port)
+        bound = self._socket.getsockname()[1]
+        self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
+        self.scheme = "https" if tls_cert else "http"
+        config = uvicorn.Config(
+            app,
+            lifespan="off",
+            ws="none",
+            log_config=None,  # the gateway's structlog lines say what happened; uvicorn's own stay quiet
+            log_level="warning",
+            access_log=False,
+            server_header=False,
+            ssl_certfile=tls_cert,
+            ssl_keyfile=tls_key,
+            # As gRPC's bound on calls in handling: past it, 503 at once rather than a queue.
+            limit_concurrency=rpc.MAX_CONCURRENT_RPCS,
+            timeout_graceful_shutdown=int(grace_s),
+        )
+        self._server = _EmbeddedServer(config)
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[self._socket]))
+        self._task.add_done_callback(self._ended)
+        log.info("http listening", address=self.address, url=f"{self.scheme}://{self.address}/v1")
+
+    def _ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("http server failed", reason=str(task.exception()))
+
+    async def stop(self) -> None:
+        """Stop accepting, let requests in flight finish within the grace, cancel the rest."""
+        if self._task is None:
+            self._socket.close()
+            return
+        self._server.should_exit = True
+        await asyncio.gather(self._task, return_exceptions=True)
