@@ -22,8 +22,6 @@ import grpc
 from stagemesh.core import errors, logs, rpc
 
 TOKEN_ENV = "STAGEMESH_TOKEN"
-# Read by the client commands only (`stagemesh generate`, `status`); a gateway reads its key from a file.
-API_KEY_ENV = "STAGEMESH_API_KEY"
 HEADER = "authorization"
 SCHEME = "bearer"
 
@@ -51,13 +49,6 @@ def load_api_key(api_key_file: str | None, option: str = "--api-key-file") -> st
     """The data plane's API key: the file's content if a file is named, else None (no environment
     fallback: a variable left in a shell must not close a gateway's data plane by surprise)."""
     return read_secret_file(api_key_file, option, "API key") if api_key_file else None
-
-
-def client_api_key(api_key_file: str | None) -> str | None:
-    """The key a client command sends: the file's content if a file is named, else $STAGEMESH_API_KEY."""
-    if not api_key_file:
-        return _valid(os.environ.get(API_KEY_ENV) or None, f"${API_KEY_ENV}", "API key")
-    return read_secret_file(api_key_file, "--api-key-file", "API key")
 
 
 def read_secret_file(secret_file: str, option: str, what: str) -> str:
