@@ -3,6 +3,7 @@ objects the gRPC servicer calls (Pipeline, ControlPlane). docs/API.md, "HTTP API
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -35,7 +36,9 @@ class HttpSettings:
 
 
 def create_app(pipeline: Pipeline, control: ControlPlane, settings: HttpSettings) -> FastAPI:
+    """`app.state.stopping`: set by the listener when the gateway's stop grace has passed."""
     app = FastAPI(title="stagemesh", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.stopping = stopping = asyncio.Event()
     app.add_middleware(RequestContext, max_request_bytes=settings.max_request_bytes)
     _add_error_handlers(app)
     data = Depends(_bearer(settings.api_key, settings.control_token))
@@ -44,12 +47,12 @@ def create_app(pipeline: Pipeline, control: ControlPlane, settings: HttpSettings
 
     @app.post("/v1/images/generations", dependencies=[data])
     async def generations(body: schema.GenerationRequest, request: Request) -> Response:
-        return await _generate(pipeline, request, body, b"", "image_generation")
+        return await _generate(pipeline, stopping, request, body, b"", "image_generation")
 
     @app.post("/v1/images/edits", dependencies=[data])
     async def edits(request: Request) -> Response:
         body, image = await _edit_form(request)
-        return await _generate(pipeline, request, body, image, "image_edit")
+        return await _generate(pipeline, stopping, request, body, image, "image_edit")
 
     @app.get("/v1/models", dependencies=[data])
     async def models() -> dict:
@@ -106,16 +109,21 @@ def _bearer(required: str | None, also_accepted: str | None = None):
 
 
 async def _generate(
-    pipeline: Pipeline, request: Request, body: schema.ImageRequest, image: bytes, prefix: str
+    pipeline: Pipeline,
+    stopping: asyncio.Event,
+    request: Request,
+    body: schema.ImageRequest,
+    image: bytes,
+    prefix: str,
 ) -> Response:
     wire = schema.to_generation_params(body, image)
     params = pipeline.resolve(wire)
     request_id = logs.current_request_id()
     output_format = schema.output_format_name(wire)
     if body.stream:
-        events = await open_stream(pipeline, request_id, params, prefix, output_format)
+        events = await open_stream(pipeline, request_id, params, stopping, prefix, output_format)
         return StreamingResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
-    results = await unless_disconnected(request.receive, all_images(pipeline, request_id, params))
+    results = await unless_disconnected(request.receive, stopping, all_images(pipeline, request_id, params))
     return JSONResponse(schema.images_response(results, output_format))
 
 

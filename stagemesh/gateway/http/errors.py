@@ -115,7 +115,7 @@ def validation_violations(problems: Sequence[Any]) -> list[errors.FieldViolation
         elif kind == "missing":
             description = "is required"
         elif kind == "model_attributes_type" or (field == "body" and kind.endswith("_type")):
-            description = "the body must be a JSON object"
+            description = "the body must be a JSON object, sent with content-type: application/json"
         else:
             description = f"{problem.get('msg', 'is not valid')} (got {_short(problem.get('input'))})"
         out.append(errors.FieldViolation(field, description))

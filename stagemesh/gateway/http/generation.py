@@ -1,5 +1,7 @@
 """Running a generation for an HTTP request: every image of it in one answer, or a server-sent
-event stream; either way a client that goes away cancels the work in every stage."""
+event stream; either way a client that goes away cancels the work in every stage, and so does the
+gateway's stop once its grace has passed (`stopping` set): the request is then answered 503, or
+its stream ends with an error event, rather than cut off mid-response."""
 
 from __future__ import annotations
 
@@ -26,25 +28,31 @@ class ClientGone(Exception):
     """The client closed the connection before its answer was ready; the work was cancelled."""
 
 
+def _stopped() -> errors.Unavailable:
+    return errors.Unavailable("the gateway is stopping; the request was cancelled, retry it")
+
+
 async def _disconnected(receive: Receive) -> None:
     """Return once the client has gone (the body was read before: only http.disconnect is left)."""
     while (await receive())["type"] != "http.disconnect":
         pass
 
 
-async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
-    """`work`'s result; cancelled (and ClientGone raised) if the client disconnects first.
-    uvicorn does not cancel a handler whose client has gone, so the handler watches itself."""
+async def unless_disconnected(receive: Receive, stopping: asyncio.Event, work: Awaitable[T]) -> T:
+    """`work`'s result; cancelled if the client disconnects first (ClientGone) or the gateway stops
+    (Unavailable). uvicorn does not cancel a handler whose client has gone: the handler watches."""
     task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(receive))
+    gone = asyncio.ensure_future(_disconnected(receive))
+    stop = asyncio.ensure_future(stopping.wait())
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, gone, stop}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-        await asyncio.gather(task, watch, return_exceptions=True)
+        for waiting in (task, gone, stop):
+            waiting.cancel()  # a no-op for the one that finished
+        await asyncio.gather(task, gone, stop, return_exceptions=True)
     if task.cancelled():
+        if stopping.is_set():
+            raise _stopped()
         log.info("client went away; generation cancelled")
         raise ClientGone()
     return task.result()
@@ -67,14 +75,35 @@ def _sse(event: dict[str, Any]) -> bytes:
 
 
 async def open_stream(
-    pipeline: Pipeline, request_id: str, params: Params, prefix: str, output_format: str
+    pipeline: Pipeline, request_id: str, params: Params, stopping: asyncio.Event, prefix: str, output_format: str
 ) -> AsyncIterator[bytes]:
     """The event stream of one request. Its first event is taken here, before the response starts:
     a request refused at admission (paused, a stage asleep) gets its HTTP status, not a stream."""
     # Pipeline.generate is an async generator function; an error raised from it has closed it.
     events = cast(AsyncGenerator[object, None], pipeline.generate(request_id, params, None))
     first = await anext(events)
-    return _stream(first, events, prefix, output_format)
+    return _stream(first, _until(events, stopping), prefix, output_format)
+
+
+async def _until(events: AsyncGenerator[object, None], stopping: asyncio.Event) -> AsyncGenerator[object, None]:
+    """`events` until they end, or until the gateway stops (Unavailable, after cancelling them)."""
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(events))
+            await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)
+                raise _stopped()
+            try:
+                event = step.result()
+            except StopAsyncIteration:
+                return
+            yield event
+    finally:
+        stop.cancel()
+        await events.aclose()
 
 
 async def _stream(

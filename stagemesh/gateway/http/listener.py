@@ -9,13 +9,15 @@ import socket
 from collections.abc import Iterator
 
 import uvicorn
-from starlette.types import ASGIApp
+from fastapi import FastAPI
 
 from stagemesh.core import errors, logs, rpc
 
 log = logs.get_logger("stagemesh.gateway.http")
 
 BACKLOG = 2048
+# uvicorn's own bound on the stop, a backstop past ours: by then every generation has been ended.
+UVICORN_EXTRA_GRACE_S = 5
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -40,8 +42,10 @@ def _bind(host: str, port: int) -> socket.socket:
 
 class HttpListener:
     def __init__(
-        self, app: ASGIApp, host: str, port: int, *, tls_cert: str | None, tls_key: str | None, grace_s: float
+        self, app: FastAPI, host: str, port: int, *, tls_cert: str | None, tls_key: str | None, grace_s: float
     ):
+        self._stopping: asyncio.Event = app.state.stopping
+        self._grace_s = grace_s
         self._socket = _bind(host, port)
         bound = self._socket.getsockname()[1]
         self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
@@ -58,7 +62,7 @@ class HttpListener:
             ssl_keyfile=tls_key,
             # As gRPC's bound on calls in handling: past it, 503 at once rather than a queue.
             limit_concurrency=rpc.MAX_CONCURRENT_RPCS,
-            timeout_graceful_shutdown=int(grace_s),
+            timeout_graceful_shutdown=int(grace_s) + UVICORN_EXTRA_GRACE_S,
         )
         self._server = _EmbeddedServer(config)
         self._task: asyncio.Task | None = None
@@ -73,9 +77,14 @@ class HttpListener:
             log.error("http server failed", reason=str(task.exception()))
 
     async def stop(self) -> None:
-        """Stop accepting, let requests in flight finish within the grace, cancel the rest."""
+        """Stop accepting, let requests in flight finish within the grace, then end the rest: each
+        is answered 503 (a stream gets a last error event) and its stages' work is cancelled."""
         if self._task is None:
             self._socket.close()
             return
         self._server.should_exit = True
+        done, _ = await asyncio.wait({self._task}, timeout=self._grace_s)
+        if not done:
+            log.info("http requests still running after the grace; ending them")
+            self._stopping.set()
         await asyncio.gather(self._task, return_exceptions=True)
