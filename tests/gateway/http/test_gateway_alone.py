@@ -1,16 +1,18 @@
 """`stagemesh gateway --http-port` on its own, without keys, in front of the package mesh's stages:
 the ready file names the HTTP address, the routes are open, and SIGTERM with a stream in flight
 stops it cleanly (exit 0, the stream ended by a last error event once the grace has passed, the
-stage's work freed)."""
+stage's work freed). With a certificate, the HTTP port speaks HTTPS."""
 
 from __future__ import annotations
 
 import signal
+import ssl
 
 import httpx
 import pytest
 
 from stagemesh.core import readyfile
+from tests.core.test_security import make_certificates
 from tests.gateway.http.rawhttp import LONG, WAIT_S, open_request, read_until, wait_for
 from tests.support.meshproc import spawn_service
 
@@ -52,3 +54,21 @@ def test_an_open_gateway_serves_http_and_stops_cleanly_mid_stream(http_mesh, tmp
         assert "Traceback" not in gateway.logs()
     finally:
         gateway.stop()
+
+
+def test_with_a_certificate_the_http_api_speaks_https(http_mesh, tmp_path):
+    pki = make_certificates(tmp_path)
+    stages = http_mesh.child_addresses()
+    flags = ["--stage", stages["stage-0"], "--stage", stages["stage-1"], "--http-port", "0"]
+    gateway = spawn_service(
+        "gateway", ["gateway", *flags, "--tls-cert", str(pki["cert"]), "--tls-key", str(pki["key"])], tmp_path
+    )
+    try:
+        gateway.wait_bound()
+        http = readyfile.read(gateway.ready_path)["http"]
+        with httpx.Client(base_url=f"https://{http}", verify=ssl.create_default_context(cafile=pki["ca"])) as client:
+            assert client.get("/v1/models", timeout=WAIT_S).json()["data"][0]["id"] == "stagemesh"
+        with pytest.raises(httpx.HTTPError):  # no plaintext on the same port
+            httpx.get(f"http://{http}/v1/models", timeout=WAIT_S)
+    finally:
+        assert gateway.stop() == 0, gateway.logs()[-3000:]
