@@ -32,9 +32,19 @@ class _EmbeddedServer(uvicorn.Server):
 def _bind(host: str, port: int) -> socket.socket:
     """Bound and listening before the ready file is written, so its address is live when read."""
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.create_server((host, port), family=family, backlog=BACKLOG)
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        # proto IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say
+        # they are TCP, and accepted sockets inherit it from this one. With Nagle on, uvicorn's
+        # two writes of a response (head, body) waited for the client's delayed ACK: +40 ms.
+        sock = socket.socket(family, kind, proto or socket.IPPROTO_TCP)
     except OSError as exc:
+        raise errors.Unavailable(f"cannot bind --http-port {host}:{port}: {exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(BACKLOG)
+    except OSError as exc:
+        sock.close()
         raise errors.Unavailable(f"cannot bind --http-port {host}:{port}: {exc}") from None
     sock.setblocking(False)
     return sock
