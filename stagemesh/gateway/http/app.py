@@ -25,6 +25,8 @@ from stagemesh.v1 import gateway_pb2
 
 CLIENT_CLOSED = 499  # the client went away before its answer (nginx's convention; never sent)
 _SERVING = gateway_pb2.STAGE_STATE_SERVING
+# Events go out as they happen: no caching, and no buffering in a proxy in front (nginx honours this).
+_STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 _STATE_NAMES = {v.number: v.name.removeprefix("STAGE_STATE_").lower() for v in gateway_pb2.StageState.DESCRIPTOR.values}
 
 
@@ -122,7 +124,7 @@ async def _generate(
     output_format = schema.output_format_name(wire)
     if body.stream:
         events = await open_stream(pipeline, request_id, params, stopping, prefix, output_format)
-        return StreamingResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        return StreamingResponse(events, media_type="text/event-stream", headers=_STREAM_HEADERS)
     results = await unless_disconnected(request.receive, stopping, all_images(pipeline, request_id, params))
     return JSONResponse(schema.images_response(results, output_format))
 
@@ -130,19 +132,22 @@ async def _generate(
 async def _edit_form(request: Request) -> tuple[schema.EditRequest, bytes]:
     """The multipart form of /v1/images/edits: one `image` file, the other fields as text."""
     form = await request.form()
-    images = form.getlist("image") + form.getlist("image[]")
-    if form.get("mask") is not None:
-        raise errors.InvalidArgument.field("mask", "masks are not supported: the whole image is redrawn")
-    if len(images) != 1 or not isinstance(images[0], UploadFile):
-        raise errors.InvalidArgument.field(
-            "image", f"give exactly one image file (PNG, JPEG or WebP) as a form file field; got {len(images)}"
-        )
-    fields = {k: v for k, v in form.multi_items() if k not in ("image", "image[]") and isinstance(v, str)}
     try:
-        body = schema.EditRequest.model_validate(fields)
-    except pydantic.ValidationError as exc:
-        raise errors.InvalidArgument(http_errors.validation_violations(exc.errors())) from None
-    return body, await images[0].read()
+        images = form.getlist("image") + form.getlist("image[]")
+        if form.get("mask") is not None:
+            raise errors.InvalidArgument.field("mask", "masks are not supported: the whole image is redrawn")
+        if len(images) != 1 or not isinstance(images[0], UploadFile):
+            raise errors.InvalidArgument.field(
+                "image", f"give exactly one image file (PNG, JPEG or WebP) as a form file field; got {len(images)}"
+            )
+        fields = {k: v for k, v in form.multi_items() if k not in ("image", "image[]") and isinstance(v, str)}
+        try:
+            body = schema.EditRequest.model_validate(fields)
+        except pydantic.ValidationError as exc:
+            raise errors.InvalidArgument(http_errors.validation_violations(exc.errors())) from None
+        return body, await images[0].read()
+    finally:
+        await form.close()  # the uploaded file's spool
 
 
 def _add_error_handlers(app: FastAPI) -> None:

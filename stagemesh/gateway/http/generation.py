@@ -88,13 +88,12 @@ async def open_stream(
 async def _until(events: AsyncGenerator[object, None], stopping: asyncio.Event) -> AsyncGenerator[object, None]:
     """`events` until they end, or until the gateway stops (Unavailable, after cancelling them)."""
     stop = asyncio.ensure_future(stopping.wait())
+    step: asyncio.Future | None = None
     try:
         while True:
             step = asyncio.ensure_future(anext(events))
             await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
-                step.cancel()
-                await asyncio.gather(step, return_exceptions=True)
                 raise _stopped()
             try:
                 event = step.result()
@@ -102,7 +101,12 @@ async def _until(events: AsyncGenerator[object, None], stopping: asyncio.Event) 
                 return
             yield event
     finally:
+        # Stopping, or cancelled (the client went away): the pending step first, so that the
+        # cancellation reaches the stage calls and `events` is no longer running when closed.
         stop.cancel()
+        if step is not None and not step.done():
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)
         await events.aclose()
 
 

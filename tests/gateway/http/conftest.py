@@ -1,6 +1,7 @@
 """One mesh with the HTTP API on, shared by this package's mesh tests: an API key on the data
 plane, a bearer token on the control calls, stage 0 without sleep support (its Sleep is
-UNIMPLEMENTED, 501 over HTTP), stage 1 with a metrics port (the disconnect tests watch its work)."""
+UNIMPLEMENTED, 501 over HTTP), stage 1 with a metrics port (the disconnect tests watch its work)
+and up to 200 steps (a request that outlasts the gateway's stop grace)."""
 
 from __future__ import annotations
 
@@ -46,13 +47,14 @@ kind = "ar"
 model_dir = "{model_dir}"
 threads = 1
 enable_sleep = false
+max_steps = 200
 
 [[stages]]
 kind = "diffusion"
 model_dir = "{model_dir}"
 threads = 1
 max_size = 512
-max_steps = 50
+max_steps = 200
 max_prompt_bytes = 256
 metrics_port = 0
 """)

@@ -11,8 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.gateway.http.conftest import API_KEY
 
-# The largest, longest request the mesh allows: seconds of denoising on the CPU.
-LONG = {"prompt": "a long night", "size": "512x512", "num_inference_steps": 50, "seed": 11}
+# The largest, longest request the package mesh allows: tens of seconds of denoising on the CPU,
+# longer than the gateway's stop grace (5 s).
+LONG = {"prompt": "a long night", "size": "512x512", "num_inference_steps": 200, "seed": 11}
 WAIT_S = 120.0  # only a bound on a failing test: the conditions waited for hold or never do
 
 

@@ -80,7 +80,7 @@ def test_edit_takes_a_png_and_gives_an_image_of_the_size_asked(sdk):
         (dict(model="dall-e-3"), "model"),
         (dict(output_format="gif"), "output_format"),
         (dict(extra_body={"n": 0}), "n"),
-        (dict(extra_body={"num_inference_steps": 51}), "num_inference_steps"),
+        (dict(extra_body={"num_inference_steps": 201}), "num_inference_steps"),
         (dict(extra_body={"guidance_scale": 0.5}), "guidance_scale"),
         (dict(extra_body={"steps": 3}), "steps"),
         (dict(prompt="x" * 300), "prompt"),
