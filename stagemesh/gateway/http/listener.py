@@ -73,7 +73,13 @@ class HttpListener:
             # As gRPC's bound on calls in handling: past it, 503 at once rather than a queue.
             limit_concurrency=rpc.MAX_CONCURRENT_RPCS,
             timeout_graceful_shutdown=int(grace_s) + UVICORN_EXTRA_GRACE_S,
+            proxy_headers=False,  # nothing here reads the client's address or scheme
         )
+        try:
+            config.load()  # now: a key uvicorn cannot use refuses the start instead of the HTTP port alone
+        except BaseException:
+            self._socket.close()
+            raise
         self._server = _EmbeddedServer(config)
         self._task: asyncio.Task | None = None
 
