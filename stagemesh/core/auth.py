@@ -14,7 +14,7 @@ import argparse
 import hmac
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import grpc
@@ -24,6 +24,8 @@ from stagemesh.core import errors, logs, rpc
 TOKEN_ENV = "STAGEMESH_TOKEN"
 HEADER = "authorization"
 SCHEME = "bearer"
+# Where stagemesh.Client sends its API key (on every call, beside the token on control calls).
+API_KEY_HEADER = "x-api-key"
 
 log = logs.get_logger("stagemesh.core.auth")
 
@@ -80,20 +82,44 @@ def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return ((HEADER, f"Bearer {token}"),) if token else ()
 
 
-def check_bearer(metadata: Iterable[tuple[str, str | bytes]] | None, *tokens: str) -> None:
-    """Raise Unauthenticated unless `metadata` carries `authorization: Bearer <t>` for one of `tokens`
-    (keys compared in lower case, as gRPC metadata and ASGI headers both give them)."""
-    values = [v for k, v in metadata or () if k == HEADER]
-    if not values:
-        raise errors.Unauthenticated("missing bearer token")
-    value = values[0] if isinstance(values[0], str) else bytes(values[0]).decode("latin-1")
-    scheme, _, presented = value.partition(" ")
+def _first(metadata: Iterable[tuple[str, str | bytes]], key: str) -> str | None:
+    """The first value of `key` (keys in lower case, as gRPC metadata and ASGI headers give them)."""
+    for k, v in metadata:
+        if k == key:
+            return v if isinstance(v, str) else bytes(v).decode("latin-1")
+    return None
+
+
+def _matches(presented: str, secrets: Iterable[str]) -> bool:
     given = presented.strip().encode("latin-1", errors="replace")
     # compare_digest against every accepted secret, without stopping at the first match: the time
     # taken depends neither on how much of a secret matched nor on which one did.
-    matches = [hmac.compare_digest(given, token.encode()) for token in tokens]
-    if scheme.lower() != SCHEME or not any(matches):
+    return any([hmac.compare_digest(given, secret.encode()) for secret in secrets])
+
+
+def check_bearer(metadata: Iterable[tuple[str, str | bytes]] | None, *tokens: str) -> None:
+    """Raise Unauthenticated unless `metadata` carries `authorization: Bearer <t>` for one of `tokens`."""
+    value = _first(metadata or (), HEADER)
+    if value is None:
+        raise errors.Unauthenticated("missing bearer token")
+    scheme, _, presented = value.partition(" ")
+    if scheme.lower() != SCHEME or not _matches(presented, tokens):
         raise errors.Unauthenticated("invalid bearer token")
+
+
+def check_api_key(metadata: Iterable[tuple[str, str | bytes]] | None, api_key: str, token: str | None = None) -> None:
+    """The data plane's check: `authorization: Bearer <key>` (as OpenAI clients send it) or
+    `x-api-key: <key>` (as stagemesh.Client does); the control token is accepted as a bearer too."""
+    pairs = list(metadata or ())
+    header_key = _first(pairs, API_KEY_HEADER)
+    if header_key is not None and _matches(header_key, [api_key]):
+        return
+    bearer = _first(pairs, HEADER)
+    if bearer is None and header_key is None:
+        raise errors.Unauthenticated("missing API key: send authorization: Bearer KEY (or x-api-key: KEY)")
+    scheme, _, presented = (bearer or "").partition(" ")
+    if scheme.lower() != SCHEME or not _matches(presented, [api_key, *([token] if token else [])]):
+        raise errors.Unauthenticated("invalid API key")
 
 
 def control_methods(service_name: str, names: Iterable[str]) -> frozenset[str]:
@@ -101,11 +127,11 @@ def control_methods(service_name: str, names: Iterable[str]) -> frozenset[str]:
     return frozenset(f"/{service_name}/{name}" for name in names)
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses the `protected` methods unless they carry one of `tokens`."""
+class SecretInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses the `protected` methods unless `check` passes their metadata."""
 
-    def __init__(self, tokens: Iterable[str], protected: Iterable[str]):
-        self._tokens = tuple(tokens)
+    def __init__(self, check: Callable[[Iterable[tuple[str, str | bytes]] | None], None], protected: Iterable[str]):
+        self._check = check
         self._protected = frozenset(protected)
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -113,7 +139,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or handler_call_details.method not in self._protected:
             return handler
         try:
-            check_bearer(handler_call_details.invocation_metadata, *self._tokens)
+            self._check(handler_call_details.invocation_metadata)
         except errors.Unauthenticated as exc:
             log.warning("call refused", method=handler_call_details.method, reason=str(exc))
             return _refusal(handler, exc)
@@ -138,11 +164,15 @@ def _refusal(handler: grpc.RpcMethodHandler, exc: errors.StagemeshError) -> grpc
     )
 
 
-def interceptors(
-    token: str | None, protected: Iterable[str], also_accepted: str | None = None
+def interceptors(token: str | None, protected: Iterable[str]) -> list[grpc.aio.ServerInterceptor]:
+    """The interceptors a server installs for its control calls: none when no token is configured."""
+    return [SecretInterceptor(lambda metadata: check_bearer(metadata, token), protected)] if token else []
+
+
+def api_key_interceptors(
+    api_key: str | None, protected: Iterable[str], token: str | None = None
 ) -> list[grpc.aio.ServerInterceptor]:
-    """The interceptors a server installs: none when no token is configured. `also_accepted`: a
-    second secret the protected methods take too (the control token on the data plane)."""
-    if not token:
+    """The gateway's data-plane interceptors: none when no API key is configured (see check_api_key)."""
+    if not api_key:
         return []
-    return [BearerTokenInterceptor([token, *([also_accepted] if also_accepted else [])], protected)]
+    return [SecretInterceptor(lambda metadata: check_api_key(metadata, api_key, token), protected)]

@@ -123,7 +123,7 @@ async def serve_gateway(args: argparse.Namespace) -> None:
         interceptors=[
             *metrics.interceptors(),
             *auth.interceptors(token, CONTROL_METHODS),
-            *auth.interceptors(api_key, DATA_METHODS, also_accepted=token),
+            *auth.api_key_interceptors(api_key, DATA_METHODS, token),
         ],
         credentials=credentials,
         health_port=args.health_port,

@@ -34,6 +34,24 @@ def test_the_key_comes_from_its_file_and_never_from_the_environment(tmp_path, mo
         auth.load_api_key(str(tmp_path / "absent"), "[gateway] api_key_file")
 
 
+def test_the_data_plane_takes_the_key_as_a_bearer_or_as_x_api_key_and_the_token_as_a_bearer():
+    for metadata in (
+        (("authorization", "Bearer sk-1"),),
+        (("x-api-key", "sk-1"),),
+        (("authorization", "Bearer token-2"),),
+        (("x-api-key", "stale"), ("authorization", "Bearer token-2")),
+    ):
+        auth.check_api_key(metadata, "sk-1", "token-2")
+    for metadata, reason in (
+        ((), "missing API key"),
+        ((("authorization", "Bearer sk-12"),), "invalid API key"),
+        ((("x-api-key", "token-2"),), "invalid API key"),  # the token only as a bearer
+        ((("authorization", "Basic sk-1"),), "invalid API key"),
+    ):
+        with pytest.raises(errors.Unauthenticated, match=reason):
+            auth.check_api_key(metadata, "sk-1", "token-2")
+
+
 def test_no_key_installs_no_interceptor():
-    assert auth.interceptors(None, {"/x/Generate"}, also_accepted="token") == []
-    assert len(auth.interceptors("key", {"/x/Generate"}, also_accepted="token")) == 1
+    assert auth.api_key_interceptors(None, {"/x/Generate"}, "token") == []
+    assert len(auth.api_key_interceptors("key", {"/x/Generate"}, "token")) == 1

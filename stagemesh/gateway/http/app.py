@@ -43,8 +43,8 @@ def create_app(pipeline: Pipeline, control: ControlPlane, settings: HttpSettings
     app.state.stopping = stopping = asyncio.Event()
     app.add_middleware(RequestContext, max_request_bytes=settings.max_request_bytes)
     _add_error_handlers(app)
-    data = Depends(_bearer(settings.api_key, settings.control_token))
-    ctl = Depends(_bearer(settings.control_token))
+    data = Depends(_api_key(settings.api_key, settings.control_token))
+    ctl = Depends(_control_token(settings.control_token))
     started = int(time.time())
 
     @app.post("/v1/images/generations", dependencies=[data])
@@ -98,14 +98,22 @@ def create_app(pipeline: Pipeline, control: ControlPlane, settings: HttpSettings
     return app
 
 
-def _bearer(required: str | None, also_accepted: str | None = None):
-    """A dependency that refuses a request without `authorization: Bearer S`, S being `required` or
-    `also_accepted`; open when `required` is not configured (as the gRPC interceptors are)."""
-    accepted = tuple(s for s in (required, also_accepted) if s)
+def _control_token(token: str | None):
+    """A dependency refusing a request without `authorization: Bearer <token>`; open without a token."""
 
     async def check(request: Request) -> None:
-        if required:
-            auth.check_bearer(request.headers.items(), *accepted)
+        if token:
+            auth.check_bearer(request.headers.items(), token)
+
+    return check
+
+
+def _api_key(api_key: str | None, token: str | None):
+    """A dependency refusing a request without the API key (or the token as a bearer); open without a key."""
+
+    async def check(request: Request) -> None:
+        if api_key:
+            auth.check_api_key(request.headers.items(), api_key, token)
 
     return check
 

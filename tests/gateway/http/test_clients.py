@@ -48,3 +48,14 @@ def test_sleep_all_lists_the_stages_with_the_control_token(http_mesh):
     # call ends UNIMPLEMENTED, after the listing went through.
     done = _stagemesh("sleep", "--all", "--address", http_mesh.address, env={auth.TOKEN_ENV: TOKEN})
     assert done.returncode == 1 and "UNIMPLEMENTED" in done.stderr, done.stderr
+
+
+def test_the_python_client_sends_its_key_as_x_api_key(http_mesh, monkeypatch):
+    from stagemesh import Client
+    from stagemesh.client.errors import UnauthenticatedError
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    with Client(http_mesh.address, api_key=API_KEY, retries=0) as client:
+        assert [s.kind for s in client.list_stages()] == ["ar", "diffusion"]
+    with Client(http_mesh.address, retries=0) as client, pytest.raises(UnauthenticatedError, match="missing API key"):
+        client.list_stages()

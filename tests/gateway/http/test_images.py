@@ -136,7 +136,9 @@ def test_the_data_plane_needs_the_key_or_the_control_token(base_url):
     assert info.value.status_code == 401 and info.value.type == "authentication_error"
     bare = httpx.post(f"{base_url}/v1/images/generations", json={"prompt": "a"}, timeout=30)
     assert bare.status_code == 401 and bare.headers["www-authenticate"] == "Bearer"
-    assert bare.json()["error"]["message"] == "missing bearer token"
+    assert bare.json()["error"]["message"].startswith("missing API key")
+    # stagemesh.Client's header works here too.
+    assert httpx.get(f"{base_url}/v1/models", headers={"x-api-key": API_KEY}, timeout=30).status_code == 200
     assert httpx.get(f"{base_url}/v1/models", headers=bearer(TOKEN), timeout=30).status_code == 200
     assert httpx.get(f"{base_url}/health", timeout=30).status_code == 200  # health stays open
 
@@ -152,8 +154,8 @@ def test_the_grpc_data_plane_needs_the_key_too(http_mesh):
             with pytest.raises(grpc.RpcError) as info:
                 call(request, timeout=30, metadata=(("authorization", "Bearer wrong"),))
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            for secret in (API_KEY, TOKEN):
-                call(request, timeout=60, metadata=tuple(bearer(secret).items()))
+            for metadata in (bearer(API_KEY), bearer(TOKEN), {"x-api-key": API_KEY}):
+                call(request, timeout=60, metadata=tuple(metadata.items()))
         with pytest.raises(grpc.RpcError) as info:  # the key opens no control call
             stub.PauseGeneration(
                 gateway_pb2.PauseGenerationRequest(), timeout=30, metadata=tuple(bearer(API_KEY).items())
