@@ -15,12 +15,16 @@ is one pass over a DLO case's own host store, copied as the engine copies it: wh
 case's buffers reach the bandwidth the floor assumes. "link idle" is the host link's idle time
 per DLO step, from marks around every slot fill on the copy stream in a pass of its own, with
 the widest gap (with the index, among the streamed blocks, of the fill that ended it) and the
-median/slowest fill rate.
+median/slowest fill rate. "cosine" compares a case's step output with the resident model's.
+With --stream-dtype float8_e4m3fn every DLO case runs twice, streaming the model's dtype and FP8,
+and bench/dlo_fp8.py reports the FP8 figures against their targets (exit status 1 on a GPU run
+that misses one).
 Weights are random, identical in every build (bench/dlo_models.py), so outputs are compared to
 the resident model's too. Every case frees its model before the next one starts.
 
 Run on a GPU:   python bench/dlo.py --model flux        (diffusers FluxTransformer2DModel)
                 python bench/dlo.py                     (the FLUX-sized embedded DiT)
+                python bench/dlo.py --model flux --resident-blocks 0 --stream-dtype float8_e4m3fn
 Check on a CPU: python bench/dlo.py --model flux --tiny-flux --device cpu
                 python bench/dlo.py --preset tiny --device cpu
 Plot:           python bench/plot_dlo.py bench/results/dlo.json docs/img/dlo.png
@@ -38,6 +42,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import dlo_fp8
 from bench import dlo_models as models
 from bench.common import RESULTS_DIR, print_table, write_json
 from bench.dlo_timing import (
@@ -49,7 +54,7 @@ from bench.dlo_timing import (
     store_bandwidth,
 )
 from stagemesh.stage_service.models.config import PipelineConfig
-from stagemesh.stage_service.offload import discover
+from stagemesh.stage_service.offload import discover, fp8
 
 LEFTOVER_WARN_BYTES = 256 << 20
 
@@ -123,6 +128,7 @@ def _row(
     **extra,
 ) -> dict:
     floor = max(ref["step_s"], streamed / bandwidth)
+    cosine = torch.nn.functional.cosine_similarity(out.flatten().double(), ref["output"].flatten().double(), dim=0)
     return {
         "case": case,
         "size": size,
@@ -133,6 +139,7 @@ def _row(
         "streamed_bytes": streamed,
         "peak_device_bytes": _peak(device),
         "max_abs_diff": float((out - ref["output"]).abs().max()),
+        "cosine": float(cosine),
         **extra,
     }
 
@@ -242,8 +249,10 @@ def run_group_offload(bm, device, args, reference, bandwidth: float, baseline: i
     return [{**r, "device_bytes_left": left} for r in rows]
 
 
-def run_dlo(bm, device, args, resident: int, reference, bandwidth: float, baseline: int) -> list[dict]:
-    model, engine = models.build_offloaded(bm, device, resident)
+def run_dlo(
+    bm, device, args, resident: int, reference, bandwidth: float, baseline: int, stream_dtype: str = ""
+) -> list[dict]:
+    model, engine = models.build_offloaded(bm, device, resident, stream_dtype=fp8.stream_dtype(stream_dtype))
     stats = engine.stats()
     model_bytes = _model_bytes(model)
     rest = model_bytes - stats.payload_bytes  # non-block weights and resident blocks
@@ -256,7 +265,7 @@ def run_dlo(bm, device, args, resident: int, reference, bandwidth: float, baseli
         start_up = start_up_time(bm, model, inputs, device, args.steps, seconds)
         ref = reference[size]
         row = _row(
-            "stagemesh DLO",
+            "stagemesh DLO fp8" if stream_dtype else "stagemesh DLO",
             size,
             seconds,
             result,
@@ -265,6 +274,7 @@ def run_dlo(bm, device, args, resident: int, reference, bandwidth: float, baseli
             bandwidth,
             device,
             resident_blocks=stats.resident_blocks,
+            stream_dtype=stats.stream_dtype,
             host_bytes=stats.host_bytes,
             host_over_model=stats.host_bytes / model_bytes,
             peak_bound_bytes=rest + stats.slot_bytes + ref["activation_bytes"],
@@ -277,7 +287,7 @@ def run_dlo(bm, device, args, resident: int, reference, bandwidth: float, baseli
     engine.close()
     engine.store.close()  # unpins the host buffers now, not whenever the collector gets to it
     del model, engine
-    left = _left_behind(device, baseline, f"DLO {resident} resident")
+    left = _left_behind(device, baseline, f"DLO {stream_dtype or 'as stored'} {resident} resident")
     return [{**r, "device_bytes_left": left, "store_h2d_bytes_per_s": own} for r in rows]
 
 
@@ -297,6 +307,7 @@ def _resident_rows(reference: dict[int, dict], model_bytes: int) -> list[dict]:
             "host_bytes": 0,
             "host_over_model": 0.0,
             "max_abs_diff": 0.0,
+            "cosine": 1.0,
             "weights_bytes": model_bytes,
             "device_bytes_left": ref["device_bytes_left"],
         }
@@ -330,6 +341,7 @@ def _table(rows: list[dict]) -> None:
             "bound GB",
             "pinned/model",
             "max |diff|",
+            "cosine",
         ],
         [
             [
@@ -355,6 +367,7 @@ def _table(rows: list[dict]) -> None:
                 _fmt(r.get("peak_bound_bytes"), gb, 2),
                 _fmt(r.get("host_over_model")),
                 _fmt(r["max_abs_diff"], 1.0, 4),
+                _fmt(r.get("cosine"), 1.0, 5),
             ]
             for r in sorted(rows, key=lambda r: r["size"])
         ],
@@ -385,6 +398,13 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="timed denoising steps per case")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-peer", action="store_true", help="skip diffusers group offloading")
+    parser.add_argument(
+        "--stream-dtype",
+        choices=fp8.STREAM_DTYPES,
+        default="",
+        help="float8_e4m3fn: run every DLO case also with FP8 weight streaming and report it against "
+        "its targets (default: the model's dtype only)",
+    )
     parser.add_argument("--json", default=str(RESULTS_DIR / "dlo.json"))
     return parser.parse_args()
 
@@ -423,7 +443,10 @@ def main() -> None:
         rows += run_group_offload(bm, device, args, reference, bandwidth, baseline)
     for resident in args.resident_blocks:
         rows += run_dlo(bm, device, args, resident, reference, bandwidth, baseline)
+        if args.stream_dtype:
+            rows += run_dlo(bm, device, args, resident, reference, bandwidth, baseline, args.stream_dtype)
     _table(rows)
+    summary = dlo_fp8.report(rows, bandwidth, device.type == "cuda") if args.stream_dtype else None
     path = write_json(
         args.json,
         "dlo",
@@ -438,10 +461,14 @@ def main() -> None:
             "text_tokens": args.text_tokens,
             "steps": args.steps,
             "warmup": args.warmup,
+            "stream_dtype": args.stream_dtype,
             "rows": rows,
+            "fp8": summary,
         },
     )
     print(f"wrote {path}")
+    if summary is not None and summary["met"] is False:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -97,11 +97,12 @@ def build_host(bm: BenchModel, device: torch.device) -> nn.Module:
 
 
 def build_offloaded(
-    bm: BenchModel, device: torch.device, resident: int, group=None
+    bm: BenchModel, device: torch.device, resident: int, group=None, stream_dtype: torch.dtype | None = None
 ) -> tuple[nn.Module, LayerwiseOffload]:
     """Non-block weights on the device; streamed blocks materialised on the host one at a time
     (inside the engine, straight into their packed buffers); resident blocks on the device.
-    With a `group` the blocks are sharded across its ranks and rebuilt by AllGather."""
+    With a `group` the blocks are sharded across its ranks and rebuilt by AllGather; with
+    `stream_dtype` float8_e4m3fn their Linear weights are streamed in FP8."""
     model = bm.build_meta()
     found = discover(model, bm.plan)
     paths = {id(b.module): b.path for b in found.blocks}
@@ -123,6 +124,7 @@ def build_offloaded(
         group=group,
         use_allgather=group is not None,
         init_block=init_block,
+        stream_dtype=stream_dtype,
     )
     return model, engine
 

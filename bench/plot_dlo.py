@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt
 def _series(rows: list[dict]) -> list[tuple[str, dict[int, dict]]]:
     """(label, size -> row) for each bar of a group, in drawing order."""
     out: list[tuple[str, dict[int, dict]]] = [("resident", {}), ("floor (all blocks streamed)", {})]
-    dlo: dict[int, dict[int, dict]] = {}
+    dlo: dict[tuple[int, str], dict[int, dict]] = {}  # (resident blocks, stream dtype) -> size -> row
     peer: dict[int, dict] = {}
     for r in rows:
         if r["case"] == "resident":
@@ -27,13 +27,16 @@ def _series(rows: list[dict]) -> list[tuple[str, dict[int, dict]]]:
         elif r["case"].startswith("diffusers"):
             peer[r["size"]] = r
         else:
-            dlo.setdefault(r["resident_blocks"], {})[r["size"]] = r
+            dlo.setdefault((r["resident_blocks"], r.get("stream_dtype", "")), {})[r["size"]] = r
     # The floor with every block streamed: that of the DLO case with no resident block.
-    for r in dlo.get(0, peer).values():
+    for r in dlo.get((0, ""), peer).values():
         out[1][1][r["size"]] = {**r, "step_s": r["floor_s"], "ratio": None}
     if peer:
         out.append(("diffusers group offload", peer))
-    out += [(f"stagemesh DLO, {n} resident", by_size) for n, by_size in sorted(dlo.items())]
+    out += [
+        (f"stagemesh DLO{' fp8' if dtype else ''}, {n} resident", by_size)
+        for (n, dtype), by_size in sorted(dlo.items())
+    ]
     return out
 
 

@@ -8,7 +8,11 @@ Cases, one after the other in one run (each frees the GPU before the next starts
                        per group, use_stream=True); text encoders and VAE on the device
   mesh-dlo             the diffusion stage streams the transformer's blocks (DLO, no-AllGather,
                        blocks mapped straight from the checkpoint)
+  mesh-dlo-fp8         as mesh-dlo, the blocks' Linear weights streamed in FP8
+                       (dlo_stream_dtype = "float8_e4m3fn", docs/DLO.md)
 Targets: mesh-resident <= 1.05 x diffusers-resident; mesh-dlo faster than diffusers-group.
+Fidelity of FP8 streaming: the PSNR of mesh-dlo-fp8's final image against the image of the
+model's own dtype (mesh-dlo's, else mesh-resident's, else diffusers-resident's), printed.
 Latency is request to PNG bytes on both sides (the diffusers peer encodes its PNG the same way).
 
 The checkpoint: FLUX.1-dev's transformer shape (diffusers' default FluxTransformer2DModel config
@@ -17,6 +21,7 @@ device tensor by tensor (bench/dlo_models.py), FLUX.1's VAE layout, and small te
 the widths the transformer expects; bf16, written once with save_pretrained (about 24 GB).
 
 Run on a GPU:  python bench/real_pipeline.py --device cuda
+FP8 fidelity:  python bench/real_pipeline.py --device cuda --cases mesh-dlo,mesh-dlo-fp8 --repeats 1 --warmup 0
 CPU smoke:     python bench/real_pipeline.py --tiny --device cpu --steps 2 --size 32
 """
 
@@ -24,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import io
+import math
 import sys
 import tempfile
 import time
@@ -31,7 +38,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import numpy as np
 import torch
+from PIL import Image
 
 from bench import common
 from stagemesh.gateway.images import encode_png
@@ -41,7 +50,10 @@ from stagemesh.v1 import gateway_pb2, generation_pb2
 from tests.support.meshproc import start_mesh
 
 PROMPT = "a lighthouse at dusk"
-CASES = ("diffusers-resident", "mesh-resident", "diffusers-group", "mesh-dlo")
+CASES = ("diffusers-resident", "mesh-resident", "diffusers-group", "mesh-dlo", "mesh-dlo-fp8")
+FP8_STREAM = 'dlo_stream_dtype = "float8_e4m3fn"\n'
+# What mesh-dlo-fp8's image is compared with, in order of preference (all the model's dtype).
+FP8_REFERENCES = ("mesh-dlo", "mesh-resident", "diffusers-resident")
 
 
 # ---- the checkpoint ----------------------------------------------------------------------------
@@ -126,8 +138,8 @@ def diffusers_case(folder: Path, device: torch.device, args, group: bool) -> dic
     return {"latency_ms": common.summarize(times), "png_bytes": len(png), "png": png}
 
 
-def _mesh_config(path: Path, device: str, dlo: bool) -> Path:
-    dlo_keys = "enable_dlo = true\ndlo_use_allgather = false\n" if dlo else ""
+def _mesh_config(path: Path, device: str, dlo: bool, fp8: bool = False) -> Path:
+    dlo_keys = "enable_dlo = true\ndlo_use_allgather = false\n" + (FP8_STREAM if fp8 else "") if dlo else ""
     # CPU check: one thread per process, as the in-process peer (main), so neither oversubscribes.
     threads = "threads = 1\n" if device == "cpu" else ""
     path.write_text(f"""[gateway]
@@ -152,9 +164,9 @@ max_size = 2048
     return path
 
 
-def mesh_case(folder: Path, device: torch.device, args, dlo: bool, work: Path) -> dict:
-    name = "mesh-dlo" if dlo else "mesh-resident"
-    config = _mesh_config(work / f"{name}.toml", str(device), dlo)
+def mesh_case(folder: Path, device: torch.device, args, name: str, work: Path) -> dict:
+    dlo = name.startswith("mesh-dlo")
+    config = _mesh_config(work / f"{name}.toml", str(device), dlo, fp8=name == "mesh-dlo-fp8")
     mesh = start_mesh(config, work / f"{name}.log", ("--model", str(folder)), timeout_s=1800)
     params = generation_pb2.GenerationParams(
         prompt=PROMPT,
@@ -182,7 +194,30 @@ def mesh_case(folder: Path, device: torch.device, args, dlo: bool, work: Path) -
 
 
 # ---- report ------------------------------------------------------------------------------------
-def report(results: dict) -> dict:
+def psnr(a: bytes, b: bytes) -> float:
+    """PSNR in dB of two 8-bit PNG images (inf when identical)."""
+    x, y = (np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.float64) for png in (a, b))
+    if x.shape != y.shape:
+        raise ValueError(f"images differ in size: {x.shape} vs {y.shape}")
+    mse = float(np.mean((x - y) ** 2))
+    return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
+def fp8_fidelity(pngs: dict[str, bytes], args) -> dict | None:
+    """mesh-dlo-fp8's final image against the same request's image in the model's dtype."""
+    reference = next((case for case in FP8_REFERENCES if case in pngs), None)
+    if "mesh-dlo-fp8" not in pngs or reference is None:
+        return None
+    value = psnr(pngs["mesh-dlo-fp8"], pngs[reference])
+    print(
+        f"PSNR mesh-dlo-fp8 vs {reference}: {value:.2f} dB ({args.steps} steps, {args.size}x{args.size}, "
+        f"seed {args.seed}; final PNG images)",
+        flush=True,
+    )
+    return {"psnr_db": value, "reference": reference}
+
+
+def report(results: dict, args) -> dict:
     p50 = {case: r["latency_ms"]["p50"] for case, r in results.items()}
     rows = [
         (case, p50[case], results[case]["latency_ms"]["mean"], results[case]["latency_ms"]["min"]) for case in results
@@ -193,8 +228,13 @@ def report(results: dict) -> dict:
         ratios["mesh_vs_diffusers_resident"] = p50["mesh-resident"] / p50["diffusers-resident"]
     if {"mesh-dlo", "diffusers-group"} <= p50.keys():
         ratios["mesh_dlo_vs_diffusers_group"] = p50["mesh-dlo"] / p50["diffusers-group"]
+    if {"mesh-dlo-fp8", "mesh-dlo"} <= p50.keys():
+        ratios["mesh_dlo_fp8_vs_mesh_dlo"] = p50["mesh-dlo-fp8"] / p50["mesh-dlo"]
+        print(f"mesh-dlo-fp8 / mesh-dlo latency: {ratios['mesh_dlo_fp8_vs_mesh_dlo']:.3f}", flush=True)
     targets = {"mesh_vs_diffusers_resident": 1.05, "mesh_dlo_vs_diffusers_group": 1.0}
     for key, value in ratios.items():
+        if key not in targets:
+            continue  # a figure, not a target
         verdict = "meets" if value <= targets[key] else "misses"
         print(f"{key}: {value:.3f} ({verdict} the target <= {targets[key]})", flush=True)
     pngs = {case: r.pop("png") for case, r in results.items()}
@@ -209,7 +249,8 @@ def report(results: dict) -> dict:
     }
     for key, value in same.items():
         print(f"PNG bytes {key}: {value}", flush=True)
-    return {"ratios": ratios, "targets": targets, "same_png": same}
+    fidelity = fp8_fidelity(pngs, args)
+    return {"ratios": ratios, "targets": targets, "same_png": same, "fp8_fidelity": fidelity}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -255,13 +296,13 @@ def main(argv: list[str] | None = None) -> int:
         for case in args.cases.split(","):
             print(f"-- {case}", flush=True)
             if case.startswith("mesh"):
-                results[case] = mesh_case(folder, device, args, case == "mesh-dlo", work)
+                results[case] = mesh_case(folder, device, args, case, work)
             else:
                 results[case] = diffusers_case(folder, device, args, case == "diffusers-group")
                 _free(device)  # the pipeline went with the call's frame
             # Each case as it ends: a run cut short still reports what it measured.
             print(f"{case}: p50 {results[case]['latency_ms']['p50']:.1f} ms", flush=True)
-        summary = report(results)
+        summary = report(results, args)
     out = args.out or common.RESULTS_DIR / ("real_pipeline-tiny.json" if args.tiny else "real_pipeline.json")
     settings = {k: (str(v) if isinstance(v, (Path, torch.dtype)) else v) for k, v in vars(args).items()}
     common.write_json(out, "real_pipeline", {"settings": settings, "results": results, **summary})

@@ -76,6 +76,14 @@ def _parser() -> argparse.ArgumentParser:
                 help="file holding the bearer token for control calls (default: $STAGEMESH_TOKEN_FILE, else "
                 "$STAGEMESH_TOKEN)",
             )
+        else:
+            p.add_argument(
+                "--api-key-file",
+                default=None,
+                metavar="PATH",
+                help="file holding the API key of a gateway started with --api-key-file "
+                "(default: $STAGEMESH_API_KEY; neither: none sent)",
+            )
         p.set_defaults(client_main=getattr(client, name))
         if name in ("sleep", "wakeup"):
             targets = p.add_mutually_exclusive_group(required=True)

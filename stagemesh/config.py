@@ -13,6 +13,7 @@ from stagemesh.gateway.options import (
     DEFAULT_MAX_UNDELIVERED_BYTES,
     DEFAULT_STAGE_UNRESPONSIVE_S,
     MIN_STAGE_UNRESPONSIVE_S,
+    check_http_port,
 )
 from stagemesh.stage_service.settings import StageSettings
 
@@ -28,9 +29,16 @@ class GatewayConfig:
     stage_unresponsive_s: float = DEFAULT_STAGE_UNRESPONSIVE_S  # silent to health checks this long: cut off
     max_undelivered_bytes: int = DEFAULT_MAX_UNDELIVERED_BYTES  # results held for clients not reading
     max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST  # GenerationParams.num_images at most
+    http_port: int | None = None  # the OpenAI-compatible HTTP API; None: off
+    api_key_file: str = ""  # the data plane's API key (gRPC and HTTP); "": open
 
     def __post_init__(self) -> None:
         metrics.check_port(self.metrics_port, "[gateway] metrics_port")
+        check_http_port(self.http_port, "[gateway] http_port")
+        if not isinstance(self.api_key_file, str):
+            raise ValueError(f"[gateway] api_key_file: must be a file path (a string), not {self.api_key_file!r}")
+        if self.api_key_file:  # absolute, as the [security] paths: the child may start elsewhere
+            object.__setattr__(self, "api_key_file", str(Path(self.api_key_file).expanduser().absolute()))
         limit = self.stage_unresponsive_s
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= MIN_STAGE_UNRESPONSIVE_S:
             raise ValueError(

@@ -58,6 +58,17 @@ def _metrics_flags(port: int | None) -> list[str]:
     return ["--metrics-port", str(port)] if port is not None else []
 
 
+def _gateway_flags(config: MeshConfig, gateway: Child) -> list[str]:
+    """The HTTP port and the API key file. A restart keeps the HTTP port the gateway first bound
+    (as it keeps the gRPC port), so clients' addresses stay valid."""
+    flags = ["--api-key-file", config.gateway.api_key_file] if config.gateway.api_key_file else []
+    if config.gateway.http_port is None:
+        return flags
+    bound = gateway.ready.get("http", "")
+    port = bound.rsplit(":", 1)[1] if bound else str(config.gateway.http_port)
+    return [*flags, "--http-port", port]
+
+
 def _children(
     config: MeshConfig, stage_addresses: list[str], cache_address: list[str]
 ) -> tuple[Child, list[Child], Child]:
@@ -109,6 +120,7 @@ def _children(
             *served,
             *_security_flags(config.security, "tls_ca"),
             *_metrics_flags(config.gateway.metrics_port),
+            *_gateway_flags(config, gateway),  # argv is called once `gateway` is assigned
             *level,
         ),
         port=config.gateway.port,
@@ -116,8 +128,15 @@ def _children(
     return cache, stages, gateway
 
 
-def banner(address: str, security: SecurityConfig | None = None, env_token: bool = False) -> str:
-    """What to run next; with TLS and a token, hints that work as printed (the token never shows)."""
+def banner(
+    address: str,
+    security: SecurityConfig | None = None,
+    env_token: bool = False,
+    http: str = "",
+    api_key_file: str = "",
+) -> str:
+    """What to run next; with TLS and a token, hints that work as printed (the token never shows).
+    `http`: the HTTP API's address when it is on."""
     security = security or SecurityConfig()
     ca = f" --tls-ca {security.tls_ca}" if security.tls else ""
     transport = f"-cacert {security.tls_ca}" if security.tls else "-plaintext"
@@ -127,6 +146,8 @@ def banner(address: str, security: SecurityConfig | None = None, env_token: bool
         f'  or:  grpcurl {transport} -d \'{{"params": {{"prompt": "a lighthouse", "width": 256, '
         f'"height": 256}}}}\' {address} stagemesh.v1.GatewayService/GenerateUnary',
     ]
+    if http:
+        lines += _http_hints(http, security, api_key_file)
     if security.token_file or env_token:
         source = f"$(cat {security.token_file})" if security.token_file else f"${auth.TOKEN_ENV}"
         flag = f" --token-file {security.token_file}" if security.token_file else ""
@@ -137,6 +158,16 @@ def banner(address: str, security: SecurityConfig | None = None, env_token: bool
         ]
     lines.append("  Ctrl-C stops the mesh.")
     return "\n".join(lines)
+
+
+def _http_hints(http: str, security: SecurityConfig, api_key_file: str) -> list[str]:
+    scheme, ca = ("https", f" --cacert {security.tls_ca}") if security.tls else ("http", "")
+    key = f' -H "authorization: Bearer $(cat {api_key_file})"' if api_key_file else ""
+    return [
+        f"stagemesh: HTTP API (OpenAI-compatible) on {scheme}://{http}/v1",  # read by tests and scripts too
+        f"  try: curl -s{ca}{key} {scheme}://{http}/v1/images/generations -H 'content-type: application/json' "
+        '-d \'{"prompt": "a lighthouse", "size": "256x256"}\'',
+    ]
 
 
 async def up(config: MeshConfig, unset_env: frozenset[str] = frozenset()) -> int:
@@ -158,7 +189,14 @@ async def up(config: MeshConfig, unset_env: frozenset[str] = frozenset()) -> int
             starting.cancel()
             return 0
         address = starting.result()
-        print(banner(address, config.security, env_token=bool(os.environ.get(auth.TOKEN_ENV))), flush=True)
+        text = banner(
+            address,
+            config.security,
+            env_token=bool(os.environ.get(auth.TOKEN_ENV)),
+            http=gateway.ready.get("http", ""),
+            api_key_file=config.gateway.api_key_file,
+        )
+        print(text, flush=True)
         return await supervisor.watch(stop)
     except StartFailed as exc:
         failed = exc
@@ -192,6 +230,11 @@ def _check_security_files(security: SecurityConfig) -> None:
         auth.load_token(security.token_file, "[security] token_file")
 
 
+def _check_api_key_file(path: str) -> None:
+    if path:
+        auth.load_api_key(path, "[gateway] api_key_file")
+
+
 def main(
     config_path: str | None, log_level: str | None, model: str | None = None, unset_env: frozenset[str] = frozenset()
 ) -> int:
@@ -210,6 +253,7 @@ def main(
         return 2
     try:
         _check_security_files(config.security)
+        _check_api_key_file(config.gateway.api_key_file)
     except errors.StagemeshError as exc:
         print(f"stagemesh: invalid config {config_path}: {exc}", file=sys.stderr, flush=True)
         return 2

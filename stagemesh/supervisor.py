@@ -39,6 +39,7 @@ class Child:
     argv: Callable[[int], list[str]]
     port: int = 0
     address: str = ""
+    ready: dict = field(default_factory=dict)  # the ready file it last wrote (further addresses: "http")
     process: subprocess.Popen | None = None
     restarts: collections.deque = field(default_factory=collections.deque)
 
@@ -75,6 +76,7 @@ class Supervisor:
             self._check_alive(child, deadline)
             await asyncio.sleep(POLL_S / 4)
         child.address = info["address"]
+        child.ready = info
         child.port = int(child.address.rsplit(":", 1)[1])  # a restart reuses the port its peers know
         async with tls.channel(child.address, self._tls_ca, aio=True) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
@@ -90,7 +92,12 @@ class Supervisor:
                         health_failure = exc.details() or ""
                         log.warning("health check failed", child=child.name, reason=health_failure)
                 await asyncio.sleep(POLL_S)
-        log.info("serving", child=child.name, address=child.address)
+        log.info(
+            "serving",
+            child=child.name,
+            address=child.address,
+            **({"http": child.ready["http"]} if "http" in child.ready else {}),
+        )
 
     def _failure_file(self, child: Child) -> Path:
         return self._run_dir / f"{child.name}.failure"

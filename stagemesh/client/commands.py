@@ -18,9 +18,12 @@ __all__ = ["ADDRESS_ENV", "DEFAULT_ADDRESS", "default_address", "generate", "pau
 
 def _client(args, *, control: bool = False) -> Client:
     """--address, --tls-ca (else $STAGEMESH_TLS_CA), --timeout; a control command's --token-file
-    (else the client's own $STAGEMESH_TOKEN_FILE / $STAGEMESH_TOKEN)."""
+    (else the client's own $STAGEMESH_TOKEN_FILE / $STAGEMESH_TOKEN); generate's and status's
+    --api-key-file (else $STAGEMESH_API_KEY)."""
     token = auth.load_token(args.token_file) if control and args.token_file else None
-    return Client(args.address, tls_ca=args.tls_ca, token=token, timeout=args.timeout)
+    key_file = getattr(args, "api_key_file", None)
+    api_key = auth.read_secret_file(key_file, "--api-key-file", "API key") if key_file else None
+    return Client(args.address, tls_ca=args.tls_ca, token=token, api_key=api_key, timeout=args.timeout)
 
 
 def _progress_bar(step: int, total: int, width: int = 30) -> str:

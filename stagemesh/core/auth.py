@@ -1,9 +1,11 @@
-"""Bearer-token auth for control calls (Sleep, WakeUp, Pause, Resume, cache mutations).
+"""Bearer-token auth for control calls (Sleep, WakeUp, Pause, Resume, cache mutations), and the
+gateway's optional API key for its data plane (Generate, GenerateUnary, ListStages, HTTP).
 
-The token comes from a file (`--token-file`, `[security] token_file`) or $STAGEMESH_TOKEN, never
-from a flag carrying the value: command lines are visible to every user through `ps`. When a
-token is configured, a server interceptor refuses the protected methods without it
-(UNAUTHENTICATED); every other method (Generate, ListStages, health, reflection) stays open.
+The token comes from a file (`--token-file`, `[security] token_file`) or $STAGEMESH_TOKEN, the
+API key from a file (`--api-key-file`, `[gateway] api_key_file`), never from a flag carrying the
+value: command lines are visible to every user through `ps`. When a secret is configured, a
+server interceptor refuses the methods it protects without it (UNAUTHENTICATED); every other
+method (health, reflection, and whatever no configured secret protects) stays open.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import argparse
 import hmac
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import grpc
@@ -22,6 +24,8 @@ from stagemesh.core import errors, logs, rpc
 TOKEN_ENV = "STAGEMESH_TOKEN"
 HEADER = "authorization"
 SCHEME = "bearer"
+# Where stagemesh.Client sends its API key (on every call, beside the token on control calls).
+API_KEY_HEADER = "x-api-key"
 
 log = logs.get_logger("stagemesh.core.auth")
 
@@ -40,25 +44,37 @@ def load_token(token_file: str | None, option: str = "--token-file") -> str | No
     """The configured token: the file's content if a file is named, else $STAGEMESH_TOKEN, else None."""
     if not token_file:
         return _valid(os.environ.get(TOKEN_ENV) or None, f"${TOKEN_ENV}")
-    path = Path(token_file).expanduser()
+    return read_secret_file(token_file, option, "token")
+
+
+def load_api_key(api_key_file: str | None, option: str = "--api-key-file") -> str | None:
+    """The data plane's API key: the file's content if a file is named, else None (no environment
+    fallback: a variable left in a shell must not close a gateway's data plane by surprise)."""
+    return read_secret_file(api_key_file, option, "API key") if api_key_file else None
+
+
+def read_secret_file(secret_file: str, option: str, what: str) -> str:
+    """One secret (`what`: "token", "API key") from a file: printable ASCII on one line."""
+    path = Path(secret_file).expanduser()
     try:
         text = path.read_text(encoding="ascii")
         mode = path.stat().st_mode
     except (OSError, UnicodeDecodeError) as exc:
-        raise errors.InvalidArgument.field(option, f"cannot read token file {path}: {exc}") from None
-    token = text.rstrip("\r\n")  # editors and `echo` add a trailing newline
-    if not token:
-        raise errors.InvalidArgument.field(option, f"token file {path} is empty; put the token in it")
+        raise errors.InvalidArgument.field(option, f"cannot read {what} file {path}: {exc}") from None
+    secret = text.rstrip("\r\n")  # editors and `echo` add a trailing newline
+    if not secret:
+        raise errors.InvalidArgument.field(option, f"{what} file {path} is empty; put the {what} in it")
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("token file is readable by group or others; chmod 600 it", path=str(path))
-    return _valid(token, option)
+        log.warning(f"{what} file is readable by group or others; chmod 600 it", path=str(path))
+    _valid(secret, option, what)
+    return secret
 
 
-def _valid(token: str | None, where: str) -> str | None:
-    # gRPC metadata values must be printable ASCII without line breaks.
-    if token is not None and not all(0x20 <= ord(c) < 0x7F for c in token):
-        raise errors.InvalidArgument.field(where, "the token must be printable ASCII on one line")
-    return token
+def _valid(secret: str | None, where: str, what: str = "token") -> str | None:
+    # gRPC metadata and HTTP header values must be printable ASCII without line breaks.
+    if secret is not None and not all(0x20 <= ord(c) < 0x7F for c in secret):
+        raise errors.InvalidArgument.field(where, f"the {what} must be printable ASCII on one line")
+    return secret
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -66,16 +82,44 @@ def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return ((HEADER, f"Bearer {token}"),) if token else ()
 
 
-def check_bearer(metadata: Iterable[tuple[str, str | bytes]] | None, token: str) -> None:
-    """Raise Unauthenticated unless `metadata` carries `authorization: Bearer <token>`."""
-    values = [v for k, v in metadata or () if k == HEADER]
-    if not values:
+def _first(metadata: Iterable[tuple[str, str | bytes]], key: str) -> str | None:
+    """The first value of `key` (keys in lower case, as gRPC metadata and ASGI headers give them)."""
+    for k, v in metadata:
+        if k == key:
+            return v if isinstance(v, str) else bytes(v).decode("latin-1")
+    return None
+
+
+def _matches(presented: str, secrets: Iterable[str]) -> bool:
+    given = presented.strip().encode("latin-1", errors="replace")
+    # compare_digest against every accepted secret, without stopping at the first match: the time
+    # taken depends neither on how much of a secret matched nor on which one did.
+    return any([hmac.compare_digest(given, secret.encode()) for secret in secrets])
+
+
+def check_bearer(metadata: Iterable[tuple[str, str | bytes]] | None, *tokens: str) -> None:
+    """Raise Unauthenticated unless `metadata` carries `authorization: Bearer <t>` for one of `tokens`."""
+    value = _first(metadata or (), HEADER)
+    if value is None:
         raise errors.Unauthenticated("missing bearer token")
-    value = values[0] if isinstance(values[0], str) else bytes(values[0]).decode("latin-1")
     scheme, _, presented = value.partition(" ")
-    # compare_digest: the time taken does not depend on how much of the token matched.
-    if scheme.lower() != SCHEME or not hmac.compare_digest(presented.strip().encode(), token.encode()):
+    if scheme.lower() != SCHEME or not _matches(presented, tokens):
         raise errors.Unauthenticated("invalid bearer token")
+
+
+def check_api_key(metadata: Iterable[tuple[str, str | bytes]] | None, api_key: str, token: str | None = None) -> None:
+    """The data plane's check: `authorization: Bearer <key>` (as OpenAI clients send it) or
+    `x-api-key: <key>` (as stagemesh.Client does); the control token is accepted as a bearer too."""
+    pairs = list(metadata or ())
+    header_key = _first(pairs, API_KEY_HEADER)
+    if header_key is not None and _matches(header_key, [api_key]):
+        return
+    bearer = _first(pairs, HEADER)
+    if bearer is None and header_key is None:
+        raise errors.Unauthenticated("missing API key: send authorization: Bearer KEY (or x-api-key: KEY)")
+    scheme, _, presented = (bearer or "").partition(" ")
+    if scheme.lower() != SCHEME or not _matches(presented, [api_key, *([token] if token else [])]):
+        raise errors.Unauthenticated("invalid API key")
 
 
 def control_methods(service_name: str, names: Iterable[str]) -> frozenset[str]:
@@ -83,11 +127,11 @@ def control_methods(service_name: str, names: Iterable[str]) -> frozenset[str]:
     return frozenset(f"/{service_name}/{name}" for name in names)
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses the `protected` methods unless they carry the token."""
+class SecretInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses the `protected` methods unless `check` passes their metadata."""
 
-    def __init__(self, token: str, protected: Iterable[str]):
-        self._token = token
+    def __init__(self, check: Callable[[Iterable[tuple[str, str | bytes]] | None], None], protected: Iterable[str]):
+        self._check = check
         self._protected = frozenset(protected)
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -95,9 +139,9 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or handler_call_details.method not in self._protected:
             return handler
         try:
-            check_bearer(handler_call_details.invocation_metadata, self._token)
+            self._check(handler_call_details.invocation_metadata)
         except errors.Unauthenticated as exc:
-            log.warning("control call refused", method=handler_call_details.method, reason=str(exc))
+            log.warning("call refused", method=handler_call_details.method, reason=str(exc))
             return _refusal(handler, exc)
         return handler
 
@@ -121,5 +165,14 @@ def _refusal(handler: grpc.RpcMethodHandler, exc: errors.StagemeshError) -> grpc
 
 
 def interceptors(token: str | None, protected: Iterable[str]) -> list[grpc.aio.ServerInterceptor]:
-    """The interceptors a server installs: none when no token is configured."""
-    return [BearerTokenInterceptor(token, protected)] if token else []
+    """The interceptors a server installs for its control calls: none when no token is configured."""
+    return [SecretInterceptor(lambda metadata: check_bearer(metadata, token), protected)] if token else []
+
+
+def api_key_interceptors(
+    api_key: str | None, protected: Iterable[str], token: str | None = None
+) -> list[grpc.aio.ServerInterceptor]:
+    """The gateway's data-plane interceptors: none when no API key is configured (see check_api_key)."""
+    if not api_key:
+        return []
+    return [SecretInterceptor(lambda metadata: check_api_key(metadata, api_key, token), protected)]

@@ -7,12 +7,12 @@ import os
 from pathlib import Path
 
 
-def write(path: str | os.PathLike, address: str, metrics: str = "", health: str = "") -> None:
+def write(path: str | os.PathLike, address: str, metrics: str = "", health: str = "", **more: str) -> None:
     """`metrics`: the /metrics HTTP address, `health`: the plaintext health port's address, when
-    the service has one (each key left out otherwise)."""
+    the service has one; `more`: further addresses (the gateway's `http`). Empty ones are left out."""
     target = Path(path)
     tmp = target.with_name(target.name + ".tmp")
-    extra = {key: value for key, value in (("metrics", metrics), ("health", health)) if value}
+    extra = {key: value for key, value in {"metrics": metrics, "health": health, **more}.items() if value}
     info = {"address": address, "pid": os.getpid(), **extra}
     tmp.write_text(json.dumps(info))
     os.replace(tmp, target)  # readers never see a half-written file

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 from stagemesh.core import envflags, errors, logs, procutil, readyfile
@@ -24,8 +24,13 @@ async def run(
     load: Callable[[], Awaitable[None]] | None = None,
     close: Callable[[], Awaitable[None]] | None = None,
     metrics: ServiceMetrics | None = None,
+    ready_info: Mapping[str, str] | None = None,
+    stop_listeners: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Serve until a stop signal. Health stays NOT_SERVING until `load` has finished."""
+    """Serve until a stop signal. Health stays NOT_SERVING until `load` has finished.
+
+    `ready_info`: more addresses for the ready file (listeners bound before this is called);
+    `stop_listeners`: stops them, run alongside the gRPC server's stop so both share its grace."""
     procutil.die_with_parent()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -37,7 +42,9 @@ async def run(
     await host.set_serving(False)
     await host.start()
     if ready_file:
-        readyfile.write(ready_file, host.address, metrics=metrics_address, health=host.health_address)
+        readyfile.write(
+            ready_file, host.address, metrics=metrics_address, health=host.health_address, **(ready_info or {})
+        )
     log.info("listening", address=host.address, **({"health": host.health_address} if host.health_address else {}))
     try:
         if load is not None:
@@ -57,7 +64,10 @@ async def run(
     finally:
         log.info("stopping", address=host.address)
         await host.set_serving(False)
-        await host.stop(STOP_GRACE_S)
+        if stop_listeners is not None:
+            await asyncio.gather(host.stop(STOP_GRACE_S), stop_listeners())
+        else:
+            await host.stop(STOP_GRACE_S)
         if close is not None:
             await close()
         if metrics is not None:

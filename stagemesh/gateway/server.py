@@ -19,8 +19,10 @@ from stagemesh.gateway.watch import StageWatch
 from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
-# Need the bearer token when one is configured; Generate and ListStages stay open.
+# Need the bearer token when one is configured.
 CONTROL_METHODS = auth.control_methods(SERVICE_NAME, ("Sleep", "WakeUp", "PauseGeneration", "ResumeGeneration"))
+# Need the API key (or the control token) when a key is configured.
+DATA_METHODS = auth.control_methods(SERVICE_NAME, ("Generate", "GenerateUnary", "ListStages"))
 
 
 def _event_proto(event: object) -> gateway_pb2.GenerateResponse:
@@ -111,6 +113,7 @@ async def serve_gateway(args: argparse.Namespace) -> None:
             "--stage-unresponsive-s", f"{args.stage_unresponsive_s:g}: allowed {MIN_STAGE_UNRESPONSIVE_S:g} or more"
         )
     token = auth.load_token(args.token_file)
+    api_key = auth.load_api_key(args.api_key_file)
     credentials = tls.server_credentials(args.tls_cert, args.tls_key)
     stages = [
         StageClient(i, [a.strip() for a in spec.split(",") if a.strip()], tls_ca=args.tls_ca, token=token)
@@ -127,7 +130,11 @@ async def serve_gateway(args: argparse.Namespace) -> None:
         args.port,
         [SERVICE_NAME],
         max_receive_bytes=args.max_request_bytes,
-        interceptors=[*metrics.interceptors(), *auth.interceptors(token, CONTROL_METHODS)],
+        interceptors=[
+            *metrics.interceptors(),
+            *auth.interceptors(token, CONTROL_METHODS),
+            *auth.api_key_interceptors(api_key, DATA_METHODS, token),
+        ],
         credentials=credentials,
         health_port=args.health_port,
     )
@@ -135,9 +142,12 @@ async def serve_gateway(args: argparse.Namespace) -> None:
         GatewayServicer(pipeline, control, DeliveryBudget(args.max_undelivered_bytes)), host.server
     )
 
+    http = _http_listener(args, pipeline, control, token, api_key)
     watching: list[asyncio.Task] = []
 
     async def load() -> None:
+        if http is not None:
+            http.start()  # answers while the stages load: /health says 503 until they serve
         await pipeline.wait_until_ready()
         control.restore()
         watching.append(asyncio.ensure_future(StageWatch(stages, args.stage_unresponsive_s).run()))
@@ -148,7 +158,33 @@ async def serve_gateway(args: argparse.Namespace) -> None:
         await asyncio.gather(*watching, return_exceptions=True)
         await asyncio.gather(*(s.close() for s in stages))
 
-    await serve.run(host, ready_file=args.ready_file, load=load, close=close, metrics=metrics)
+    await serve.run(
+        host,
+        ready_file=args.ready_file,
+        load=load,
+        close=close,
+        metrics=metrics,
+        ready_info={"http": http.address} if http is not None else None,
+        stop_listeners=http.stop if http is not None else None,
+    )
+
+
+def _http_listener(args: argparse.Namespace, pipeline: Pipeline, control: ControlPlane, token, api_key):
+    """The HTTP API's listener, bound; None without --http-port (FastAPI is then never imported)."""
+    if args.http_port is None:
+        return None
+    from stagemesh.gateway.http.app import HttpSettings, create_app
+    from stagemesh.gateway.http.listener import HttpListener
+
+    settings = HttpSettings(args.max_request_bytes, control_token=token, api_key=api_key)
+    return HttpListener(
+        create_app(pipeline, control, settings),
+        args.host,
+        args.http_port,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        grace_s=serve.STOP_GRACE_S,
+    )
 
 
 def main(args: argparse.Namespace) -> None:

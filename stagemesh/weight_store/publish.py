@@ -38,6 +38,7 @@ SUPPORTED_DTYPES = (
     torch.int32,
     torch.uint8,
     torch.bool,
+    torch.float8_e4m3fn,  # FP8 DLO streaming keeps quantised weights in the entry
 )
 
 

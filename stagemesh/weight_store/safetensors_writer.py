@@ -26,6 +26,7 @@ _CODES = {
     torch.int32: "I32",
     torch.uint8: "U8",
     torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
 }
 
 TensorSpec = tuple[str, tuple[int, ...], torch.dtype]

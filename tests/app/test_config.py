@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from stagemesh import config
@@ -45,3 +47,30 @@ def test_gateway_max_images_per_request(tmp_path):
     path = tmp_path / "mesh.toml"
     path.write_text("[gateway]\nmax_images_per_request = 3\n")
     assert config.load(path).gateway.max_images_per_request == 3
+
+
+def test_the_gateway_http_port_and_api_key_file_reach_its_command_line(tmp_path):
+    from stagemesh import launcher
+
+    path = tmp_path / "mesh.toml"
+    path.write_text('[gateway]\nhttp_port = 0\napi_key_file = "key"\n')
+    mesh = config.load(path)
+    assert mesh.gateway.http_port == 0
+    assert mesh.gateway.api_key_file == str(Path.cwd() / "key")  # absolute, as the [security] paths
+    _, _, gateway = launcher._children(mesh, ["127.0.0.1:1", "127.0.0.1:2"], [])
+    argv = gateway.argv(50051)
+    assert argv[argv.index("--http-port") + 1] == "0"
+    assert argv[argv.index("--api-key-file") + 1] == mesh.gateway.api_key_file
+    # A restart binds the HTTP port the gateway bound first, as it does the gRPC port.
+    gateway.ready = {"address": "127.0.0.1:50051", "http": "127.0.0.1:8123"}
+    argv = gateway.argv(50051)
+    assert argv[argv.index("--http-port") + 1] == "8123"
+    assert "--http-port" not in launcher._children(config.load(None), ["a", "b"], [])[2].argv(1)
+
+
+@pytest.mark.parametrize("text", ["http_port = 70000", "http_port = -1", 'http_port = "80"', "api_key_file = 3"])
+def test_bad_gateway_http_options_are_refused_naming_the_key(tmp_path, text):
+    path = tmp_path / "mesh.toml"
+    path.write_text(f"[gateway]\n{text}\n")
+    with pytest.raises(ValueError, match=r"\[gateway\] (http_port|api_key_file)"):
+        config.load(path)

@@ -80,6 +80,15 @@ class Mesh:
     address: str
     log_path: Path
     config_path: Path
+    banner: str = ""  # what `up` printed once the mesh served
+
+    @property
+    def http_address(self) -> str:
+        """host:port of the gateway's HTTP API, from the banner line `up` prints for it."""
+        for line in self.banner.splitlines():
+            if line.startswith("stagemesh: HTTP API"):
+                return line.rsplit("://", 1)[1].removesuffix("/v1")
+        raise LookupError(f"the banner names no HTTP API:\n{self.banner}")
 
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.address, options=rpc.channel_options())
@@ -185,20 +194,24 @@ def start_mesh(
     log_file.close()
     deadline = time.monotonic() + timeout_s
     address = None
+    banner = []
     while time.monotonic() < deadline:
         line = process.stdout.readline()
         if not line:
             break
         if "gateway serving on" in line:
             address = line.strip().rsplit(" ", 1)[1]
-            break
+        if address is not None:
+            banner.append(line)
+            if "Ctrl-C stops the mesh" in line:  # the banner's last line
+                break
     if address is None:
         process.kill()
         process.wait()
         raise RuntimeError(f"mesh did not start; log:\n{log_path.read_text()[-4000:]}")
     # Keep reading stdout so nothing the mesh prints later can fill the pipe and block it.
     threading.Thread(target=process.stdout.read, daemon=True).start()
-    return Mesh(process, address, log_path, config_path)
+    return Mesh(process, address, log_path, config_path, "".join(banner))
 
 
 @dataclass

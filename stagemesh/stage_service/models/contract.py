@@ -103,7 +103,9 @@ class Runner(Protocol):
 
     def offload_bytes(self) -> int: ...  # copied host -> device by the DLO engine since load; 0 without DLO
 
-    def dlo_stats(self) -> dict[str, Any] | None: ...  # {"world", "host_mode", "host_bytes"}; None without DLO
+    def dlo_stats(
+        self,
+    ) -> dict[str, Any] | None: ...  # {"world", "host_mode", "host_bytes", "stream_dtype"}; None without DLO
 
     def sleep_refusal(self, level: int) -> str | None: ...  # why it cannot sleep at `level`; None: it can
 
@@ -130,7 +132,12 @@ class RunnerBase:
         if self.offload is None:
             return None
         stats = self.offload.stats()
-        return {"world": stats.world, "host_mode": stats.host_mode, "host_bytes": stats.host_bytes}
+        return {
+            "world": stats.world,
+            "host_mode": stats.host_mode,
+            "host_bytes": stats.host_bytes,
+            "stream_dtype": stats.stream_dtype,
+        }
 
     def sleep_refusal(self, level: int) -> str | None:
         return None

@@ -16,6 +16,7 @@ from stagemesh.stage_service.models.weights import (
     load_dit,
     read_config,
 )
+from stagemesh.stage_service.offload import fp8
 from stagemesh.stage_service.offload.checkpoint import load_or_fallback
 from stagemesh.stage_service.offload.collective import group_shape
 from stagemesh.stage_service.offload.config import DloOptions
@@ -72,6 +73,7 @@ def load_offloaded_dit(
             tp,
             lambda: load_host_dit(model_dir, tp, opts.dlo_checkpoint_mmap),
             service_address=opts.dlo_runtime_cache_service or None,
+            device=device,
         )
     else:
         dit, decoder, mapped, _ = load_host_dit(model_dir, tp, opts.dlo_checkpoint_mmap)
@@ -85,5 +87,8 @@ def load_offloaded_dit(
         group=group if use_allgather else None,
         use_allgather=use_allgather,
         keep_source=mapped and not use_allgather,
+        stream_dtype=fp8.stream_dtype(opts.dlo_stream_dtype),
+        # FP8 weights of a runtime-cache entry are streamed from it as they are.
+        quantized=cached.quantized if cached is not None else None,
     )
     return dit, decoder, engine, cached

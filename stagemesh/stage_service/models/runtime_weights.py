@@ -11,6 +11,12 @@ Skip-load: a second, small entry (the alias) records, under a key derived before
 (checkpoint fingerprint + config + TP coordinate + loader version), which layout key that
 checkpoint produced. A start that finds both builds the model on meta and maps the entry
 directly, without reading the checkpoint.
+
+FP8 streaming (dlo_stream_dtype): the entry holds the weights as DLO streams them: each Linear
+weight of a streamed block in float8_e4m3fn under its own name plus its scales under
+"<name>.fp8_scale", everything else as loaded. Both keys name the stream dtype and the resident
+block count (resident blocks stay unquantised), so an FP8 entry never serves a request for the
+model's own dtype, nor the reverse; the checks below refuse an entry whose dtypes do not match.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from stagemesh.stage_service.models.weights import (
     build_dit,
     read_config,
 )
+from stagemesh.stage_service.offload import fp8
 from stagemesh.stage_service.offload.config import DloOptions
 from stagemesh.stage_service.runtime_cache.lookup import MappedEntry, RuntimeCache, content_hash, layout_key
 
@@ -59,6 +66,11 @@ class CacheResult:
     reason: str  # hit / published / lock_timeout / ... / layout_mismatch / skip_load_hit
     key: str = ""
     load_s: float = 0.0
+    # FP8 streaming: (weight, scales) of each quantised weight in the entry, by DiT name
+    quantized: dict[str, fp8.Quantized] | None = None
+
+
+Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape, dtype)
 
 
 def _parts(dit: nn.Module, decoder: nn.Module) -> dict[str, nn.Module]:
@@ -95,43 +107,70 @@ def final_tensors(parts: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
     }
 
 
-def _check(parts: dict[str, nn.Module], tensors: dict[str, torch.Tensor]) -> None:
-    want = final_tensors(parts)
+def expected_specs(parts: dict[str, nn.Module], quantized: Specs) -> Specs:
+    """What an entry for `parts` holds: every final tensor as the model has it, except the
+    `quantized` weights (full names), each stored in FP8 plus its scales."""
+    specs = {name: (tuple(t.shape), t.dtype) for name, t in final_tensors(parts).items()}
+    for name, (shape, _) in quantized.items():
+        specs[name] = (shape, fp8.FLOAT8)
+        specs[name + fp8.SCALE_SUFFIX] = ((shape[0],), fp8.SCALE_DTYPE)
+    return specs
+
+
+def _check(parts: dict[str, nn.Module], tensors: dict[str, torch.Tensor], quantized: Specs) -> None:
+    want = expected_specs(parts, quantized)
     if want.keys() != tensors.keys():
         diff = sorted(want.keys() ^ tensors.keys())
         raise LayoutMismatch(f"names differ, e.g. {diff[:3]}")
-    for name, t in want.items():
+    for name, (shape, dtype) in want.items():
         m = tensors[name]
-        if tuple(m.shape) != tuple(t.shape) or m.dtype != t.dtype:
-            raise LayoutMismatch(f"{name}: entry {tuple(m.shape)} {m.dtype}, model {tuple(t.shape)} {t.dtype}")
+        if tuple(m.shape) != shape or m.dtype != dtype:
+            raise LayoutMismatch(f"{name}: entry {tuple(m.shape)} {m.dtype}, model {shape} {dtype}")
     for prefix, module in parts.items():
         persistent = set(module.state_dict(keep_vars=True))
         if any(n not in persistent for n, _ in module.named_buffers()):
             raise LayoutMismatch(f"{prefix}: non-persistent buffers are not in the entry")
 
 
-def swap_storage(parts: dict[str, nn.Module], tensors: dict[str, torch.Tensor]) -> None:
+def _quantized_of(tensors: dict[str, torch.Tensor], quantized: Specs) -> dict[str, fp8.Quantized] | None:
+    """The entry's (weight, scales) pairs by DiT name (as the DLO engine names them)."""
+    if not quantized:
+        return None
+    return {name.removeprefix(DIT_PREFIX): (tensors[name], tensors[name + fp8.SCALE_SUFFIX]) for name in quantized}
+
+
+def swap_storage(
+    parts: dict[str, nn.Module], tensors: dict[str, torch.Tensor], quantized: Specs | None = None
+) -> dict[str, fp8.Quantized] | None:
     """Point every parameter and persistent buffer at its mapped tensor; Parameter objects
-    stay. Checked first, so a mismatch changes nothing."""
-    _check(parts, tensors)
+    stay. Checked first, so a mismatch changes nothing. A `quantized` weight gets a
+    placeholder instead (its private copy goes): DLO streams it from the entry's FP8 form,
+    returned by DiT name."""
+    quantized = quantized or {}
+    _check(parts, tensors, quantized)
     for prefix, module in parts.items():
         for name, current in module.state_dict(keep_vars=True).items():
-            mapped = tensors[prefix + name]
+            full = prefix + name
+            mapped = tensors[full] if full not in quantized else fp8.placeholder(*quantized[full])
             if isinstance(current, nn.Parameter):
                 current.data = mapped
             else:
                 owner, _, leaf = name.rpartition(".")
                 module.get_submodule(owner)._buffers[leaf] = mapped
+    return _quantized_of(tensors, quantized)
 
 
 def _bind_on_meta(
-    config: PipelineConfig, tp: TpGroup | None, tensors: dict[str, torch.Tensor]
+    config: PipelineConfig, tp: TpGroup | None, tensors: dict[str, torch.Tensor], quantized: Specs
 ) -> tuple[nn.Module, nn.Module]:
     dit, decoder = build_dit(config, "meta", tp)
     parts = _parts(dit, decoder)
-    _check(parts, tensors)
+    _check(parts, tensors, quantized)
     for prefix, module in parts.items():
-        state = {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
+        state = {}
+        for name in module.state_dict(keep_vars=True):
+            full = prefix + name
+            state[name] = tensors[full] if full not in quantized else fp8.placeholder(*quantized[full])
         module.load_state_dict(state, strict=True, assign=True)
         module.eval().requires_grad_(False)
     return dit, decoder
@@ -141,18 +180,43 @@ class DitWeightCache:
     """The cache as one DiT rank sees it (its TP coordinate; never its DP rank)."""
 
     def __init__(
-        self, model_dir: Path, opts: DloOptions, tp: TpGroup | None, service_address: str | None = None
+        self,
+        model_dir: Path,
+        opts: DloOptions,
+        tp: TpGroup | None,
+        service_address: str | None = None,
+        device: str | torch.device = "cpu",
     ) -> None:
         self.model_dir = Path(model_dir)
         self.config = read_config(self.model_dir)
         self.tp = tp
+        self.device = device  # where FP8 quantisation runs
+        self.stream_dtype = opts.dlo_stream_dtype
+        self.resident_layers = opts.dlo_resident_layers
+        self._quantized: Specs | None = None
         self.cache = RuntimeCache(
             Path(opts.dlo_runtime_cache_dir).expanduser(), service_address, float(opts.dlo_runtime_cache_lock_timeout)
         )
         self.identity = model_identity(self.model_dir)
 
+    @property
+    def streams_fp8(self) -> bool:
+        return bool(self.stream_dtype)
+
+    def quantized_specs(self) -> Specs:
+        """Full name -> (shape, dtype) of the weights this engine streams in FP8; none without."""
+        if not self.streams_fp8:
+            return {}
+        if self._quantized is None:
+            dit, _ = build_dit(self.config, "meta", self.tp)
+            specs = fp8.quantized_specs(dit, self.resident_layers)
+            self._quantized = {DIT_PREFIX + name: spec for name, spec in specs.items()}
+        return self._quantized
+
     def _key(self, loader_version: str, digest: str) -> str:
         size, rank = _coordinate(self.tp)
+        # Resident blocks are not quantised: their count changes what the entry holds.
+        stream = f"{self.stream_dtype}+resident={self.resident_layers}" if self.streams_fp8 else ""
         return layout_key(
             model_identity=self.identity,
             dtype=self.config.dtype,
@@ -160,6 +224,7 @@ class DitWeightCache:
             tp_size=size,
             tp_rank=rank,
             content_hash=digest,
+            stream_dtype=stream,
         )
 
     def alias_key(self) -> str:
@@ -182,8 +247,9 @@ class DitWeightCache:
         found = self.cache.lookup(key)
         if found.entry is None:
             return None
+        quantized = self.quantized_specs()
         try:
-            dit, decoder = _bind_on_meta(self.config, self.tp, found.entry.tensors)
+            dit, decoder = _bind_on_meta(self.config, self.tp, found.entry.tensors, quantized)
         except (LayoutMismatch, RuntimeError) as exc:
             log.warning(
                 "dlo runtime cache entry does not fit the model; loading",
@@ -193,12 +259,22 @@ class DitWeightCache:
             )
             found.entry.close()
             return None
-        return dit, decoder, CacheResult(found.entry, "skip_load_hit", key)
+        result = CacheResult(found.entry, "skip_load_hit", key)
+        result.quantized = _quantized_of(found.entry.tensors, quantized)
+        return dit, decoder, result
+
+    def streamed_form(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The final tensors as the entry stores them: with FP8 streaming, each streamed Linear
+        weight replaced by its FP8 form and scales (quantised on this engine's device)."""
+        out = dict(tensors)
+        for name in self.quantized_specs():
+            out[name], out[name + fp8.SCALE_SUFFIX] = fp8.quantize_rows(out[name], self.device)
+        return out
 
     def share(self, dit: nn.Module, decoder: nn.Module) -> CacheResult:
-        """After an ordinary load: publish or find the entry and move the model onto it."""
+        """After a load: publish or find the entry and move the model onto it."""
         parts = _parts(dit, decoder)
-        tensors = final_tensors(parts)
+        tensors = self.streamed_form(final_tensors(parts))
         key = self.layout_key_of(tensors)
         # `tensors` is the last reference to the private copies besides the model: both go
         # when this returns after the swap.
@@ -206,7 +282,7 @@ class DitWeightCache:
         if outcome.entry is None:
             return CacheResult(None, outcome.reason, key)
         try:
-            swap_storage(parts, outcome.entry.tensors)
+            quantized = swap_storage(parts, outcome.entry.tensors, self.quantized_specs())
         except LayoutMismatch as exc:
             log.warning(
                 "dlo runtime cache entry does not fit the model", key=key, reason="layout_mismatch", detail=str(exc)
@@ -214,7 +290,7 @@ class DitWeightCache:
             outcome.entry.close()
             return CacheResult(None, "layout_mismatch", key)
         self._record_alias(key)
-        return CacheResult(outcome.entry, outcome.reason, key)
+        return CacheResult(outcome.entry, outcome.reason, key, quantized=quantized)
 
     def _record_alias(self, key: str) -> None:
         data = torch.frombuffer(bytearray(key.encode("ascii")), dtype=torch.uint8)
@@ -224,12 +300,18 @@ class DitWeightCache:
 
 
 def load_through_cache(
-    model_dir: Path, opts: DloOptions, tp: TpGroup | None, load_private, service_address: str | None = None
+    model_dir: Path,
+    opts: DloOptions,
+    tp: TpGroup | None,
+    load_private,
+    service_address: str | None = None,
+    device: str | torch.device = "cpu",
 ):
     """(dit, decoder, mapped, CacheResult | None). `load_private()` is the usual host load:
-    (dit, decoder, mapped, why-not-mapped). A checkpoint mapped directly needs no cache."""
+    (dit, decoder, mapped, why-not-mapped). A checkpoint mapped directly needs no cache, unless
+    blocks stream in FP8 (the entry then holds the quantised form, shared by every engine)."""
     started = time.perf_counter()
-    cache = DitWeightCache(model_dir, opts, tp, service_address)
+    cache = DitWeightCache(model_dir, opts, tp, service_address, device)
     try:
         hit = cache.skip_load()
     except Exception as exc:  # noqa: BLE001 - the cache never stops a stage from starting
@@ -243,7 +325,7 @@ def load_through_cache(
         log.info("dlo runtime cache hit; checkpoint load skipped", key=result.key, load_s=round(result.load_s, 4))
         return dit, decoder, True, result
     dit, decoder, mapped, _ = load_private()
-    if mapped:
+    if mapped and not cache.streams_fp8:
         log.info("dlo runtime cache not needed: the checkpoint is mapped directly")
         return dit, decoder, True, None
     try:
@@ -259,7 +341,7 @@ def load_through_cache(
             key=result.key,
             load_s=round(result.load_s, 4),
         )
-        return dit, decoder, False, result
+        return dit, decoder, mapped, result
     log.info(
         "dlo runtime cache mapped after a load", reason=result.reason, key=result.key, load_s=round(result.load_s, 4)
     )

@@ -3,23 +3,27 @@
 Streamed blocks keep their bytes on the host (see host.py). Two device slots, each sized by the
 largest block, take turns: while block N computes on the compute stream, block N+1 is copied
 host-to-device on a copy stream (and, with AllGather, rebuilt from every rank's shard on a
-communication stream) into the other slot. Events order the streams:
+second stream; with FP8 streaming, rebuilt in the model's dtype there from its FP8 form) into
+the other slot. Events order the streams:
 
     ready[s]  recorded after slot s is filled      -> the compute stream waits before using it
     free[s]   recorded after the block in slot s ran -> the copy stream waits before refilling it
+                                                        (FP8: the rebuild into the slot waits)
 
 A forward pre-hook points the block's parameters at typed views into its slot. Which block runs
 next is learned from the order the blocks actually ran in (first guess: declared order, wrapping
 around), so the first block of the next denoising step is fetched while the last one computes,
 and a mispredicted block is simply loaded on demand. Everything that is not a streamed block
 stays resident on the device. On the CPU events and streams are no-ops and the copies are plain
-memcpy, so results are bit-identical to the resident model.
+memcpy, so results are bit-identical to the resident model (FP8 streaming aside: its weights are
+rounded once, at load).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -27,10 +31,11 @@ from torch import nn
 
 from stagemesh.core import logs
 from stagemesh.stage_service import platform
+from stagemesh.stage_service.offload import fp8
 from stagemesh.stage_service.offload.collective import gather_into, group_shape
 from stagemesh.stage_service.offload.host import InitBlock, PackedStore, ShardStore, StagedStore, locked_mapping_store
-from stagemesh.stage_service.offload.layout import BlockLayout
-from stagemesh.stage_service.offload.plan import Block, Discovery, OffloadPlan, discover
+from stagemesh.stage_service.offload.layout import BlockLayout, StreamLayout
+from stagemesh.stage_service.offload.plan import OffloadPlan, discover, pick_resident
 
 log = logs.get_logger("stagemesh.offload")
 
@@ -47,29 +52,19 @@ class OffloadStats:
     world: int
     host_mode: str  # "packed", "sharded", "staged" or "locked"
     discovery: str
+    stream_dtype: str = ""  # "float8_e4m3fn" when Linear weights stream in FP8; "": as stored
 
 
-def _pick_resident(found: Discovery, n: int, world: int) -> list[Block]:
-    if n < 0:
-        raise ValueError(f"resident_layers must be >= 0, got {n}")
-    if n == 0:
-        return []
-    if world > 1:
-        raise ValueError(
-            "resident layers need no-AllGather: every rank must rebuild the same "
-            "blocks; use dlo_use_allgather = false or resident_layers = 0"
-        )
-    candidates = found.resident_candidates()
-    if not candidates:
-        log.warning(
-            "dlo resident layers ignored: the model declares no resident_paths in its "
-            "OffloadPlan, so every block streams",
-            requested=n,
-        )
-        return []
-    if n > len(candidates):
-        log.warning("dlo resident layers capped", requested=n, eligible=len(candidates))
-    return candidates[:n]
+def _check_stream_dtype(dtype: torch.dtype | None, quantized) -> torch.dtype | None:
+    if dtype is not None and dtype != fp8.FLOAT8:
+        raise ValueError(f"stream_dtype must be None (as stored) or torch.float8_e4m3fn, got {dtype}")
+    if quantized is not None and dtype is None:
+        raise ValueError("quantized weights were given but stream_dtype is not float8_e4m3fn")
+    return dtype
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return "" if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _inside(name: str, roots: set[str]) -> bool:
@@ -117,7 +112,10 @@ class LayerwiseOffload:
     stay in their current host tensors (a checkpoint mapping or a runtime-cache entry): on a CUDA
     device the mapping is page-locked in place and copied from directly (its pages stay the
     shared page cache); where the driver refuses, each transfer is staged through pinned buffers.
-    `init_block`: materialises a block built on "meta" into host memory, one block at a time."""
+    `init_block`: materialises a block built on "meta" into host memory, one block at a time.
+    `stream_dtype` float8_e4m3fn: streamed blocks' Linear weights are kept and copied in FP8
+    and rebuilt in the slot (fp8.py); `quantized` gives them already quantised (by qualified
+    name, e.g. from a runtime-cache entry), else they are quantised here, once."""
 
     def __init__(
         self,
@@ -131,23 +129,31 @@ class LayerwiseOffload:
         keep_source: bool = False,
         init_block: InitBlock | None = None,
         background_staging: bool | None = None,
+        stream_dtype: torch.dtype | None = None,
+        quantized: Mapping[str, fp8.Quantized] | None = None,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
         self.discovery = discover(model, plan)
         self.group = group if use_allgather else None
         self.world, self.rank = group_shape(self.group)
-        resident = _pick_resident(self.discovery, resident_layers, self.world)
+        resident = pick_resident(self.discovery, resident_layers, self.world)
         resident_paths = {b.path for b in resident}
         self.streamed = [b for b in self.discovery.blocks if b.path not in resident_paths]
         self.resident = resident
-        self.layouts = [BlockLayout(b.module, b.path) for b in self.streamed]
+        self.stream_dtype = _check_stream_dtype(stream_dtype, quantized)
+        tail = fp8.quantizable if self.streams_fp8 else None
+        self.layouts = [BlockLayout(b.module, b.path, tail=tail) for b in self.streamed]
         roots = {b.path for b in self.streamed}
         _check_no_sharing(model, self.layouts, roots)
+        self.streams = self._stream_layouts(quantized)
         _move_rest(model, roots, self.device)
         self._init_state()
+        # FP8 from unquantised tensors (a checkpoint mapping): quantised into packed buffers,
+        # not streamed from where they are.
+        in_place = keep_source and (not self.streams_fp8 or quantized is not None)
         with torch.inference_mode(False):
-            self.store = self._make_store(keep_source, init_block)
+            self.store = self._make_store(in_place, init_block)
             self._make_slots()
         if background_staging is None:
             background_staging = isinstance(self.store, StagedStore) and platform.is_cuda(device)
@@ -162,37 +168,58 @@ class LayerwiseOffload:
             self._load(0, 0)
 
     # set-up -------------------------------------------------------------------------------
+    @property
+    def streams_fp8(self) -> bool:
+        return self.stream_dtype is not None
+
+    def _stream_layouts(self, quantized: Mapping[str, fp8.Quantized] | None) -> list[StreamLayout]:
+        if not self.streams_fp8:
+            return list(self.layouts)
+        fp8.refuse_float8_blocks(self.layouts)
+        if not any(layout.tail for layout in self.layouts):
+            log.warning("dlo fp8 streaming has nothing to quantise: the streamed blocks hold no Linear weights")
+        # Quantised on the target device when it is a GPU: a FLUX-size model in seconds.
+        return [fp8.QuantizedLayout(layout, self.device, quantized) for layout in self.layouts]
+
     def _make_store(self, keep_source: bool, init_block: InitBlock | None) -> PackedStore:
         if self.world > 1:
             self.host_mode = "sharded"
-            return ShardStore(self.layouts, self.device, self.rank, self.world, init_block)
-        locked = locked_mapping_store(self.layouts, self.device) if keep_source else None
+            return ShardStore(self.streams, self.device, self.rank, self.world, init_block)
+        locked = locked_mapping_store(self.streams, self.device) if keep_source else None
         if locked is not None:
             self.host_mode = "locked"
             return locked
         if keep_source:
             self.host_mode = "staged"
-            return StagedStore(self.layouts, self.device)
+            return StagedStore(self.streams, self.device)
         self.host_mode = "packed"
-        return PackedStore(self.layouts, self.device, init_block)
+        return PackedStore(self.streams, self.device, init_block)
 
     def _make_slots(self) -> None:
         self._alloc_slots()
-        if self.host_mode == "sharded":
-            # Drop the full private copies (or the mapping): this rank keeps only its shards.
+        if self.host_mode == "sharded" or self.streams_fp8:
+            # Drop the full private copies (or the mapping): the host keeps only this rank's
+            # shards, or the FP8 form.
             for i, (layout, views) in enumerate(zip(self.layouts, self._views)):
                 layout.bind(views[0])
                 self._bound[i] = 0
 
     def _alloc_slots(self) -> None:
         n = len(self.layouts)
-        size = max((self.store.slot_nbytes(i) for i in range(n)), default=0)
+        assembled = max((self.store.block_nbytes(i) for i in range(n)), default=0)
+        size = max((layout.nbytes for layout in self.layouts), default=0) if self.streams_fp8 else assembled
         self._slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        # FP8: the copied (and gathered) block lands here and is rebuilt into the slot.
+        self._packed = (
+            [torch.empty(assembled, dtype=torch.uint8, device=self.device) for _ in range(2)]
+            if self.streams_fp8
+            else self._slots
+        )
         shard = max((self.store.h2d_nbytes(i) for i in range(n)), default=0)
         self._shards = (
             [torch.empty(shard, dtype=torch.uint8, device=self.device) for _ in range(2)] if self.world > 1 else []
         )
-        for t in self._slots + self._shards:
+        for t in self._buffers():
             # Freed slots must not be reused before the side streams' last writes land.
             platform.record_stream(t, self._copy)
             if self._comm is not None:
@@ -203,7 +230,8 @@ class LayerwiseOffload:
         n = len(self.layouts)
         dev = self.device
         self._copy = platform.Stream(dev)
-        self._comm = platform.Stream(dev) if self.world > 1 else None
+        # The second stage of a fill (gather, FP8 rebuild) runs beside the next block's copy.
+        self._comm = platform.Stream(dev) if self.world > 1 or self.streams_fp8 else None
         self._ready = [platform.DeviceEvent(dev) for _ in range(2)]
         self._free = [platform.DeviceEvent(dev) for _ in range(2)]
         self._copied = [platform.DeviceEvent(dev) for _ in range(2)]
@@ -268,20 +296,34 @@ class LayerwiseOffload:
             self._pending[s] = self._stager.submit(self._issue, i, s)
 
     def _issue(self, i: int, s: int) -> None:
-        """Fill slot s with block i; every rank calls this in the same order (collectives)."""
-        self._copy.wait_event(self._free[s])
+        """Fill slot s with block i; every rank calls this in the same order (collectives).
+        FP8: the copy lands in slot s's FP8 buffer, which is free once the last rebuild from it
+        ran; only the rebuild waits for the block in slot s to have run. So the link can run
+        two blocks ahead of the compute instead of one."""
+        if not self.streams_fp8:
+            self._copy.wait_event(self._free[s])
+        if self._comm is not None:
+            # The last gather or rebuild for slot s read the buffers this copy overwrites (a
+            # prefetched block that never ran has no later free event to wait for).
+            self._copy.wait_event(self._ready[s])
         with self._copy.active():
-            target = self._slots[s] if self.world == 1 else self._shards[s]
+            target = self._shards[s] if self.world > 1 else self._packed[s]
             sent = self.store.fill(i, target, self._copy)
             self.h2d_bytes += sent
             self._copied[s].record(self._copy)
-        if self.world == 1:
+        if self._comm is None:
             self._ready[s].record(self._copy)
             return
-        assert self._comm is not None  # made whenever world > 1
         self._comm.wait_event(self._copied[s])
         with self._comm.active():
-            gather_into(self._slots[s][: self.store.slot_nbytes(i)], self._shards[s][:sent], self.group)
+            assembled = self._packed[s][: self.store.block_nbytes(i)]
+            if self.world > 1:
+                gather_into(assembled, self._shards[s][:sent], self.group)
+            if self.streams_fp8:
+                layout = self.streams[i]
+                assert isinstance(layout, fp8.QuantizedLayout)  # every stream layout under FP8
+                self._comm.wait_event(self._free[s])
+                layout.expand(assembled, self._slots[s])
             self._ready[s].record(self._comm)
 
     # life cycle ---------------------------------------------------------------------------
@@ -298,6 +340,7 @@ class LayerwiseOffload:
             world=self.world,
             host_mode=self.host_mode,
             discovery=self.discovery.source,
+            stream_dtype=_dtype_name(self.stream_dtype),
         )
 
     def synchronize(self) -> None:
@@ -310,8 +353,12 @@ class LayerwiseOffload:
         if self._comm is not None:
             self._comm.synchronize()
 
+    def _buffers(self) -> list[torch.Tensor]:
+        """Every device buffer of the engine, each once."""
+        return self._slots + (self._packed if self._packed is not self._slots else []) + self._shards
+
     def _device_bytes(self) -> int:
-        return sum(t.numel() for t in self._slots + self._shards)
+        return sum(t.numel() for t in self._buffers())
 
     def release_device(self) -> int:
         """Free the device slots (sleep). Host copies stay; streamed blocks point at empty
@@ -323,7 +370,7 @@ class LayerwiseOffload:
         for layout in self.layouts:
             # Views into a slot would keep it alive.
             layout.bind([torch.empty(0, dtype=e.dtype, device=self.device) for e in layout.entries])
-        self._slots, self._shards, self._views = [], [], []
+        self._slots, self._packed, self._shards, self._views = [], [], [], []
         self._owner, self._pending = [None, None], [None, None]
         self._bound = [None] * len(self.layouts)
         self._current, self._prev = 1, None
@@ -351,7 +398,7 @@ class LayerwiseOffload:
         self.synchronize()
         if self._stager is not None:
             self._stager.shutdown(wait=True)
-        if self.host_mode == "packed":
+        if self.host_mode == "packed" and not self.streams_fp8:
             for layout, buf in zip(self.layouts, self.store.buffers):
                 layout.bind(layout.views(buf.tensor))
         self._closed = True

@@ -10,7 +10,9 @@
   place, so each transfer is DMA straight from the page cache (which every engine mapping the
   same runtime-cache entry shares): no staging copy, no private copy.
 
-Every store fills a device buffer with block i's bytes on the current (copy) stream: `fill`.
+Every store fills a device buffer with block i's bytes on the current (copy) stream: `fill`. A
+store holds blocks in their stream layout (layout.StreamLayout): the block's own bytes, or its
+FP8 form (fp8.py), which the engine rebuilds in the slot after the copy.
 """
 
 from __future__ import annotations
@@ -24,17 +26,17 @@ from torch import nn
 
 from stagemesh.core import logs
 from stagemesh.stage_service import platform
-from stagemesh.stage_service.offload.layout import BlockLayout, align_up
+from stagemesh.stage_service.offload.layout import StreamLayout, align_up
 
 InitBlock = Callable[[nn.Module], None]
 
 log = logs.get_logger("stagemesh.offload")
 
 
-def _materialize(layout: BlockLayout, init_block: InitBlock | None) -> None:
+def _materialize(layout: StreamLayout, init_block: InitBlock | None) -> None:
     # A block built on "meta" gets real host values one block at a time, so a model larger than
     # host memory twice over can still be packed.
-    if any(e.current().is_meta for e in layout.entries):
+    if layout.needs_values():
         if init_block is None:
             raise ValueError(
                 f"block {layout.path!r} is on the meta device and no init_block was given to materialise it"
@@ -48,7 +50,7 @@ def shard_nbytes(nbytes: int, world: int) -> int:
 
 class PackedStore:
     def __init__(
-        self, layouts: list[BlockLayout], device: str | torch.device, init_block: InitBlock | None = None
+        self, layouts: list[StreamLayout], device: str | torch.device, init_block: InitBlock | None = None
     ) -> None:
         self.layouts = layouts
         self.buffers: list[platform.HostBuffer] = []
@@ -57,14 +59,15 @@ class PackedStore:
             buf = platform.HostBuffer(layout.nbytes, device)
             layout.pack_range(layout.sources(), 0, layout.nbytes, buf.tensor)
             # Re-pointing the block drops its last reference to the private copy.
-            layout.bind(layout.views(buf.tensor))
+            layout.bind_packed(buf.tensor)
             self.buffers.append(buf)
 
     @property
     def host_bytes(self) -> int:
         return sum(b.tensor.numel() for b in self.buffers)
 
-    def slot_nbytes(self, i: int) -> int:
+    def block_nbytes(self, i: int) -> int:
+        """Device bytes block i takes once its copy (and gather) is complete."""
         return self.layouts[i].nbytes
 
     def h2d_nbytes(self, i: int) -> int:
@@ -85,7 +88,7 @@ class PackedStore:
 class ShardStore(PackedStore):
     def __init__(
         self,
-        layouts: list[BlockLayout],
+        layouts: list[StreamLayout],
         device: str | torch.device,
         rank: int,
         world: int,
@@ -104,7 +107,7 @@ class ShardStore(PackedStore):
             buf.tensor[hi - lo :].zero_()
             self.buffers.append(buf)
 
-    def slot_nbytes(self, i: int) -> int:
+    def block_nbytes(self, i: int) -> int:
         return self.shard[i] * self.world
 
     def h2d_nbytes(self, i: int) -> int:
@@ -112,7 +115,7 @@ class ShardStore(PackedStore):
 
 
 class StagedStore(PackedStore):
-    def __init__(self, layouts: list[BlockLayout], device: str | torch.device) -> None:
+    def __init__(self, layouts: list[StreamLayout], device: str | torch.device) -> None:
         self.layouts = layouts
         # Byte views keep the mapped storage alive once the parameters point at device slots.
         self.sources = [layout.sources() for layout in layouts]
@@ -142,7 +145,7 @@ class LockedMappingStore(PackedStore):
     """Blocks copied straight from their (page-locked) mapping into the device slot, tensor by
     tensor. Built by `locked_mapping_store` only when every mapping could be locked."""
 
-    def __init__(self, layouts: list[BlockLayout], sources: list, unlock: list) -> None:
+    def __init__(self, layouts: list[StreamLayout], sources: list, unlock: list) -> None:
         self.layouts = layouts
         self.sources = sources  # byte views: they keep the mappings alive while locked
         self.buffers = []
@@ -164,7 +167,7 @@ def _run_all(functions: list) -> None:
         f()
 
 
-def locked_mapping_store(layouts: list[BlockLayout], device: str | torch.device) -> LockedMappingStore | None:
+def locked_mapping_store(layouts: list[StreamLayout], device: str | torch.device) -> LockedMappingStore | None:
     """Lock every storage the blocks' tensors live in (once each); None, with nothing left
     locked, when that is not possible (a CPU target, or the driver refuses)."""
     sources = [layout.sources() for layout in layouts]

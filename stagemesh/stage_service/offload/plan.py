@@ -13,6 +13,10 @@ from types import MappingProxyType
 
 from torch import nn
 
+from stagemesh.core import logs
+
+log = logs.get_logger("stagemesh.offload")
+
 # Attribute names of block lists in common DiT and transformer code, in execution order.
 FALLBACK_ATTRS: tuple[str, ...] = (
     "blocks",
@@ -139,3 +143,27 @@ def discover(model: nn.Module, plan: OffloadPlan | None = None) -> Discovery:
         raise ValueError(f"{type(model).__name__}: no offloadable blocks found; declare an OffloadPlan on the model")
     _check_disjoint(blocks)
     return Discovery(tuple(blocks), source, plan)
+
+
+def pick_resident(found: Discovery, n: int, world: int) -> list[Block]:
+    """The leading eligible blocks that stay on the device (none with AllGather: `world` > 1)."""
+    if n < 0:
+        raise ValueError(f"resident_layers must be >= 0, got {n}")
+    if n == 0:
+        return []
+    if world > 1:
+        raise ValueError(
+            "resident layers need no-AllGather: every rank must rebuild the same "
+            "blocks; use dlo_use_allgather = false or resident_layers = 0"
+        )
+    candidates = found.resident_candidates()
+    if not candidates:
+        log.warning(
+            "dlo resident layers ignored: the model declares no resident_paths in its "
+            "OffloadPlan, so every block streams",
+            requested=n,
+        )
+        return []
+    if n > len(candidates):
+        log.warning("dlo resident layers capped", requested=n, eligible=len(candidates))
+    return candidates[:n]

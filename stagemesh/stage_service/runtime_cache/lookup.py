@@ -48,9 +48,12 @@ def layout_key(
     tp_rank: int,
     content_hash: str,
     schema: int = 1,
+    stream_dtype: str = "",
 ) -> str:
     """SHA-256 over a canonical JSON of the layout. The DP rank is deliberately not an input:
-    DP replicas hold identical weights and share one entry; TP ranks hold different ones."""
+    DP replicas hold identical weights and share one entry; TP ranks hold different ones.
+    `stream_dtype`: how the entry's streamed weights are stored when not as the model's dtype
+    (e.g. FP8 DLO streaming); left out of the document when empty, so those keys are unchanged."""
     if not (isinstance(tp_size, int) and isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
         raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={tp_rank!r} tp_size={tp_size!r}")
     if not _HEX64.fullmatch(content_hash or ""):
@@ -67,6 +70,8 @@ def layout_key(
         "tp_rank": tp_rank,
         "content_hash": content_hash,
     }
+    if stream_dtype:
+        doc["stream_dtype"] = stream_dtype
     canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(canonical.encode()).hexdigest()
 

@@ -154,6 +154,35 @@ def test_runners_in_process_equal_diffusers_own_pipeline(folders, reference):
         torch.set_num_threads(threads)
 
 
+def test_fp8_streaming_stays_close_to_diffusers_own_pipeline(folders, reference):
+    """FLUX under DLO with FP8 weight streaming (dlo_stream_dtype), in process: the Linear
+    weights of the streamed blocks are rounded once to FP8, so close, not equal."""
+    from stagemesh.stage_service.models.runners import WorkItem, build_runner
+    from stagemesh.stage_service.offload import DloOptions
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        encoder = build_runner("encoder", folders["flux"])
+        opts = DloOptions(enable_dlo=True, dlo_use_allgather=False, dlo_stream_dtype="float8_e4m3fn")
+        diffusion = build_runner("diffusion", folders["flux"], dlo=opts)
+        stats = diffusion.offload.stats()
+        # The checkpoint mapping is not streamed from: its quantised form is packed privately.
+        assert stats.stream_dtype == "float8_e4m3fn" and stats.host_mode == "packed"
+        for case in CASES:
+            width, height, steps, guidance, seed, prompt = case
+            item = WorkItem("r", Params(prompt, width, height, steps, guidance, seed, "tensor"))
+            [item.inputs] = encoder.run([item])
+            [out] = diffusion.run([item])
+            want = reference["flux", case]
+            cosine = torch.nn.functional.cosine_similarity(out["image"].flatten(), want.flatten(), dim=0)
+            psnr = 10 * torch.log10(1 / (out["image"] - want).pow(2).mean())
+            print(f"fp8 vs diffusers {case[:2]}: cosine {float(cosine):.6f}, PSNR {float(psnr):.1f} dB")
+            assert cosine >= 0.995 and psnr >= 40 and not torch.equal(out["image"], want), (case, float(psnr))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.mesh
 def test_progress_events_per_denoising_step(meshes):
     params = generation_pb2.GenerationParams(prompt="a boat", width=32, height=32, num_inference_steps=3, seed=4)

@@ -1,4 +1,5 @@
-"""DLO AllGather across real gloo process groups (2 and 3 ranks) on the CPU."""
+"""DLO AllGather across real gloo process groups (2 and 3 ranks) on the CPU, streaming blocks
+as stored and in FP8."""
 
 from __future__ import annotations
 
@@ -69,11 +70,32 @@ def _check(rank: int, world: int, list_only: bool) -> dict:
     }
 
 
+def _check_fp8() -> dict:
+    """Ranks shard the FP8 form (weights and scales) and rebuild the same blocks as a rank
+    that streams its own complete FP8 blocks."""
+    fp8 = torch.float8_e4m3fn
+    sharded = _model()
+    engine = LayerwiseOffload(sharded, "cpu", group=dist.group.WORLD, stream_dtype=fp8)
+    local = _model()
+    alone = LayerwiseOffload(local, "cpu", group=dist.group.WORLD, use_allgather=False, stream_dtype=fp8)
+    stats = engine.stats()
+    return {
+        "equal_no_allgather": all(torch.equal(a, b) for a, b in zip(_outputs(sharded), _outputs(local))),
+        "differs_from_resident": not torch.equal(_outputs(sharded)[0], _outputs(_model())[0]),
+        "mode": stats.host_mode,
+        "stream_dtype": stats.stream_dtype,
+        "host_bytes": stats.host_bytes,
+        "fp8_bytes": alone.stats().host_bytes,
+        "model_bytes": LayerwiseOffload(_model(), "cpu", use_allgather=False).stats().host_bytes,
+    }
+
+
 def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         result = {"single": _check(rank, world, False), "list": _check(rank, world, True)}
+        result["fp8"] = _check_fp8()
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -84,6 +106,13 @@ def test_allgather_equals_resident_and_no_allgather(world: int, tmp_path: Path):
     mp.spawn(_rank_main, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
     for rank in range(world):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        f = result.pop("fp8")
+        assert f["equal_no_allgather"] and f["differs_from_resident"], rank
+        assert f["mode"] == "sharded" and f["stream_dtype"] == "float8_e4m3fn"
+        # Each rank keeps 1/world of the FP8 bytes and scales (shards padded to equal size).
+        assert f["host_bytes"] <= f["fp8_bytes"] / world + ALIGN * CFG.depth
+        # float32 model: a quarter, plus scales, float32 biases and norms, alignment
+        assert f["fp8_bytes"] < 0.35 * f["model_bytes"]
         for path, r in result.items():
             assert r["equal_resident"] and r["equal_no_allgather"], (rank, path)
             assert r["world"] == world and r["mode"] == "sharded"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -33,10 +35,12 @@ from stagemesh.stage_service.settings import StageSettings
         ({"dlo_runtime_cache_lock_timeout": math.nan}, "finite number of seconds > 0"),
         ({"dp_size": 0}, "dp_size must be >= 1"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
+        ({"dlo_stream_dtype": "float8_e5m2"}, "dlo_stream_dtype must be one of ['', 'float8_e4m3fn']"),
+        ({"dlo_stream_dtype": "bfloat16"}, "dlo_stream_dtype must be one of"),
     ],
 )
 def test_refused_combinations_say_what_to_change(values: dict, needle: str):
-    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace("+", r"\+")):
+    with pytest.raises(ValueError, match=re.escape(needle)):
         StageSettings(kind="diffusion", enable_dlo=True, **values)
     with pytest.raises(ValueError, match="must|needs"):
         DloOptions(enable_dlo=True, **values)
@@ -61,6 +65,8 @@ def test_accepted_combinations_and_flags(capsys):
             "30",
             "--tensor-parallel-size",
             "1",
+            "--dlo-stream-dtype",
+            "float8_e4m3fn",
         ]
     )
     s = StageSettings.from_args(args)
@@ -71,6 +77,7 @@ def test_accepted_combinations_and_flags(capsys):
         4,
         30.0,
     )
+    assert s.dlo_stream_dtype == "float8_e4m3fn"
     assert not StageSettings.from_args(parser.parse_args(["--no-dlo-use-allgather"])).dlo_use_allgather
     assert StageSettings.from_args(parser.parse_args([])).dlo_use_allgather
     # The flags a supervisor passes on round-trip through the parser.
@@ -92,6 +99,13 @@ def test_mesh_toml_keys(tmp_path: Path):
     assert stage.enable_dlo and stage.dlo_resident_layers == 1
     path.write_text('[[stages]]\nkind = "diffusion"\ndlo_resident_layers = 1\n')
     with pytest.raises(ValueError, match="--dlo-no-use-allgather"):
+        mesh_config.load(path)
+    fp8 = '[[stages]]\nkind = "ar"\n[[stages]]\nkind = "diffusion"\nenable_dlo = true\n'
+    fp8 += 'dlo_stream_dtype = "float8_e4m3fn"\n'
+    path.write_text(fp8)
+    assert mesh_config.load(path).stages[1].dlo_stream_dtype == "float8_e4m3fn"
+    path.write_text('[[stages]]\nkind = "diffusion"\ndlo_stream_dtype = "float8_e4m3fn"\n')
+    with pytest.raises(ValueError, match="needs enable_dlo"):
         mesh_config.load(path)
 
 
@@ -139,6 +153,37 @@ def test_runner_with_dlo_equals_the_resident_runner(model_dir: Path):
     )
     assert resident.offload.stats().resident_blocks == 1
     assert _equal(_images(resident), want)
+
+
+@pytest.fixture(scope="module")
+def bf16_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = dataclasses.replace(PipelineConfig.tiny(), dtype="bfloat16")
+    return ensure_model_dir(tmp_path_factory.mktemp("dlo-bf16") / "tiny", config)
+
+
+def _per_step(runner) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(the DiT's output at every denoising step, the images)."""
+    steps: list[torch.Tensor] = []
+    hook = runner.dit.register_forward_hook(lambda _m, _a, out: steps.append(out.float().clone()))
+    try:
+        return steps, _images(runner)
+    finally:
+        hook.remove()
+
+
+def test_fp8_streaming_per_step_against_bf16(bf16_model_dir: Path):
+    want, want_images = _per_step(build_runner("diffusion", bf16_model_dir, dlo=DloOptions(enable_dlo=True)))
+    opts = DloOptions(enable_dlo=True, dlo_stream_dtype="float8_e4m3fn")
+    runner = build_runner("diffusion", bf16_model_dir, dlo=opts)
+    got, images = _per_step(runner)
+    assert runner.offload.stats().stream_dtype == "float8_e4m3fn" and runner.offload.stats().host_mode == "packed"
+    assert len(got) == len(want) == 3  # one DiT forward per step
+    cosines = [float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)) for a, b in zip(got, want)]
+    print(f"fp8 vs bf16 DiT output per step: cosine {[round(c, 6) for c in cosines]}")
+    assert min(cosines) >= 0.995
+    assert not _equal(images, want_images)  # the weights really were rounded to FP8
+    for a, b in zip(images, want_images):
+        assert float((a - b).abs().max()) < 0.05
 
 
 def test_runner_falls_back_to_the_ordinary_loader(model_dir: Path):

@@ -17,7 +17,7 @@ import torch
 from stagemesh.core.params import Params
 from stagemesh.stage_service.executor.executor import Executor
 from stagemesh.stage_service.models.runners import DiffusionRunner, WorkItem, build_runner
-from stagemesh.stage_service.models.runtime_weights import DitWeightCache, final_tensors, swap_storage
+from stagemesh.stage_service.models.runtime_weights import DitWeightCache, LayoutMismatch, final_tensors, swap_storage
 from stagemesh.stage_service.models.weights import load_dit
 from stagemesh.stage_service.offload import DloOptions
 from stagemesh.stage_service.settings import StageSettings
@@ -195,3 +195,67 @@ def test_tp_ranks_get_distinct_entries(tiny_model, want, tmp_path):
         assert (_image(ex) - want).abs().max().item() <= TOLERANCE
     finally:
         ex.shutdown()
+
+
+# ---- FP8 streaming ---------------------------------------------------------------------------
+
+FP8_OPTS = {"dlo_stream_dtype": "float8_e4m3fn"}
+FP8_WEIGHT = "dit.blocks.0.attn.q.weight"
+
+
+def _manifest_dtypes(entry: Path) -> dict[str, str]:
+    tensors = json.loads((entry / "manifest.json").read_text())["tensors"]
+    return {name: t["dtype"] for name, t in tensors.items()}
+
+
+def test_fp8_entry_holds_the_streamed_form_and_never_serves_the_model_dtype(tiny_model, want, tmp_path):
+    torch.set_num_threads(1)
+    plain = DloOptions(enable_dlo=True, dlo_use_allgather=False, **FP8_OPTS)
+    fp8_want = DiffusionRunner(tiny_model, "cpu", plain).run(_items())[0]["image"]
+    assert not torch.equal(fp8_want, want)
+
+    first = DiffusionRunner(tiny_model, "cpu", DloOptions(**_opts(tmp_path, **FP8_OPTS)))
+    assert first.runtime_cache.reason == "published"
+    [entry] = _layout_entries(tmp_path)
+    dtypes = _manifest_dtypes(entry)
+    assert dtypes[FP8_WEIGHT] == "F8_E4M3" and dtypes[FP8_WEIGHT + ".fp8_scale"] == "BF16"
+    assert dtypes["dit.blocks.0.attn.q.bias"] == "F32" and dtypes["dit.x_embed.weight"] == "F32"
+    assert first.offload.stats().stream_dtype == "float8_e4m3fn"
+    # The engine streams the FP8 form straight from the entry (staged on the CPU).
+    assert all(_in_entry(src, entry) for src in (t for _, t in first.offload.store.sources[0]))
+    assert torch.equal(first.run(_items())[0]["image"], fp8_want)
+
+    second = DiffusionRunner(tiny_model, "cpu", DloOptions(**_opts(tmp_path, **FP8_OPTS)))
+    assert second.runtime_cache.reason == "skip_load_hit" and second.runtime_cache.key == first.runtime_cache.key
+    assert torch.equal(second.run(_items())[0]["image"], fp8_want)
+
+    # A request for the model's own dtype gets an entry of its own, with its own key.
+    same_dtype = DiffusionRunner(tiny_model, "cpu", DloOptions(**_opts(tmp_path)))
+    assert same_dtype.runtime_cache.reason == "published"
+    assert same_dtype.runtime_cache.key != first.runtime_cache.key
+    assert torch.equal(same_dtype.run(_items())[0]["image"], want)
+    assert len(_layout_entries(tmp_path)) == 2
+    # Resident blocks are not quantised: another layout again.
+    resident = DiffusionRunner(tiny_model, "cpu", DloOptions(**_opts(tmp_path, dlo_resident_layers=1, **FP8_OPTS)))
+    assert resident.runtime_cache.key not in (first.runtime_cache.key, same_dtype.runtime_cache.key)
+    assert resident.offload.stats().resident_blocks == 1
+
+
+def test_an_fp8_entry_does_not_fit_a_model_dtype_request(tiny_model, tmp_path):
+    """Even under the same key, the checks refuse the other form."""
+    fp8_cache = DitWeightCache(tiny_model, DloOptions(**_opts(tmp_path, **FP8_OPTS)), None)
+    dit, decoder = load_dit(tiny_model)
+    parts = {"dit.": dit, "decoder.": decoder}
+    streamed = fp8_cache.streamed_form(final_tensors(parts))
+    assert streamed[FP8_WEIGHT].dtype == torch.float8_e4m3fn
+    with pytest.raises(LayoutMismatch, match="names differ"):
+        swap_storage(parts, streamed)
+    without_scales = {k: v for k, v in streamed.items() if not k.endswith(".fp8_scale")}
+    with pytest.raises(LayoutMismatch, match=FP8_WEIGHT):
+        swap_storage(parts, without_scales)
+    plain = final_tensors(parts)
+    with pytest.raises(LayoutMismatch):
+        swap_storage(parts, plain, fp8_cache.quantized_specs())
+    assert dit.blocks[0].attn.q.weight.dtype == torch.float32  # nothing changed
+    pairs = swap_storage(parts, streamed, fp8_cache.quantized_specs())
+    assert pairs is not None and pairs[FP8_WEIGHT.removeprefix("dit.")][0] is streamed[FP8_WEIGHT]

@@ -57,6 +57,8 @@ def test_layout_key_inputs():
     assert len(base) == 64 and base == key_of()
     assert key_of(tp_rank=1) != base  # TP ranks get distinct entries
     assert key_of(tp_size=4) != base and key_of(dtype="f32") != base and key_of(loader_version="4") != base
+    # The stream dtype (FP8 DLO streaming) separates keys; left empty, keys are as before.
+    assert key_of(stream_dtype="float8_e4m3fn") != base and key_of(stream_dtype="") == base
     changed = weights()
     changed["norm.bias"].view(torch.uint8)[0] ^= 1  # one changed byte of final content
     assert content_hash(changed) != content_hash(weights())
