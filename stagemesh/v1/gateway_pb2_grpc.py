@@ -77,7 +77,7 @@ class GatewayServiceServicer:
     """
 
     def Generate(self, request, context):
-        """Streams progress events, then exactly one result event.
+        """Streams progress events and one result event per image (num_images of them, each with its index).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
