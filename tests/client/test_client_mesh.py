@@ -221,3 +221,20 @@ def test_unavailable_carries_retry_info_and_is_retried_after_the_gateways_delay(
     refused = [line for line in gateway.logs().splitlines() if '"rpc refused"' in line and '"GenerateUnary"' in line]
     assert len(refused) == 3 and all('"UNAVAILABLE"' in line for line in refused), refused
     assert info.value.request_id and info.value.request_id in refused[-1]
+
+
+def test_several_jpeg_images_from_a_starting_image_round_trip(client):
+    start = Image.new("RGB", (48, 32), (30, 160, 220))
+    ask = dict(num_images=2, output_format="jpeg", quality=80, init_image=start, strength=0.5, steps=4, seed=20)
+    results = client.generate("the same, at dusk", **ask)
+    assert [(r.index, r.seed, r.format) for r in results] == [(0, 20, "jpeg"), (1, 21, "jpeg")]
+    for result in results:
+        # The size is the starting image's: width and height were left unset.
+        assert (result.image.format, result.image.size, result.width, result.height) == ("JPEG", (48, 32), 48, 32)
+    assert results[0].bytes != results[1].bytes
+    events: list[object] = []
+    streamed = client.generate("the same, at dusk", **ask, on_progress=events.append)
+    assert [r.bytes for r in streamed] == [r.bytes for r in results]
+    # int(4 * 0.5) steps run, for each image.
+    steps = sorted((e.index, e.step, e.total) for e in events if isinstance(e, DenoisingStep))
+    assert steps == [(0, 1, 2), (0, 2, 2), (1, 1, 2), (1, 2, 2)]
