@@ -11,6 +11,7 @@ to three meshes.
 from __future__ import annotations
 
 import functools
+import io
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from PIL import Image
 
 from stagemesh.core.params import Params
 from stagemesh.gateway.images import encode_png
@@ -29,6 +31,7 @@ from stagemesh.stage_service.models.diffusers_adapter.synthetic import write_tin
 from stagemesh.stage_service.transport import tensors
 from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2
 from tests.support.meshproc import REPO, Mesh, parallel_meshes, start_mesh
+from tests.support.sleep_mesh import field_violations
 
 pytest.importorskip("transformers")
 diffusers = pytest.importorskip("diffusers")
@@ -210,6 +213,59 @@ def test_size_off_the_pipelines_multiple_is_invalid_argument(meshes):
         _generate(meshes["flux"], (30, 32, 2, 3.5, 1, "a red fox"))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "params.width" in refused.value.details() and "multiple of 4" in refused.value.details()
+
+
+def _start_picture(width: int, height: int) -> bytes:
+    """A deterministic starting image (colour gradients), as PNG bytes."""
+    ys, xs = torch.meshgrid(torch.linspace(0, 1, height), torch.linspace(0, 1, width), indexing="ij")
+    return encode_png(torch.stack([xs, ys, (xs - ys).abs()], dim=-1).numpy())
+
+
+@pytest.mark.mesh
+def test_flux_img2img_through_the_mesh_equals_diffusers_img2img_pipeline(meshes, folders):
+    start = _start_picture(48, 32)
+    params = generation_pb2.GenerationParams(
+        prompt="a red fox", init_image=start, strength=0.6, num_inference_steps=5, guidance_scale=3.5, seed=3
+    )
+    with meshes["flux"].channel() as channel:
+        reply = (
+            meshes["flux"]
+            .gateway(channel)
+            .GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=params), timeout=RPC_TIMEOUT_S)
+        )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the stage's worker runs
+    try:
+        pipe = diffusers.FluxImg2ImgPipeline.from_pretrained(folders["flux"], local_files_only=True)
+        want = pipe(
+            prompt="a red fox",
+            image=Image.open(io.BytesIO(start)).convert("RGB"),
+            strength=0.6,
+            width=48,
+            height=32,
+            num_inference_steps=5,
+            guidance_scale=3.5,
+            output_type="pt",
+            generator=torch.Generator().manual_seed(3),
+        ).images[0]
+    finally:
+        torch.set_num_threads(threads)
+    assert (reply.result.width, reply.result.height) == (48, 32)  # the starting image's size
+    assert reply.result.png == encode_png(want.permute(1, 2, 0).float().numpy())
+
+
+@pytest.mark.mesh
+def test_a_negative_prompt_on_flux_is_invalid_argument_naming_it(meshes):
+    params = generation_pb2.GenerationParams(
+        prompt="a red fox", negative_prompt="blurry", width=32, height=32, num_inference_steps=2, seed=1
+    )
+    with meshes["flux"].channel() as channel, pytest.raises(grpc.RpcError) as refused:
+        meshes["flux"].gateway(channel).GenerateUnary(
+            gateway_pb2.GenerateUnaryRequest(params=params), timeout=RPC_TIMEOUT_S
+        )
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+    violations = field_violations(refused.value)
+    assert list(violations) == ["params.negative_prompt"], violations
 
 
 @pytest.mark.parametrize("level", [1, 2])
