@@ -28,6 +28,7 @@ RUN groupadd --gid 10001 stagemesh \
 USER 10001:10001
 WORKDIR /home/stagemesh
 
-EXPOSE 50051 50061 50062 50070
+# gRPC of the gateway, the stages and the cache service; the gateway's HTTP API (--http-port)
+EXPOSE 50051 50061 50062 50070 8000
 ENTRYPOINT ["stagemesh"]
 CMD ["--help"]

@@ -213,7 +213,8 @@ def test_every_container_runs_flags_its_service_accepts(rendered):
                 assert container[probe]["grpc"]["port"] == probed, (obj["metadata"]["name"], probe)
             ports = {p["name"]: p["containerPort"] for p in container["ports"]}
             health = {"health": options.health_port} if options.health_port is not None else {}
-            assert ports == {"grpc": options.port, "metrics": options.metrics_port, **health}
+            http = {"http": options.http_port} if getattr(options, "http_port", None) is not None else {}
+            assert ports == {"grpc": options.port, "metrics": options.metrics_port, **health, **http}
             annotations = pod["metadata"]["annotations"]
             assert annotations["prometheus.io/scrape"] == "true"
             assert annotations["prometheus.io/port"] == str(options.metrics_port)
@@ -260,6 +261,19 @@ def test_the_mesh_is_wired_together(rendered):
         container = by_name[stage]["spec"]["template"]["spec"]["containers"][0]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert any(m["mountPath"] == "/dev/shm" for m in container["volumeMounts"])
+
+
+def test_the_gateway_service_serves_its_http_port(rendered):
+    """The HTTP API's port: in the gateway's args, its container's ports and its Service; HTTPS
+    (the gRPC port's certificate) exactly when the gateway serves TLS."""
+    gateway = workloads(rendered)["gateway"]
+    options = parsed(gateway, gateway["spec"]["template"]["spec"]["containers"][0])
+    assert options.http_port == 8000  # docs/DEPLOY.md and the Dockerfile's EXPOSE name it
+    (service,) = [o for o in rendered if o["kind"] == "Service" and o["metadata"]["name"] == "gateway"]
+    (http,) = [p for p in service["spec"]["ports"] if p["name"] == "http"]
+    assert (http["port"], http["targetPort"]) == (options.http_port, "http")
+    assert http["appProtocol"] == ("https" if options.tls_cert else "http")
+    assert any(k == "EXPOSE" and str(options.http_port) in rest.split() for k, rest in dockerfile())
 
 
 def local_args(args: list[str], tmp_path: Path, model_dir: str) -> list[str]:
@@ -376,13 +390,19 @@ def test_the_certificate_instructions_name_every_host_the_mesh_dials(rendered_tl
     assert set(dialled) <= named, (dialled, named)
 
 
-def test_dockerfile_shape():
+def dockerfile() -> list[tuple[str, str]]:
+    """The Dockerfile's instructions: (KEYWORD, the rest), continuation lines joined."""
     instructions = []
     for line in re.sub(r"\\\n", " ", (REPO / "Dockerfile").read_text()).splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
             keyword, _, rest = line.partition(" ")
             instructions.append((keyword.upper(), rest.strip()))
+    return instructions
+
+
+def test_dockerfile_shape():
+    instructions = dockerfile()
     assert instructions[0][0] == "FROM" and "cuda" in instructions[0][1]
     unknown = {k for k, _ in instructions} - DOCKERFILE_KEYWORDS
     assert not unknown, f"not Dockerfile instructions: {unknown}"
