@@ -40,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="ADDRESSES",
         help="a stage's address, in pipeline order; repeat per stage. Replicas: comma-separated "
-        "addresses or one dns:///name:port target (balanced by gRPC round_robin)",
+        "addresses or one dns:///name:port target (balanced by gRPC round_robin), or "
+        "dns://SERVER/name:port to ask the DNS server SERVER (IP[:PORT] or [IPv6][:PORT], port 53 by default) "
+        "rather than the system's resolver",
     )
     parser.add_argument(
         "--max-request-bytes",
