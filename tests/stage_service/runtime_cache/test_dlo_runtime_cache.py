@@ -38,8 +38,16 @@ def _opts(root: Path, **kw) -> dict:
 
 
 def _stage(stage_id: int, model: Path, dlo: dict) -> StageSettings:
+    # batch_invariant off: the stage then samples one request at batch 1, as `want` does, so the
+    # images can be compared bit for bit (invariance pads a batch to max_batch_size rows).
     return StageSettings(
-        stage_id=stage_id, kind="diffusion", model_dir=str(model), threads=1, step_execution=True, **dlo
+        stage_id=stage_id,
+        kind="diffusion",
+        model_dir=str(model),
+        threads=1,
+        step_execution=True,
+        batch_invariant=False,
+        **dlo,
     )
 
 
