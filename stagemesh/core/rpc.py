@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
 from stagemesh.core import errors, logs
+from stagemesh.core.params import MAX_REQUEST_ID_CHARS
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # gRPC's server pushback (gRFC A6): a retrying client waits this many milliseconds before its next attempt.
@@ -119,9 +120,11 @@ def images_hint(context: grpc.aio.ServicerContext) -> int:
 
 
 def echoed_request_id(request_id: str) -> tuple[tuple[str, str], ...]:
-    """The x-request-id a server sends back: empty for an id that is no valid metadata value (the
-    method itself refuses such an id in its message, INVALID_ARGUMENT naming request_id)."""
-    return outgoing_metadata(request_id) if request_id and all(" " <= c <= "~" for c in request_id) else ()
+    """The x-request-id a server sends back: empty for an id the method refuses (INVALID_ARGUMENT
+    naming request_id): not a valid metadata value, or so long that echoing it would push the
+    refusal's own headers past the client's metadata limit and turn it into RESOURCE_EXHAUSTED."""
+    sendable = len(request_id) <= MAX_REQUEST_ID_CHARS and all(" " <= c <= "~" for c in request_id)
+    return outgoing_metadata(request_id) if request_id and sendable else ()
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str, echo: tuple) -> None:
