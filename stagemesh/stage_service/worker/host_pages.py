@@ -7,10 +7,10 @@ to or from the pieces that are ready. The level-1 host copy (`HostCopy`) and the
 from the checkpoint mapping (`reload.MappedFill`) both go through `LockedPieces`.
 
 The first DMA through freshly registered pages runs slower than later ones (the first level-1
-sleep into a buffer prepared ahead copied at 0.79x pinned bandwidth, later ones at 0.97x, on the
-H200). Memory prepared ahead of need is therefore warmed: once a piece is locked, `WarmDma` sends
-one DMA through it on the locking thread, before the piece is handed out (`WARM_DMA` says how
-much of it; the time counts as preparation).
+sleep into a buffer prepared ahead copied at 0.77x pinned bandwidth, later ones at 0.97x, on the
+H200). `WarmDma` can send one DMA through each piece on the locking thread before it is handed
+out; on the H200 that did not change the first sleep (0.767-0.800x for every variant, one run), so
+`WARM_DMA` is "off" and the knob stays for bench/sleep_wake.py, which prints each variant.
 
 On the CPU nothing is locked; the same threads fault the pages in, and every piece is usable as
 it is.
@@ -40,9 +40,9 @@ LOCK_THREADS = 2  # registrations the driver may serve at once; more only queue
 FAULT_THREADS = max(1, min(8, len(os.sched_getaffinity(0))))  # faults scale with cores, up to memory bandwidth
 
 WARM_DMAS = ("off", "page", "piece")
-# "page": a 4 KiB copy into every 2 MiB of a piece; "piece": every byte of it. bench/sleep_wake.py
-# prints the first level-1 sleep after each, so the cheapest one that reaches link speed can be kept.
-WARM_DMA = "piece"
+# "page": a 4 KiB copy into every 2 MiB of a piece; "piece": every byte of it. Measured on the H200
+# (first level-1 sleep after each): off 0.769x, page 0.800x, piece 0.767x: no gain worth 1.2 s.
+WARM_DMA = "off"
 
 Prefetch = Callable[[int, int], None]  # (start, end) of a piece: start reading it from disk
 Warm = Callable[[torch.Tensor], None]  # a locked piece of the region: send one DMA through it

@@ -10,9 +10,9 @@ storage changes, so nothing that holds a module sees a difference.
 When the host buffer is prepared is `host_buffer` (the stage's `sleep_host_buffer`):
 "first_sleep" (by the first level-1 sleep, which then pays for faulting in and locking it),
 "at_start" (before the worker reports ready) or "background" (on threads once the model is
-loaded, while the worker serves). Prepared ahead, the buffer is also warmed by one DMA per piece
-(`host_pages.WarmDma`), so the first sleep copies at link speed; it then holds host memory of the
-weights' size for the worker's life.
+loaded, while the worker serves). Prepared ahead, the buffer holds host memory of the weights'
+size for the worker's life (`warm_dma` can also send a DMA through each piece while preparing it:
+host_pages.WARM_DMA).
 
 The two modes that prepare ahead also hold the checkpoint: the first level-2 sleep maps it and
 starts locking the pieces the weights lie in on threads (while the stage sleeps), and the
