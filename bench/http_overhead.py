@@ -40,7 +40,7 @@ if str(REPO) not in sys.path:  # run as a script: `python3 bench/http_overhead.p
 import grpc
 
 from bench import common
-from bench.mesh_overhead import start_mesh, stop_mesh
+from bench.mesh_overhead import measured_on_mesh
 from stagemesh.core import rpc
 from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
 from tests.support.meshproc import Mesh, write_config
@@ -280,16 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         config = write_config(root / "mesh.toml", Path(args.model_dir), extra_gateway="http_port = 0")
         print(f"starting the mesh (model dir {args.model_dir}) ...", flush=True)
-        mesh = start_mesh(config, root / "mesh.log")
-        try:
-            results = measure(args, mesh)
-        except Exception:
-            print(f"mesh log tail:\n{mesh.logs()[-3000:]}", file=sys.stderr)
-            raise
-        finally:
-            code = stop_mesh(mesh)
-            if code != 0:
-                print(f"warning: `stagemesh up` exited with code {code}", file=sys.stderr)
+        results, code = measured_on_mesh(config, root / "mesh.log", lambda mesh: measure(args, mesh))
     results["mesh"]["exit_code"] = code
     report(results)
     path = common.write_json(args.output, "http_overhead", results)

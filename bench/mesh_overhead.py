@@ -28,7 +28,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: `python3 bench/mesh_overhead.py`
@@ -134,6 +136,30 @@ def stop_mesh(mesh: Mesh) -> int | None:
         print(f"mesh did not stop cleanly ({exc!r}); killing it", file=sys.stderr)
         mesh.process.kill()
         return mesh.process.wait()
+
+
+T = TypeVar("T")
+
+
+def measured_on_mesh(config_path: Path, log_path: Path, measure: Callable[[Mesh], T]) -> tuple[T, int | None]:
+    """Start a mesh, run `measure` on it (printing the mesh's log tail if it fails), stop it:
+    what `measure` returned and the exit code of `stagemesh up` (warned about unless 0)."""
+    started = time.monotonic()
+    mesh = start_mesh(config_path, log_path)
+    print(f"mesh up in {time.monotonic() - started:.1f} s", flush=True)
+    try:
+        return measure(mesh), _stopped(mesh)
+    except Exception:
+        print(f"mesh log tail:\n{mesh.logs()[-3000:]}", file=sys.stderr)
+        _stopped(mesh)
+        raise
+
+
+def _stopped(mesh: Mesh) -> int | None:
+    code = stop_mesh(mesh)
+    if code != 0:
+        print(f"warning: `stagemesh up` exited with code {code}", file=sys.stderr)
+    return code
 
 
 # the two paths ------------------------------------------------------------------------------
@@ -441,18 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         config = write_config(root / "mesh.toml", Path(args.model_dir))
         print(f"starting the mesh (model dir {args.model_dir}) ...", flush=True)
-        started = time.monotonic()
-        mesh = start_mesh(config, root / "mesh.log")
-        print(f"mesh up in {time.monotonic() - started:.1f} s", flush=True)
-        try:
-            results = measure(args, mesh)
-        except Exception:
-            print(f"mesh log tail:\n{mesh.logs()[-3000:]}", file=sys.stderr)
-            raise
-        finally:
-            code = stop_mesh(mesh)
-            if code != 0:
-                print(f"warning: `stagemesh up` exited with code {code}", file=sys.stderr)
+        results, code = measured_on_mesh(config, root / "mesh.log", lambda mesh: measure(args, mesh))
     results["mesh"]["exit_code"] = code
     report(results)
     path = common.write_json(args.output, "mesh_overhead", results)

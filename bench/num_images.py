@@ -38,7 +38,7 @@ import numpy as np
 from PIL import Image
 
 from bench import common
-from bench.mesh_overhead import start_mesh, stop_mesh
+from bench.mesh_overhead import measured_on_mesh
 from stagemesh.core import rpc
 from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
 
@@ -308,14 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         config = write_mesh_config(root / "mesh.toml", args)
         print(f"starting the mesh (model dir {args.model_dir}) ...", flush=True)
-        mesh = start_mesh(config, root / "mesh.log")
-        try:
-            run = measure(args, mesh.address)
-        except Exception:
-            print(f"mesh log tail:\n{mesh.logs()[-3000:]}", file=sys.stderr)
-            raise
-        finally:
-            code = stop_mesh(mesh)
+        run, code = measured_on_mesh(config, root / "mesh.log", lambda mesh: measure(args, mesh.address))
     forward = forward_costs(args)
     results = summarize(args, run, forward)
     results["mesh_exit_code"] = code
