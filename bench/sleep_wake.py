@@ -7,10 +7,13 @@ One run measures, in order:
      page-locks the buffer while it copies, against its floor (5.6 s per 20 GB, the fault-in and
      cudaHostRegister of such a buffer measured on the H200); then --lazy-cycles level-2 wakes
      from a page-cache-hot checkpoint, each locking the checkpoint's pieces as it copies;
-  3. the buffer prepared ahead ("at_start"), once per warm-up DMA variant (--warm-variants;
-     a fresh controller each, the one before closed): preparation time (fault-in, locking and
-     the warm-up DMA), the host memory held, then the first level-1 sleep and wake. The
-     controller of the default variant (host_pages.WARM_DMA) is kept for the cycles;
+  3. the buffer prepared ahead ("at_start"), once per warm-up DMA variant (--warm-variants)
+     with the weights left in the loader's allocations, then once as the worker prepares it:
+     the default warm-up and the weights compacted into one device allocation through the
+     buffer (SleepController.compact); a fresh controller each, the one before closed:
+     preparation time (fault-in, locking, warm-up DMA, compaction), the host memory held, then
+     the first level-1 sleep (its copy and release timed apart) and wake. The worker's variant
+     is kept for the cycles;
   4. --warmup + --cycles sleep/wake cycles alternating level 2 and level 1 on it: level 2 with
      the checkpoint held mapped and locked across cycles (the first level-2 sleep starts the
      locking; the warm-up cycles include that first wake), with RSS and device memory in use
@@ -19,7 +22,7 @@ One run measures, in order:
      file evicted with posix_fadvise; the fraction still resident is printed). A held
      checkpoint cannot go cold: its pages are locked in the page cache;
   6. with --naive, module.to("cpu") / module.to("cuda") (about a minute for 20 GB).
-Targets (CUDA): the first level-1 sleep with the buffer prepared ahead (default warm-up), later
+Targets (CUDA): the first level-1 sleep with the buffer prepared ahead as the worker does, later
 level-1 sleeps and every level-1 wake and held level-2 wake >= 0.8 x pinned bandwidth; the lazy
 first sleep within its floor; RSS and device memory flat within 2 % over the cycles. The other
 warm-up variants and the lazy level-2 wake are reported beside them ("info"). Prints PASS/FAIL
@@ -242,25 +245,30 @@ class Run:
             [f"  (locking {lock:.3f} s summed over {host_pages.LOCK_THREADS} threads, per wake)", "", "", ""],
         ]
 
-    def prepared(self, warm_dma: str) -> tuple[SleepController, list]:
-        """A fresh controller that prepares (and warms) the buffer at start; its first level-1 sleep and wake."""
+    def prepared(self, warm_dma: str, compact: bool) -> tuple[SleepController, list]:
+        """A fresh controller that prepares (and warms) the buffer at start, and with `compact`
+        moves the weights into one allocation through it; its first level-1 sleep and wake."""
         gc.collect()
         started = time.perf_counter()
         controller = self.controller("at_start", warm_dma)
+        if compact:
+            controller.compact()
         prepare_s = time.perf_counter() - started
         stats = controller.host_stats()
         sleep_s = timed(self.device, lambda: controller.sleep(1))
+        phases = controller.last_sleep_phases
         wake_s = timed(self.device, controller.wake)
         self.same_weights()
-        self.report.setdefault("prepared", {})[warm_dma] = {
+        name = f"warm DMA {warm_dma!r}, " + ("compacted" if compact else "loader's allocations")
+        self.report.setdefault("prepared", {})[name] = {
             "prepare_s": prepare_s,
             "sleep_s": sleep_s,
             "wake_s": wake_s,
+            **{f"sleep_{k}": v for k, v in phases.items()},
             **stats,
         }
-        default = warm_dma == host_pages.WARM_DMA
-        what = f"first level-1 sleep, buffer prepared, warm DMA {warm_dma!r} (x D2H)"
-        if default:
+        what = f"first level-1 sleep, buffer prepared, {name} (x D2H)"
+        if compact:  # as the worker prepares it
             self.check(what, self.x_d2h(sleep_s), f">= {TARGET}", self.x_d2h(sleep_s) >= TARGET)
             self.check("level-1 wake (x H2D)", self.x_h2d(wake_s), f">= {TARGET}", self.x_h2d(wake_s) >= TARGET)
         else:
@@ -268,14 +276,19 @@ class Run:
         held = controller.host_bytes
         return controller, [
             [
-                f"prepare at start, warm DMA {warm_dma!r} ({held / 1e9:.2f} GB held; "
-                f"warm-up {stats['warm_s']:.3f} s on threads)",
+                f"prepare at start, {name} ({held / 1e9:.2f} GB held; warm-up {stats['warm_s']:.3f} s on threads)",
                 prepare_s,
                 held / prepare_s / 1e9,
                 "",
             ],
-            [f"level 1 sleep, first, warm DMA {warm_dma!r}", sleep_s, self.gbps(sleep_s), self.x_d2h(sleep_s)],
-            [f"level 1 wake, warm DMA {warm_dma!r}", wake_s, self.gbps(wake_s), self.x_h2d(wake_s)],
+            [f"level 1 sleep, first, {name}", sleep_s, self.gbps(sleep_s), self.x_d2h(sleep_s)],
+            [
+                f"  (copy {phases.get('copy_s', 0.0):.3f} s, release {phases.get('release_s', 0.0):.3f} s)",
+                "",
+                "",
+                "",
+            ],
+            [f"level 1 wake, {name}", wake_s, self.gbps(wake_s), self.x_h2d(wake_s)],
         ]
 
     def cycles(self, controller: SleepController) -> list:
@@ -290,6 +303,7 @@ class Run:
             sample = {
                 "level": level,
                 "sleep_s": sleep_s,
+                **{f"sleep_{k}": v for k, v in controller.last_sleep_phases.items()},
                 "wake_s": wake_s,
                 "rss": rss_bytes(),
                 "device_used": device_used(self.device),
@@ -387,11 +401,11 @@ class Run:
 def measure(run: Run) -> tuple[list, list]:
     args = run.args
     rows = run.lazy()
-    variants = [v for v in args.warm_variants if v != host_pages.WARM_DMA] + [host_pages.WARM_DMA]
-    for variant in variants:  # the default last: its controller is kept for the cycles
-        controller, prepared = run.prepared(variant)
+    variants = [(v, False) for v in args.warm_variants] + [(host_pages.WARM_DMA, True)]
+    for k, (warm_dma, compact) in enumerate(variants):  # the worker's last: kept for the cycles
+        controller, prepared = run.prepared(warm_dma, compact)
         rows += prepared
-        if variant != host_pages.WARM_DMA:
+        if k < len(variants) - 1:
             controller.close()
     cycle_rows = run.cycles(controller)
     run.report["host_bytes_held"] = controller.host_bytes

@@ -60,11 +60,12 @@ class DeviceEvent:
 
 
 class Stream:
-    """A side stream (CUDA) or nothing (CPU)."""
+    """A side stream (CUDA) or nothing (CPU). `priority`: CUDA's stream priority, lower runs
+    first when both have work waiting for the multiprocessors (0 is the default, -1 high)."""
 
-    def __init__(self, device: str | torch.device):
+    def __init__(self, device: str | torch.device, priority: int = 0):
         self.device = torch.device(device)
-        self.raw = torch.cuda.Stream(device=self.device) if is_cuda(device) else None
+        self.raw = torch.cuda.Stream(device=self.device, priority=priority) if is_cuda(device) else None
 
     def wait_event(self, event: DeviceEvent) -> None:
         if self.raw is not None and event.raw is not None:

@@ -9,7 +9,7 @@ from torch import nn
 
 from stagemesh.stage_service.models.config import DiTConfig
 from stagemesh.stage_service.models.dit import DiT
-from stagemesh.stage_service.offload import LayerwiseOffload, fp8
+from stagemesh.stage_service.offload import LayerwiseOffload, dequant, fp8
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -126,3 +126,20 @@ def test_fp8_device_memory_is_two_slots_and_two_fp8_buffers():
     held = torch.cuda.memory_allocated() - baseline
     assert engine.stats().slot_bytes == 2 * slot + 2 * packed
     assert held <= 2 * slot + 2 * packed + resident + (4 << 20), (held, slot, packed, resident)
+
+
+@pytest.mark.parametrize("shape", [(3072, 3072), (18432, 3072), (3072, 12288), (7, 33), (1, 1)])
+def test_the_one_pass_rebuild_equals_the_two_pass_one_bit_for_bit(shape):
+    """dequant.py's Triton kernel and torch's copy + mul round the same product once."""
+    if dequant._triton_kernel() is None:
+        pytest.skip("triton is not installed")
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape))
+    w = torch.randn(shape, device="cuda", generator=gen, dtype=torch.float32).mul_(0.02)
+    w[0, 0] = 0.0  # zero and a row of zeros stay exact
+    q, scale = (t.cuda() for t in fp8.quantize_rows(w, "cuda"))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        one_pass = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+        two_pass = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+        dequant.dequantize_into(one_pass, q, scale, kernel="triton")
+        dequant.dequantize_into(two_pass, q, scale, kernel="torch")
+        assert torch.equal(one_pass.view(-1).view(torch.uint8), two_pass.view(-1).view(torch.uint8)), dtype

@@ -10,6 +10,11 @@ the other slot. Events order the streams:
     free[s]   recorded after the block in slot s ran -> the copy stream waits before refilling it
                                                         (FP8: the rebuild into the slot waits)
 
+With FP8 streaming the copies land in a ring of FP8_STAGING buffers instead, each reused once the
+rebuild that read it has run (consumed[k]), so the link runs ahead of the rebuilds and the
+compute; the rebuilds run on a high-priority stream, so the compute's kernels do not hold them
+back (measured: docs/perf-notes/dlo.md).
+
 A forward pre-hook points the block's parameters at typed views into its slot. Which block runs
 next is learned from the order the blocks actually ran in (first guess: declared order, wrapping
 around), so the first block of the next denoising step is fetched while the last one computes,
@@ -38,6 +43,9 @@ from stagemesh.stage_service.offload.layout import BlockLayout, StreamLayout
 from stagemesh.stage_service.offload.plan import OffloadPlan, discover, pick_resident
 
 log = logs.get_logger("stagemesh.offload")
+
+FP8_STAGING = 3  # FP8 copy buffers (one GPU): the link may run this many blocks ahead of the rebuilds
+FP8_REBUILD_PRIORITY = -1  # CUDA stream priority of the FP8 rebuilds (lower is first; 0 the default)
 
 
 @dataclass(frozen=True)
@@ -211,10 +219,11 @@ class LayerwiseOffload:
         self._slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
         # FP8: the copied (and gathered) block lands here and is rebuilt into the slot.
         self._packed = (
-            [torch.empty(assembled, dtype=torch.uint8, device=self.device) for _ in range(2)]
+            [torch.empty(assembled, dtype=torch.uint8, device=self.device) for _ in range(self._staging)]
             if self.streams_fp8
             else self._slots
         )
+        self._stage = 0  # the staging buffer the next FP8 copy lands in
         shard = max((self.store.h2d_nbytes(i) for i in range(n)), default=0)
         self._shards = (
             [torch.empty(shard, dtype=torch.uint8, device=self.device) for _ in range(2)] if self.world > 1 else []
@@ -231,10 +240,15 @@ class LayerwiseOffload:
         dev = self.device
         self._copy = platform.Stream(dev)
         # The second stage of a fill (gather, FP8 rebuild) runs beside the next block's copy.
-        self._comm = platform.Stream(dev) if self.world > 1 or self.streams_fp8 else None
+        priority = FP8_REBUILD_PRIORITY if self.streams_fp8 else 0
+        self._comm = platform.Stream(dev, priority) if self.world > 1 or self.streams_fp8 else None
+        # A ring of staging buffers where a copy's target is not the slot or the shard buffer.
+        self._staging = max(2, FP8_STAGING) if self.streams_fp8 and self.world == 1 else 2
         self._ready = [platform.DeviceEvent(dev) for _ in range(2)]
         self._free = [platform.DeviceEvent(dev) for _ in range(2)]
-        self._copied = [platform.DeviceEvent(dev) for _ in range(2)]
+        self._copied = [platform.DeviceEvent(dev) for _ in range(self._staging)]
+        self._consumed = [platform.DeviceEvent(dev) for _ in range(self._staging)]
+        self._stage = 0
         self._owner: list[int | None] = [None, None]
         self._bound: list[int | None] = [None] * n  # slot each block's tensors point at
         self._pending: list[cf.Future | None] = [None, None]
@@ -297,34 +311,42 @@ class LayerwiseOffload:
 
     def _issue(self, i: int, s: int) -> None:
         """Fill slot s with block i; every rank calls this in the same order (collectives).
-        FP8: the copy lands in slot s's FP8 buffer, which is free once the last rebuild from it
-        ran; only the rebuild waits for the block in slot s to have run. So the link can run
-        two blocks ahead of the compute instead of one."""
+        FP8 on one GPU: the copy lands in the next staging buffer, free once the rebuild that
+        last read it ran; only the rebuild waits for the block in slot s to have run."""
         if not self.streams_fp8:
             self._copy.wait_event(self._free[s])
-        if self._comm is not None:
-            # The last gather or rebuild for slot s read the buffers this copy overwrites (a
+        if self.world > 1:
+            # The last gather from slot s's shard buffer read what this copy overwrites (a
             # prefetched block that never ran has no later free event to wait for).
+            k, target = s, self._shards[s]
             self._copy.wait_event(self._ready[s])
+        elif self.streams_fp8:
+            k, self._stage = self._stage, (self._stage + 1) % self._staging
+            target = self._packed[k]
+            self._copy.wait_event(self._consumed[k])
+        else:
+            k, target = s, self._slots[s]
         with self._copy.active():
-            target = self._shards[s] if self.world > 1 else self._packed[s]
             sent = self.store.fill(i, target, self._copy)
             self.h2d_bytes += sent
-            self._copied[s].record(self._copy)
+            self._copied[k].record(self._copy)
         if self._comm is None:
             self._ready[s].record(self._copy)
             return
-        self._comm.wait_event(self._copied[s])
+        self._comm.wait_event(self._copied[k])
         with self._comm.active():
-            assembled = self._packed[s][: self.store.block_nbytes(i)]
             if self.world > 1:
+                assembled = self._packed[s][: self.store.block_nbytes(i)]
                 gather_into(assembled, self._shards[s][:sent], self.group)
+            else:
+                assembled = self._packed[k][: self.store.block_nbytes(i)]
             if self.streams_fp8:
                 layout = self.streams[i]
                 assert isinstance(layout, fp8.QuantizedLayout)  # every stream layout under FP8
                 self._comm.wait_event(self._free[s])
                 layout.expand(assembled, self._slots[s])
             self._ready[s].record(self._comm)
+            self._consumed[k].record(self._comm)
 
     # life cycle ---------------------------------------------------------------------------
     def stats(self) -> OffloadStats:

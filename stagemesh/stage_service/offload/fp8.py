@@ -5,9 +5,9 @@ scale = max|row| / 448 (448 is float8_e4m3fn's largest finite value), stored in 
 rounded up so no element overflows; q = round(w / scale) in float8_e4m3fn. Biases, norm weights
 and every other tensor stay in the model's dtype. On the device the block is rebuilt in its slot
 in the model's dtype before it runs: the other tensors are copied as they are, and each weight is
-`q * scale` (the FP8 value is exact in bfloat16, so one rounding). Rebuilding runs on the engine's
-second stream, so it overlaps the next block's host-to-device copy and the previous block's
-compute (docs/DLO.md, "FP8 weight streaming").
+`q * scale` (the FP8 value is exact in bfloat16, so one rounding), in one pass on a GPU
+(dequant.py). Rebuilding runs on the engine's second stream, so it overlaps the next blocks'
+host-to-device copies and the previous block's compute (docs/DLO.md, "FP8 weight streaming").
 
 A block's stream layout: the slot layout's head (every tensor that is not quantised, byte for
 byte), then each weight's FP8 bytes and its scales, 256-byte aligned.
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from stagemesh.stage_service.offload import dequant
 from stagemesh.stage_service.offload.config import STREAM_DTYPES
 from stagemesh.stage_service.offload.layout import BlockLayout, Entry, align_up, byte_view, pack_range
 from stagemesh.stage_service.offload.plan import OffloadPlan, discover, pick_resident
@@ -75,9 +76,8 @@ def quantize_rows(weight: torch.Tensor, work_device: str | torch.device = "cpu")
 
 
 def dequantize_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
-    """out = q * scale per row, in out's dtype, with no temporary."""
-    out.copy_(q)
-    out.mul_(scale.unsqueeze(1))
+    """out = q * scale per row, in out's dtype, with no temporary (one pass on a GPU: dequant.py)."""
+    dequant.dequantize_into(out, q, scale)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,11 @@ When the host buffer is prepared is `host_buffer` (the stage's `sleep_host_buffe
 "at_start" (before the worker reports ready) or "background" (on threads once the model is
 loaded, while the worker serves). Prepared ahead, the buffer holds host memory of the weights'
 size for the worker's life (`warm_dma` can also send a DMA through each piece while preparing it:
-host_pages.WARM_DMA).
+host_pages.WARM_DMA). With "at_start" the worker also calls `compact()`: the weights go through
+the buffer once and come back as one device allocation, as after any wake, so the first sleep
+releases one allocation instead of the loader's hundreds and copies in whole pieces (measured in
+docs/perf-notes/sleep-wake.md). That costs a sleep's and a wake's copies at start and no memory
+beyond what sleep already holds.
 
 The two modes that prepare ahead also hold the checkpoint: the first level-2 sleep maps it and
 starts locking the pieces the weights lie in on threads (while the stage sleeps), and the
@@ -103,6 +107,7 @@ class SleepController:
         self._host: HostCopy | None = None  # level-1 copy, kept for reuse across cycles
         self._device_flat: torch.Tensor | None = None  # set once the weights live in one buffer
         self._holders: list[DeviceHolder] = []  # released by the last sleep, restored on wake
+        self.last_sleep_phases: dict[str, float] = {}  # seconds of the last sleep's copy and release
         wanted = [Wanted(e.key, tuple(e.shape), e.dtype, e.offset, e.nbytes) for e in self._entries if e.key]
         self._checkpoint = CheckpointSource(
             files,
@@ -177,6 +182,14 @@ class SleepController:
             return None
         return WarmDma(self.device, self._warm_dma, read_only=read_only)
 
+    def compact(self, holders: Sequence[DeviceHolder] = ()) -> None:
+        """Move the weights into one device allocation through the level-1 buffer (a sleep and
+        a wake; `holders` as for sleep). A no-op once they are in one, or while asleep."""
+        if self.level or self._device_flat is not None:
+            return
+        self.sleep(1, holders)
+        self.wake()
+
     # sleep ------------------------------------------------------------------------------------
     def sleep(self, level: int, holders: Sequence[DeviceHolder] = ()) -> SleepResult:
         """`holders`: further device memory to release with the weights (restored by wake)."""
@@ -194,8 +207,10 @@ class SleepController:
             return SleepResult(self.level, 0, (time.perf_counter() - started) * 1e3)
         before = self._free_memory()
         released = self._storage_bytes()
+        copy_started = time.perf_counter()
         if level == 1:
             self._copy_to_host()
+        release_started = time.perf_counter()
         self._holders = list(holders)
         released += sum(h.release_device() for h in self._holders)
         for e in self._entries:
@@ -213,6 +228,10 @@ class SleepController:
         compact = self._device_flat is not None
         self._device_flat = None  # the last reference: the flat buffer goes back with the release
         freed = self._release(before, released, collect=not compact)
+        self.last_sleep_phases = {
+            "copy_s": release_started - copy_started,
+            "release_s": time.perf_counter() - release_started,
+        }
         self.level = level
         if level == 2:
             self._checkpoint.hold()  # in the modes that hold it: locked while the stage sleeps

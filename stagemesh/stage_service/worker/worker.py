@@ -101,6 +101,8 @@ class Worker:
         # First, so that nothing else is made when it fails: "at_start" prepares the level-1
         # host buffer here, before the worker reports ready.
         self.sleep = SleepController(runner.weight_files(), device, host_buffer=spec.sleep_host_buffer)
+        if spec.sleep_host_buffer == "at_start":
+            self.sleep.compact(runner.device_holders())  # so the first sleep is like every later one
         self.spec = spec
         self.runner = runner
         self.device = device

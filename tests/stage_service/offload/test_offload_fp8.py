@@ -13,7 +13,8 @@ from torch import nn
 
 from stagemesh.stage_service.models.config import DiTConfig
 from stagemesh.stage_service.models.dit import DiT
-from stagemesh.stage_service.offload import DloOptions, LayerwiseOffload, fp8
+from stagemesh.stage_service.offload import DloOptions, LayerwiseOffload, dequant, fp8
+from stagemesh.stage_service.offload import engine as engine_mod
 
 FP8 = torch.float8_e4m3fn
 COSINE_TARGET = 0.995
@@ -86,6 +87,19 @@ def test_round_trip_error_is_bounded_per_channel():
     assert float(rel.max()) < 1 / 16
 
 
+def test_the_rebuild_kernel_is_chosen_by_name_and_an_unknown_one_is_refused():
+    w = _weights()
+    q, scale = fp8.quantize_rows(w)
+    want = torch.empty_like(w)
+    fp8.dequantize_into(want, q, scale)
+    for kernel in dequant.KERNELS:  # on the CPU every choice takes torch's two passes
+        out = torch.empty_like(w)
+        dequant.dequantize_into(out, q, scale, kernel=kernel)
+        assert torch.equal(out, want), kernel
+    with pytest.raises(ValueError, match="dequantize kernel = 'cutlass'; allowed: auto, torch, triton"):
+        dequant.dequantize_into(torch.empty_like(w), q, scale, kernel="cutlass")
+
+
 def test_quantisation_is_deterministic_and_float32_weights_quantise_too():
     w = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
     a, b = fp8.quantize_rows(w), fp8.quantize_rows(w.clone())
@@ -114,8 +128,9 @@ def test_fp8_stream_against_the_bf16_model():
     # Host bytes: FP8 weights + bf16 scales, biases and norms in bf16.
     assert stats.host_bytes <= 0.55 * base.host_bytes
     assert stats.h2d_bytes_per_iteration <= 0.55 * base.h2d_bytes_per_iteration
-    # Slots keep the model's dtype; two more buffers hold the FP8 form as it arrives.
-    assert stats.slot_bytes == 2 * max(lay.nbytes for lay in engine.layouts) + 2 * max(s.nbytes for s in engine.streams)
+    # Slots keep the model's dtype; a ring of FP8_STAGING buffers holds the FP8 form as it arrives.
+    slots = 2 * max(lay.nbytes for lay in engine.layouts)
+    assert stats.slot_bytes == slots + engine_mod.FP8_STAGING * max(s.nbytes for s in engine.streams)
     # Only Linear weights are quantised: norms and biases stream as they are.
     for layout in engine.layouts:
         assert {e.name for e in layout.tail} == {"weight"}
