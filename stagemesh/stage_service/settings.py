@@ -83,7 +83,8 @@ class StageSettings(DloOptions):
         "sleep_host_buffer": "when each worker prepares the host buffer a level-1 sleep copies the weights into "
         "(page-locked, the size of the weights the sleep manages): 'first_sleep' (the first level-1 sleep "
         "also faults its pages in and locks them: seconds per 20 GB), 'at_start' (before the worker "
-        "reports ready) or 'background' (on threads once the model is loaded, while the worker serves); "
+        "reports ready, moving the weights once through it into one device allocation) or 'background' "
+        "(on threads once the model is loaded, while the worker serves); "
         "prepared ahead, the first sleep copies at link speed and the buffer holds that host memory for "
         "the worker's life, and the checkpoint is also kept mapped and page-locked from the first level-2 "
         "sleep on (its page cache: the weights' size again), so level-2 wakes copy at link speed too",

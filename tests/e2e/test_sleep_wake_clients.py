@@ -23,6 +23,8 @@ from tests.support.sleep_mesh import (  # noqa: F401
     SERVING,
     SKIPPED,
     SLEEPING,
+    SUCCESS,
+    assert_acks,
     assert_all_serving,
     awake_and_open,
     channel,
@@ -31,9 +33,12 @@ from tests.support.sleep_mesh import (  # noqa: F401
     put_to_sleep,
     reference,
     refused,
+    resume,
     sleepless,
     stage_calls,
+    start_sleep_mesh,
     states,
+    stopped_cleanly,
     stub,
     wake_up,
 )
@@ -221,3 +226,25 @@ def test_grpcurl_sleep_without_support_is_unimplemented(sleepless):
     done = _grpcurl(sleepless.address, "Sleep", {"stage_ids": [1], "level": 1})
     assert done.returncode == _exit_code(grpc.StatusCode.UNIMPLEMENTED), (done.returncode, done.stderr)
     assert "Unimplemented" in done.stderr and "stage 1" in done.stderr
+
+
+# ---- a buffer prepared at start -------------------------------------------------------------------
+def test_a_mesh_preparing_its_sleep_buffer_at_start_compacts_and_round_trips(tmp_path, model_dir):
+    """sleep_host_buffer = "at_start": each worker prepares the level-1 buffer and moves its
+    weights through it into one allocation before it reports ready; the images are the same
+    before and after, and after a level-1 and a level-2 round trip."""
+    mesh = start_sleep_mesh(tmp_path, model_dir, extra_stage='sleep_host_buffer = "at_start"')
+    try:
+        assert mesh.logs().count("weights compacted into one allocation through the sleep host buffer") == 2
+        with mesh.channel() as ch:
+            gateway = mesh.gateway(ch)
+            before = generate(gateway)
+            for level in (1, 2):
+                reply = put_to_sleep(gateway, [0, 1], level=level)
+                assert reply.status == SUCCESS
+                assert_acks(reply.acks, [0, 1], level=level)
+                assert wake_up(gateway, [0, 1]).status == SUCCESS
+                resume(gateway)
+                assert generate(gateway) == before, f"after a level-{level} round trip"
+    finally:
+        stopped_cleanly(mesh, mesh.pids)

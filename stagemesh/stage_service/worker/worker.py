@@ -13,6 +13,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -99,10 +100,17 @@ def resolve_device(device: str, rank: int) -> str:
 class Worker:
     def __init__(self, spec: protocol.WorkerSpec, runner: Runner, device: str, requests, results):
         # First, so that nothing else is made when it fails: "at_start" prepares the level-1
-        # host buffer here, before the worker reports ready.
+        # host buffer here, before the worker reports ready, and compacts the weights through it.
         self.sleep = SleepController(runner.weight_files(), device, host_buffer=spec.sleep_host_buffer)
         if spec.sleep_host_buffer == "at_start":
+            started = time.perf_counter()
             self.sleep.compact(runner.device_holders())  # so the first sleep is like every later one
+            log.info(
+                "weights compacted into one allocation through the sleep host buffer",
+                rank=spec.rank,
+                bytes=self.sleep.weight_bytes,
+                seconds=round(time.perf_counter() - started, 3),
+            )
         self.spec = spec
         self.runner = runner
         self.device = device

@@ -187,6 +187,46 @@ def test_a_buffer_prepared_ahead_is_held_from_the_start_and_kept_at_every_level(
     assert controller.host_bytes == 0
 
 
+class _Holder:
+    """Device memory a runner hands over (the DLO slots, captured graphs): released and restored."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def release_device(self) -> int:
+        self.calls.append("release")
+        return 0
+
+    def restore_device(self) -> int:
+        self.calls.append("restore")
+        return 0
+
+
+def test_compact_moves_the_weights_into_one_allocation_and_is_done_once(diffusion):
+    files = diffusion.weight_files()
+    state_before = _snapshot(files)
+    controller = SleepController(files, "cpu", host_buffer="at_start", piece_bytes=PIECE)
+    storages = {t.untyped_storage().data_ptr() for t in _tensor_objects(files)}
+    assert len(storages) > 1  # as the loader left them
+    objects = [id(t) for t in _tensor_objects(files)]
+    holder = _Holder()
+    controller.compact([holder])
+    assert holder.calls == ["release", "restore"] and controller.level == 0
+    assert len({t.untyped_storage().data_ptr() for t in _tensor_objects(files)}) == 1
+    assert [id(t) for t in _tensor_objects(files)] == objects  # the same Parameter objects
+    assert _snapshot(files) == state_before
+    assert controller.last_sleep_phases.keys() == {"copy_s", "release_s"}
+    flat = controller._device_flat
+    controller.compact([holder])  # already one allocation: nothing happens
+    assert controller._device_flat is flat and holder.calls == ["release", "restore"]
+    controller.sleep(1)
+    controller.compact([holder])  # asleep: nothing happens, the stage stays asleep
+    assert controller.level == 1 and holder.calls == ["release", "restore"]
+    controller.wake()
+    assert _snapshot(files) == state_before
+    controller.close()
+
+
 def test_first_sleep_mode_holds_nothing_until_a_level_1_sleep(diffusion):
     files = diffusion.weight_files()
     expected = _expected_host_bytes(files)
