@@ -34,7 +34,7 @@ def _series(rows: list[dict]) -> list[tuple[str, dict[int, dict]]]:
     if peer:
         out.append(("diffusers group offload", peer))
     out += [
-        (f"stagemesh DLO{' fp8' if dtype else ''}, {n} resident", by_size)
+        (f"stagemesh DLO{' ' + dtype if dtype else ''}, {n} resident", by_size)
         for (n, dtype), by_size in sorted(dlo.items())
     ]
     return out

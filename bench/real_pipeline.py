@@ -10,9 +10,11 @@ Cases, one after the other in one run (each frees the GPU before the next starts
                        blocks mapped straight from the checkpoint)
   mesh-dlo-fp8         as mesh-dlo, the blocks' Linear weights streamed in FP8
                        (dlo_stream_dtype = "float8_e4m3fn", docs/DLO.md)
+  mesh-dlo-int8        as mesh-dlo, streamed in int8 (dlo_stream_dtype = "int8")
 Targets: mesh-resident <= 1.05 x diffusers-resident; mesh-dlo faster than diffusers-group.
-Fidelity of FP8 streaming: the PSNR of mesh-dlo-fp8's final image against the image of the
-model's own dtype (mesh-dlo's, else mesh-resident's, else diffusers-resident's), printed.
+Fidelity of 8-bit streaming: the PSNR of mesh-dlo-fp8's and mesh-dlo-int8's final images against
+the image of the model's own dtype (mesh-dlo's, else mesh-resident's, else
+diffusers-resident's), printed.
 Latency is request to PNG bytes on both sides (the diffusers peer encodes its PNG the same way).
 
 The checkpoint: FLUX.1-dev's transformer shape (diffusers' default FluxTransformer2DModel config
@@ -21,7 +23,8 @@ device tensor by tensor (bench/dlo_models.py), FLUX.1's VAE layout, and small te
 the widths the transformer expects; bf16, written once with save_pretrained (about 24 GB).
 
 Run on a GPU:  python bench/real_pipeline.py --device cuda
-FP8 fidelity:  python bench/real_pipeline.py --device cuda --cases mesh-dlo,mesh-dlo-fp8 --repeats 1 --warmup 0
+8-bit fidelity:
+  python bench/real_pipeline.py --device cuda --repeats 1 --warmup 0 --cases mesh-dlo,mesh-dlo-fp8,mesh-dlo-int8
 CPU smoke:     python bench/real_pipeline.py --tiny --device cpu --steps 2 --size 32
 """
 
@@ -50,10 +53,10 @@ from stagemesh.v1 import gateway_pb2, generation_pb2
 from tests.support.meshproc import start_mesh
 
 PROMPT = "a lighthouse at dusk"
-CASES = ("diffusers-resident", "mesh-resident", "diffusers-group", "mesh-dlo", "mesh-dlo-fp8")
-FP8_STREAM = 'dlo_stream_dtype = "float8_e4m3fn"\n'
-# What mesh-dlo-fp8's image is compared with, in order of preference (all the model's dtype).
-FP8_REFERENCES = ("mesh-dlo", "mesh-resident", "diffusers-resident")
+CASES = ("diffusers-resident", "mesh-resident", "diffusers-group", "mesh-dlo", "mesh-dlo-fp8", "mesh-dlo-int8")
+EIGHT_BIT = {"mesh-dlo-fp8": "float8_e4m3fn", "mesh-dlo-int8": "int8"}  # case -> dlo_stream_dtype
+# What an 8-bit case's image is compared with, in order of preference (all the model's dtype).
+REFERENCES = ("mesh-dlo", "mesh-resident", "diffusers-resident")
 
 
 # ---- the checkpoint ----------------------------------------------------------------------------
@@ -138,8 +141,9 @@ def diffusers_case(folder: Path, device: torch.device, args, group: bool) -> dic
     return {"latency_ms": common.summarize(times), "png_bytes": len(png), "png": png}
 
 
-def _mesh_config(path: Path, device: str, dlo: bool, fp8: bool = False) -> Path:
-    dlo_keys = "enable_dlo = true\ndlo_use_allgather = false\n" + (FP8_STREAM if fp8 else "") if dlo else ""
+def _mesh_config(path: Path, device: str, dlo: bool, stream_dtype: str = "") -> Path:
+    stream = f'dlo_stream_dtype = "{stream_dtype}"\n' if stream_dtype else ""
+    dlo_keys = "enable_dlo = true\ndlo_use_allgather = false\n" + stream if dlo else ""
     # CPU check: one thread per process, as the in-process peer (main), so neither oversubscribes.
     threads = "threads = 1\n" if device == "cpu" else ""
     path.write_text(f"""[gateway]
@@ -166,7 +170,7 @@ max_size = 2048
 
 def mesh_case(folder: Path, device: torch.device, args, name: str, work: Path) -> dict:
     dlo = name.startswith("mesh-dlo")
-    config = _mesh_config(work / f"{name}.toml", str(device), dlo, fp8=name == "mesh-dlo-fp8")
+    config = _mesh_config(work / f"{name}.toml", str(device), dlo, EIGHT_BIT.get(name, ""))
     mesh = start_mesh(config, work / f"{name}.log", ("--model", str(folder)), timeout_s=1800)
     params = generation_pb2.GenerationParams(
         prompt=PROMPT,
@@ -203,18 +207,21 @@ def psnr(a: bytes, b: bytes) -> float:
     return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
 
 
-def fp8_fidelity(pngs: dict[str, bytes], args) -> dict | None:
-    """mesh-dlo-fp8's final image against the same request's image in the model's dtype."""
-    reference = next((case for case in FP8_REFERENCES if case in pngs), None)
-    if "mesh-dlo-fp8" not in pngs or reference is None:
-        return None
-    value = psnr(pngs["mesh-dlo-fp8"], pngs[reference])
-    print(
-        f"PSNR mesh-dlo-fp8 vs {reference}: {value:.2f} dB ({args.steps} steps, {args.size}x{args.size}, "
-        f"seed {args.seed}; final PNG images)",
-        flush=True,
-    )
-    return {"psnr_db": value, "reference": reference}
+def eight_bit_fidelity(pngs: dict[str, bytes], args) -> dict[str, dict]:
+    """Each 8-bit case's final image against the same request's image in the model's dtype."""
+    reference = next((case for case in REFERENCES if case in pngs), None)
+    out = {}
+    for case in EIGHT_BIT:
+        if case not in pngs or reference is None:
+            continue
+        value = psnr(pngs[case], pngs[reference])
+        print(
+            f"PSNR {case} vs {reference}: {value:.2f} dB ({args.steps} steps, {args.size}x{args.size}, "
+            f"seed {args.seed}; final PNG images)",
+            flush=True,
+        )
+        out[case] = {"psnr_db": value, "reference": reference}
+    return out
 
 
 def report(results: dict, args) -> dict:
@@ -228,9 +235,11 @@ def report(results: dict, args) -> dict:
         ratios["mesh_vs_diffusers_resident"] = p50["mesh-resident"] / p50["diffusers-resident"]
     if {"mesh-dlo", "diffusers-group"} <= p50.keys():
         ratios["mesh_dlo_vs_diffusers_group"] = p50["mesh-dlo"] / p50["diffusers-group"]
-    if {"mesh-dlo-fp8", "mesh-dlo"} <= p50.keys():
-        ratios["mesh_dlo_fp8_vs_mesh_dlo"] = p50["mesh-dlo-fp8"] / p50["mesh-dlo"]
-        print(f"mesh-dlo-fp8 / mesh-dlo latency: {ratios['mesh_dlo_fp8_vs_mesh_dlo']:.3f}", flush=True)
+    for case in EIGHT_BIT:
+        if {case, "mesh-dlo"} <= p50.keys():
+            key = f"{case.replace('-', '_')}_vs_mesh_dlo"
+            ratios[key] = p50[case] / p50["mesh-dlo"]
+            print(f"{case} / mesh-dlo latency: {ratios[key]:.3f}", flush=True)
     targets = {"mesh_vs_diffusers_resident": 1.05, "mesh_dlo_vs_diffusers_group": 1.0}
     for key, value in ratios.items():
         if key not in targets:
@@ -249,8 +258,8 @@ def report(results: dict, args) -> dict:
     }
     for key, value in same.items():
         print(f"PNG bytes {key}: {value}", flush=True)
-    fidelity = fp8_fidelity(pngs, args)
-    return {"ratios": ratios, "targets": targets, "same_png": same, "fp8_fidelity": fidelity}
+    fidelity = eight_bit_fidelity(pngs, args)
+    return {"ratios": ratios, "targets": targets, "same_png": same, "eight_bit_fidelity": fidelity}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -24,7 +24,7 @@ from bench import dlo_models as models
 from bench.common import print_table, write_json
 from bench.dlo_timing import h2d_bandwidth, link_timeline, step_time, sync
 from stagemesh.stage_service import platform
-from stagemesh.stage_service.offload import dequant, fp8
+from stagemesh.stage_service.offload import dequant, quant
 
 VARIANTS = [  # (kernel, staging buffers, rebuild stream priority)
     ("torch", 2, 0),  # as before the change
@@ -71,7 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     bm = models.flux_model(tiny=args.tiny, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model, engine = models.build_offloaded(bm, device, 0, stream_dtype=fp8.FLOAT8)
+    model, engine = models.build_offloaded(bm, device, 0, stream_dtype=quant.FLOAT8)
     streamed = engine.stats().h2d_bytes_per_iteration
     bandwidth = h2d_bandwidth(min(streamed, 4 << 30), device)
     floor = streamed / bandwidth

@@ -38,7 +38,8 @@ SUPPORTED_DTYPES = (
     torch.int32,
     torch.uint8,
     torch.bool,
-    torch.float8_e4m3fn,  # FP8 DLO streaming keeps quantised weights in the entry
+    torch.int8,
+    torch.float8_e4m3fn,  # 8-bit DLO streaming keeps quantised weights in the entry
 )
 
 

@@ -25,6 +25,7 @@ _CODES = {
     torch.int64: "I64",
     torch.int32: "I32",
     torch.uint8: "U8",
+    torch.int8: "I8",
     torch.bool: "BOOL",
     torch.float8_e4m3fn: "F8_E4M3",
 }

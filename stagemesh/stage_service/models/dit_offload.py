@@ -16,7 +16,7 @@ from stagemesh.stage_service.models.weights import (
     load_dit,
     read_config,
 )
-from stagemesh.stage_service.offload import fp8
+from stagemesh.stage_service.offload import quant
 from stagemesh.stage_service.offload.checkpoint import load_or_fallback
 from stagemesh.stage_service.offload.collective import group_shape
 from stagemesh.stage_service.offload.config import DloOptions
@@ -87,8 +87,8 @@ def load_offloaded_dit(
         group=group if use_allgather else None,
         use_allgather=use_allgather,
         keep_source=mapped and not use_allgather,
-        stream_dtype=fp8.stream_dtype(opts.dlo_stream_dtype),
-        # FP8 weights of a runtime-cache entry are streamed from it as they are.
+        stream_dtype=quant.stream_dtype(opts.dlo_stream_dtype),
+        # 8-bit weights of a runtime-cache entry are streamed from it as they are.
         quantized=cached.quantized if cached is not None else None,
     )
     return dit, decoder, engine, cached

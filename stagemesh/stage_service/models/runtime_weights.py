@@ -12,11 +12,12 @@ Skip-load: a second, small entry (the alias) records, under a key derived before
 checkpoint produced. A start that finds both builds the model on meta and maps the entry
 directly, without reading the checkpoint.
 
-FP8 streaming (dlo_stream_dtype): the entry holds the weights as DLO streams them: each Linear
-weight of a streamed block in float8_e4m3fn under its own name plus its scales under
-"<name>.fp8_scale", everything else as loaded. Both keys name the stream dtype and the resident
-block count (resident blocks stay unquantised), so an FP8 entry never serves a request for the
-model's own dtype, nor the reverse; the checks below refuse an entry whose dtypes do not match.
+8-bit streaming (dlo_stream_dtype): the entry holds the weights as DLO streams them: each Linear
+weight of a streamed block in float8_e4m3fn or int8 under its own name plus its scales under
+"<name>.fp8_scale" or "<name>.int8_scale", everything else as loaded. Both keys name the stream
+dtype and the resident block count (resident blocks stay unquantised), so an 8-bit entry never
+serves a request for the model's own dtype or the other 8-bit format, nor the reverse; the checks
+below refuse an entry whose dtypes do not match.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from stagemesh.stage_service.models.weights import (
     build_dit,
     read_config,
 )
-from stagemesh.stage_service.offload import fp8
+from stagemesh.stage_service.offload import quant
 from stagemesh.stage_service.offload.config import DloOptions
 from stagemesh.stage_service.runtime_cache.lookup import MappedEntry, RuntimeCache, content_hash, layout_key
 
@@ -66,8 +67,8 @@ class CacheResult:
     reason: str  # hit / published / lock_timeout / ... / layout_mismatch / skip_load_hit
     key: str = ""
     load_s: float = 0.0
-    # FP8 streaming: (weight, scales) of each quantised weight in the entry, by DiT name
-    quantized: dict[str, fp8.Quantized] | None = None
+    # 8-bit streaming: (weight, scales) of each quantised weight in the entry, by DiT name
+    quantized: dict[str, quant.Quantized] | None = None
 
 
 Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape, dtype)
@@ -107,18 +108,20 @@ def final_tensors(parts: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
     }
 
 
-def expected_specs(parts: dict[str, nn.Module], quantized: Specs) -> Specs:
+def expected_specs(parts: dict[str, nn.Module], quantized: Specs, stream: torch.dtype = quant.FLOAT8) -> Specs:
     """What an entry for `parts` holds: every final tensor as the model has it, except the
-    `quantized` weights (full names), each stored in FP8 plus its scales."""
+    `quantized` weights (full names), each stored in `stream` (FLOAT8 or INT8) plus its scales."""
     specs = {name: (tuple(t.shape), t.dtype) for name, t in final_tensors(parts).items()}
     for name, (shape, _) in quantized.items():
-        specs[name] = (shape, fp8.FLOAT8)
-        specs[name + fp8.SCALE_SUFFIX] = ((shape[0],), fp8.SCALE_DTYPE)
+        specs[name] = (shape, stream)
+        specs[quant.scale_name(name, stream)] = ((shape[0],), quant.SCALE_DTYPE)
     return specs
 
 
-def _check(parts: dict[str, nn.Module], tensors: dict[str, torch.Tensor], quantized: Specs) -> None:
-    want = expected_specs(parts, quantized)
+def _check(
+    parts: dict[str, nn.Module], tensors: dict[str, torch.Tensor], quantized: Specs, stream: torch.dtype
+) -> None:
+    want = expected_specs(parts, quantized, stream)
     if want.keys() != tensors.keys():
         diff = sorted(want.keys() ^ tensors.keys())
         raise LayoutMismatch(f"names differ, e.g. {diff[:3]}")
@@ -132,45 +135,52 @@ def _check(parts: dict[str, nn.Module], tensors: dict[str, torch.Tensor], quanti
             raise LayoutMismatch(f"{prefix}: non-persistent buffers are not in the entry")
 
 
-def _quantized_of(tensors: dict[str, torch.Tensor], quantized: Specs) -> dict[str, fp8.Quantized] | None:
+def _quantized_of(
+    tensors: dict[str, torch.Tensor], quantized: Specs, stream: torch.dtype
+) -> dict[str, quant.Quantized] | None:
     """The entry's (weight, scales) pairs by DiT name (as the DLO engine names them)."""
     if not quantized:
         return None
-    return {name.removeprefix(DIT_PREFIX): (tensors[name], tensors[name + fp8.SCALE_SUFFIX]) for name in quantized}
+    return {
+        name.removeprefix(DIT_PREFIX): (tensors[name], tensors[quant.scale_name(name, stream)]) for name in quantized
+    }
 
 
 def swap_storage(
-    parts: dict[str, nn.Module], tensors: dict[str, torch.Tensor], quantized: Specs | None = None
-) -> dict[str, fp8.Quantized] | None:
+    parts: dict[str, nn.Module],
+    tensors: dict[str, torch.Tensor],
+    quantized: Specs | None = None,
+    stream: torch.dtype = quant.FLOAT8,
+) -> dict[str, quant.Quantized] | None:
     """Point every parameter and persistent buffer at its mapped tensor; Parameter objects
     stay. Checked first, so a mismatch changes nothing. A `quantized` weight gets a
-    placeholder instead (its private copy goes): DLO streams it from the entry's FP8 form,
-    returned by DiT name."""
+    placeholder instead (its private copy goes): DLO streams it from the entry's 8-bit form
+    (`stream`), returned by DiT name."""
     quantized = quantized or {}
-    _check(parts, tensors, quantized)
+    _check(parts, tensors, quantized, stream)
     for prefix, module in parts.items():
         for name, current in module.state_dict(keep_vars=True).items():
             full = prefix + name
-            mapped = tensors[full] if full not in quantized else fp8.placeholder(*quantized[full])
+            mapped = tensors[full] if full not in quantized else quant.placeholder(*quantized[full])
             if isinstance(current, nn.Parameter):
                 current.data = mapped
             else:
                 owner, _, leaf = name.rpartition(".")
                 module.get_submodule(owner)._buffers[leaf] = mapped
-    return _quantized_of(tensors, quantized)
+    return _quantized_of(tensors, quantized, stream)
 
 
 def _bind_on_meta(
-    config: PipelineConfig, tp: TpGroup | None, tensors: dict[str, torch.Tensor], quantized: Specs
+    config: PipelineConfig, tp: TpGroup | None, tensors: dict[str, torch.Tensor], quantized: Specs, stream: torch.dtype
 ) -> tuple[nn.Module, nn.Module]:
     dit, decoder = build_dit(config, "meta", tp)
     parts = _parts(dit, decoder)
-    _check(parts, tensors, quantized)
+    _check(parts, tensors, quantized, stream)
     for prefix, module in parts.items():
         state = {}
         for name in module.state_dict(keep_vars=True):
             full = prefix + name
-            state[name] = tensors[full] if full not in quantized else fp8.placeholder(*quantized[full])
+            state[name] = tensors[full] if full not in quantized else quant.placeholder(*quantized[full])
         module.load_state_dict(state, strict=True, assign=True)
         module.eval().requires_grad_(False)
     return dit, decoder
@@ -190,8 +200,9 @@ class DitWeightCache:
         self.model_dir = Path(model_dir)
         self.config = read_config(self.model_dir)
         self.tp = tp
-        self.device = device  # where FP8 quantisation runs
+        self.device = device  # where 8-bit quantisation runs
         self.stream_dtype = opts.dlo_stream_dtype
+        self.stream = quant.stream_dtype(opts.dlo_stream_dtype) or quant.FLOAT8  # used only when quantised
         self.resident_layers = opts.dlo_resident_layers
         self._quantized: Specs | None = None
         self.cache = RuntimeCache(
@@ -200,23 +211,23 @@ class DitWeightCache:
         self.identity = model_identity(self.model_dir)
 
     @property
-    def streams_fp8(self) -> bool:
+    def streams_quantized(self) -> bool:
         return bool(self.stream_dtype)
 
     def quantized_specs(self) -> Specs:
-        """Full name -> (shape, dtype) of the weights this engine streams in FP8; none without."""
-        if not self.streams_fp8:
+        """Full name -> (shape, model dtype) of the weights this engine streams in 8 bits; none without."""
+        if not self.streams_quantized:
             return {}
         if self._quantized is None:
             dit, _ = build_dit(self.config, "meta", self.tp)
-            specs = fp8.quantized_specs(dit, self.resident_layers)
+            specs = quant.quantized_specs(dit, self.resident_layers)
             self._quantized = {DIT_PREFIX + name: spec for name, spec in specs.items()}
         return self._quantized
 
     def _key(self, loader_version: str, digest: str) -> str:
         size, rank = _coordinate(self.tp)
         # Resident blocks are not quantised: their count changes what the entry holds.
-        stream = f"{self.stream_dtype}+resident={self.resident_layers}" if self.streams_fp8 else ""
+        stream = f"{self.stream_dtype}+resident={self.resident_layers}" if self.streams_quantized else ""
         return layout_key(
             model_identity=self.identity,
             dtype=self.config.dtype,
@@ -249,7 +260,7 @@ class DitWeightCache:
             return None
         quantized = self.quantized_specs()
         try:
-            dit, decoder = _bind_on_meta(self.config, self.tp, found.entry.tensors, quantized)
+            dit, decoder = _bind_on_meta(self.config, self.tp, found.entry.tensors, quantized, self.stream)
         except (LayoutMismatch, RuntimeError) as exc:
             log.warning(
                 "dlo runtime cache entry does not fit the model; loading",
@@ -260,15 +271,16 @@ class DitWeightCache:
             found.entry.close()
             return None
         result = CacheResult(found.entry, "skip_load_hit", key)
-        result.quantized = _quantized_of(found.entry.tensors, quantized)
+        result.quantized = _quantized_of(found.entry.tensors, quantized, self.stream)
         return dit, decoder, result
 
     def streamed_form(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The final tensors as the entry stores them: with FP8 streaming, each streamed Linear
-        weight replaced by its FP8 form and scales (quantised on this engine's device)."""
+        """The final tensors as the entry stores them: with 8-bit streaming, each streamed Linear
+        weight replaced by its 8-bit form and scales (quantised on this engine's device)."""
         out = dict(tensors)
         for name in self.quantized_specs():
-            out[name], out[name + fp8.SCALE_SUFFIX] = fp8.quantize_rows(out[name], self.device)
+            pair = quant.quantize_rows(out[name], self.device, self.stream)
+            out[name], out[quant.scale_name(name, self.stream)] = pair
         return out
 
     def share(self, dit: nn.Module, decoder: nn.Module) -> CacheResult:
@@ -282,7 +294,7 @@ class DitWeightCache:
         if outcome.entry is None:
             return CacheResult(None, outcome.reason, key)
         try:
-            quantized = swap_storage(parts, outcome.entry.tensors, self.quantized_specs())
+            quantized = swap_storage(parts, outcome.entry.tensors, self.quantized_specs(), self.stream)
         except LayoutMismatch as exc:
             log.warning(
                 "dlo runtime cache entry does not fit the model", key=key, reason="layout_mismatch", detail=str(exc)
@@ -309,7 +321,7 @@ def load_through_cache(
 ):
     """(dit, decoder, mapped, CacheResult | None). `load_private()` is the usual host load:
     (dit, decoder, mapped, why-not-mapped). A checkpoint mapped directly needs no cache, unless
-    blocks stream in FP8 (the entry then holds the quantised form, shared by every engine)."""
+    blocks stream in 8 bits (the entry then holds the quantised form, shared by every engine)."""
     started = time.perf_counter()
     cache = DitWeightCache(model_dir, opts, tp, service_address, device)
     try:
@@ -325,7 +337,7 @@ def load_through_cache(
         log.info("dlo runtime cache hit; checkpoint load skipped", key=result.key, load_s=round(result.load_s, 4))
         return dit, decoder, True, result
     dit, decoder, mapped, _ = load_private()
-    if mapped and not cache.streams_fp8:
+    if mapped and not cache.streams_quantized:
         log.info("dlo runtime cache not needed: the checkpoint is mapped directly")
         return dit, decoder, True, None
     try:

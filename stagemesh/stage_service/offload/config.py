@@ -8,9 +8,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 DEFAULT_RUNTIME_CACHE_DIR = "~/.cache/stagemesh/dlo-runtime-weights"
-# "": blocks stream in the model's own dtype. Kept here (not in fp8.py) so reading the options
+# "": blocks stream in the model's own dtype. Kept here (not in quant.py) so reading the options
 # does not import torch.
-STREAM_DTYPES = ("", "float8_e4m3fn")
+STREAM_DTYPES = ("", "float8_e4m3fn", "int8")
 
 
 def validate(o: Any) -> None:
@@ -103,7 +103,8 @@ HELP = {
     "mmap plan needs 1",
     "dlo_checkpoint_mmap": "DLO: try the direct checkpoint mmap plan first; "
     "--no-dlo-checkpoint-mmap always uses the ordinary loader",
-    "dlo_stream_dtype": "DLO: 'float8_e4m3fn' keeps the streamed blocks' Linear weights in FP8 on the host "
-    "(per-output-channel bf16 scales, quantised once at load) and rebuilds them on the device before each "
-    "block runs: about half the bytes per step; '' streams the model's own dtype (see docs/DLO.md)",
+    "dlo_stream_dtype": "DLO: 'float8_e4m3fn' or 'int8' keeps the streamed blocks' Linear weights in that "
+    "8-bit format on the host (per-output-channel bf16 scales, quantised once at load) and rebuilds them on "
+    "the device before each block runs: about half the bytes per step; int8 rounds about a third as far "
+    "from the weights as float8_e4m3fn; '' streams the model's own dtype (see docs/DLO.md)",
 }

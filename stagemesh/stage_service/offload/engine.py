@@ -3,14 +3,14 @@
 Streamed blocks keep their bytes on the host (see host.py). Two device slots, each sized by the
 largest block, take turns: while block N computes on the compute stream, block N+1 is copied
 host-to-device on a copy stream (and, with AllGather, rebuilt from every rank's shard on a
-second stream; with FP8 streaming, rebuilt in the model's dtype there from its FP8 form) into
+second stream; with 8-bit streaming, rebuilt in the model's dtype there from its 8-bit form) into
 the other slot. Events order the streams:
 
     ready[s]  recorded after slot s is filled      -> the compute stream waits before using it
     free[s]   recorded after the block in slot s ran -> the copy stream waits before refilling it
-                                                        (FP8: the rebuild into the slot waits)
+                                                        (8-bit: the rebuild into the slot waits)
 
-With FP8 streaming the copies land in a ring of FP8_STAGING buffers instead, each reused once the
+With 8-bit streaming the copies land in a ring of STAGING_BUFFERS buffers instead, each reused once the
 rebuild that read it has run (consumed[k]), so the link runs ahead of the rebuilds and the
 compute; the rebuilds run on a high-priority stream, so the compute's kernels do not hold them
 back (measured: docs/perf-notes/dlo.md).
@@ -20,7 +20,7 @@ next is learned from the order the blocks actually ran in (first guess: declared
 around), so the first block of the next denoising step is fetched while the last one computes,
 and a mispredicted block is simply loaded on demand. Everything that is not a streamed block
 stays resident on the device. On the CPU events and streams are no-ops and the copies are plain
-memcpy, so results are bit-identical to the resident model (FP8 streaming aside: its weights are
+memcpy, so results are bit-identical to the resident model (8-bit streaming aside: its weights are
 rounded once, at load).
 """
 
@@ -36,7 +36,7 @@ from torch import nn
 
 from stagemesh.core import logs
 from stagemesh.stage_service import platform
-from stagemesh.stage_service.offload import fp8
+from stagemesh.stage_service.offload import quant
 from stagemesh.stage_service.offload.collective import gather_into, group_shape
 from stagemesh.stage_service.offload.host import InitBlock, PackedStore, ShardStore, StagedStore, locked_mapping_store
 from stagemesh.stage_service.offload.layout import BlockLayout, StreamLayout
@@ -44,8 +44,8 @@ from stagemesh.stage_service.offload.plan import OffloadPlan, discover, pick_res
 
 log = logs.get_logger("stagemesh.offload")
 
-FP8_STAGING = 3  # FP8 copy buffers (one GPU): the link may run this many blocks ahead of the rebuilds
-FP8_REBUILD_PRIORITY = -1  # CUDA stream priority of the FP8 rebuilds (lower is first; 0 the default)
+STAGING_BUFFERS = 3  # 8-bit copy buffers (one GPU): the link may run this many blocks ahead of the rebuilds
+REBUILD_PRIORITY = -1  # CUDA stream priority of the 8-bit rebuilds (lower is first; 0 the default)
 
 
 @dataclass(frozen=True)
@@ -60,19 +60,14 @@ class OffloadStats:
     world: int
     host_mode: str  # "packed", "sharded", "staged" or "locked"
     discovery: str
-    stream_dtype: str = ""  # "float8_e4m3fn" when Linear weights stream in FP8; "": as stored
+    stream_dtype: str = ""  # "float8_e4m3fn" or "int8" when Linear weights stream in 8 bits; "": as stored
 
 
 def _check_stream_dtype(dtype: torch.dtype | None, quantized) -> torch.dtype | None:
-    if dtype is not None and dtype != fp8.FLOAT8:
-        raise ValueError(f"stream_dtype must be None (as stored) or torch.float8_e4m3fn, got {dtype}")
+    quant.check_stream_dtype(dtype)
     if quantized is not None and dtype is None:
-        raise ValueError("quantized weights were given but stream_dtype is not float8_e4m3fn")
+        raise ValueError("quantized weights were given but stream_dtype is None (as stored)")
     return dtype
-
-
-def _dtype_name(dtype: torch.dtype | None) -> str:
-    return "" if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _inside(name: str, roots: set[str]) -> bool:
@@ -121,8 +116,8 @@ class LayerwiseOffload:
     device the mapping is page-locked in place and copied from directly (its pages stay the
     shared page cache); where the driver refuses, each transfer is staged through pinned buffers.
     `init_block`: materialises a block built on "meta" into host memory, one block at a time.
-    `stream_dtype` float8_e4m3fn: streamed blocks' Linear weights are kept and copied in FP8
-    and rebuilt in the slot (fp8.py); `quantized` gives them already quantised (by qualified
+    `stream_dtype` float8_e4m3fn or int8: streamed blocks' Linear weights are kept and copied in
+    8 bits and rebuilt in the slot (quant.py); `quantized` gives them already quantised (by qualified
     name, e.g. from a runtime-cache entry), else they are quantised here, once."""
 
     def __init__(
@@ -138,7 +133,7 @@ class LayerwiseOffload:
         init_block: InitBlock | None = None,
         background_staging: bool | None = None,
         stream_dtype: torch.dtype | None = None,
-        quantized: Mapping[str, fp8.Quantized] | None = None,
+        quantized: Mapping[str, quant.Quantized] | None = None,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -150,16 +145,16 @@ class LayerwiseOffload:
         self.streamed = [b for b in self.discovery.blocks if b.path not in resident_paths]
         self.resident = resident
         self.stream_dtype = _check_stream_dtype(stream_dtype, quantized)
-        tail = fp8.quantizable if self.streams_fp8 else None
+        tail = quant.quantizable if self.streams_quantized else None
         self.layouts = [BlockLayout(b.module, b.path, tail=tail) for b in self.streamed]
         roots = {b.path for b in self.streamed}
         _check_no_sharing(model, self.layouts, roots)
         self.streams = self._stream_layouts(quantized)
         _move_rest(model, roots, self.device)
         self._init_state()
-        # FP8 from unquantised tensors (a checkpoint mapping): quantised into packed buffers,
+        # 8-bit from unquantised tensors (a checkpoint mapping): quantised into packed buffers,
         # not streamed from where they are.
-        in_place = keep_source and (not self.streams_fp8 or quantized is not None)
+        in_place = keep_source and (not self.streams_quantized or quantized is not None)
         with torch.inference_mode(False):
             self.store = self._make_store(in_place, init_block)
             self._make_slots()
@@ -177,17 +172,18 @@ class LayerwiseOffload:
 
     # set-up -------------------------------------------------------------------------------
     @property
-    def streams_fp8(self) -> bool:
+    def streams_quantized(self) -> bool:
         return self.stream_dtype is not None
 
-    def _stream_layouts(self, quantized: Mapping[str, fp8.Quantized] | None) -> list[StreamLayout]:
-        if not self.streams_fp8:
+    def _stream_layouts(self, quantized: Mapping[str, quant.Quantized] | None) -> list[StreamLayout]:
+        dtype = self.stream_dtype
+        if dtype is None:
             return list(self.layouts)
-        fp8.refuse_float8_blocks(self.layouts)
+        quant.refuse_float8_blocks(self.layouts, dtype)
         if not any(layout.tail for layout in self.layouts):
-            log.warning("dlo fp8 streaming has nothing to quantise: the streamed blocks hold no Linear weights")
+            log.warning("dlo 8-bit streaming has nothing to quantise: the streamed blocks hold no Linear weights")
         # Quantised on the target device when it is a GPU: a FLUX-size model in seconds.
-        return [fp8.QuantizedLayout(layout, self.device, quantized) for layout in self.layouts]
+        return [quant.QuantizedLayout(layout, self.device, quantized, dtype) for layout in self.layouts]
 
     def _make_store(self, keep_source: bool, init_block: InitBlock | None) -> PackedStore:
         if self.world > 1:
@@ -205,9 +201,9 @@ class LayerwiseOffload:
 
     def _make_slots(self) -> None:
         self._alloc_slots()
-        if self.host_mode == "sharded" or self.streams_fp8:
+        if self.host_mode == "sharded" or self.streams_quantized:
             # Drop the full private copies (or the mapping): the host keeps only this rank's
-            # shards, or the FP8 form.
+            # shards, or the 8-bit form.
             for i, (layout, views) in enumerate(zip(self.layouts, self._views)):
                 layout.bind(views[0])
                 self._bound[i] = 0
@@ -215,15 +211,15 @@ class LayerwiseOffload:
     def _alloc_slots(self) -> None:
         n = len(self.layouts)
         assembled = max((self.store.block_nbytes(i) for i in range(n)), default=0)
-        size = max((layout.nbytes for layout in self.layouts), default=0) if self.streams_fp8 else assembled
+        size = max((layout.nbytes for layout in self.layouts), default=0) if self.streams_quantized else assembled
         self._slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
-        # FP8: the copied (and gathered) block lands here and is rebuilt into the slot.
+        # 8-bit: the copied (and gathered) block lands here and is rebuilt into the slot.
         self._packed = (
             [torch.empty(assembled, dtype=torch.uint8, device=self.device) for _ in range(self._staging)]
-            if self.streams_fp8
+            if self.streams_quantized
             else self._slots
         )
-        self._stage = 0  # the staging buffer the next FP8 copy lands in
+        self._stage = 0  # the staging buffer the next 8-bit copy lands in
         shard = max((self.store.h2d_nbytes(i) for i in range(n)), default=0)
         self._shards = (
             [torch.empty(shard, dtype=torch.uint8, device=self.device) for _ in range(2)] if self.world > 1 else []
@@ -239,11 +235,11 @@ class LayerwiseOffload:
         n = len(self.layouts)
         dev = self.device
         self._copy = platform.Stream(dev)
-        # The second stage of a fill (gather, FP8 rebuild) runs beside the next block's copy.
-        priority = FP8_REBUILD_PRIORITY if self.streams_fp8 else 0
-        self._comm = platform.Stream(dev, priority) if self.world > 1 or self.streams_fp8 else None
+        # The second stage of a fill (gather, 8-bit rebuild) runs beside the next block's copy.
+        priority = REBUILD_PRIORITY if self.streams_quantized else 0
+        self._comm = platform.Stream(dev, priority) if self.world > 1 or self.streams_quantized else None
         # A ring of staging buffers where a copy's target is not the slot or the shard buffer.
-        self._staging = max(2, FP8_STAGING) if self.streams_fp8 and self.world == 1 else 2
+        self._staging = max(2, STAGING_BUFFERS) if self.streams_quantized and self.world == 1 else 2
         self._ready = [platform.DeviceEvent(dev) for _ in range(2)]
         self._free = [platform.DeviceEvent(dev) for _ in range(2)]
         self._copied = [platform.DeviceEvent(dev) for _ in range(self._staging)]
@@ -311,16 +307,16 @@ class LayerwiseOffload:
 
     def _issue(self, i: int, s: int) -> None:
         """Fill slot s with block i; every rank calls this in the same order (collectives).
-        FP8 on one GPU: the copy lands in the next staging buffer, free once the rebuild that
+        8-bit on one GPU: the copy lands in the next staging buffer, free once the rebuild that
         last read it ran; only the rebuild waits for the block in slot s to have run."""
-        if not self.streams_fp8:
+        if not self.streams_quantized:
             self._copy.wait_event(self._free[s])
         if self.world > 1:
             # The last gather from slot s's shard buffer read what this copy overwrites (a
             # prefetched block that never ran has no later free event to wait for).
             k, target = s, self._shards[s]
             self._copy.wait_event(self._ready[s])
-        elif self.streams_fp8:
+        elif self.streams_quantized:
             k, self._stage = self._stage, (self._stage + 1) % self._staging
             target = self._packed[k]
             self._copy.wait_event(self._consumed[k])
@@ -340,9 +336,9 @@ class LayerwiseOffload:
                 gather_into(assembled, self._shards[s][:sent], self.group)
             else:
                 assembled = self._packed[k][: self.store.block_nbytes(i)]
-            if self.streams_fp8:
+            if self.streams_quantized:
                 layout = self.streams[i]
-                assert isinstance(layout, fp8.QuantizedLayout)  # every stream layout under FP8
+                assert isinstance(layout, quant.QuantizedLayout)  # every stream layout when quantised
                 self._comm.wait_event(self._free[s])
                 layout.expand(assembled, self._slots[s])
             self._ready[s].record(self._comm)
@@ -362,7 +358,7 @@ class LayerwiseOffload:
             world=self.world,
             host_mode=self.host_mode,
             discovery=self.discovery.source,
-            stream_dtype=_dtype_name(self.stream_dtype),
+            stream_dtype=quant.dtype_name(self.stream_dtype),
         )
 
     def synchronize(self) -> None:
@@ -420,7 +416,7 @@ class LayerwiseOffload:
         self.synchronize()
         if self._stager is not None:
             self._stager.shutdown(wait=True)
-        if self.host_mode == "packed" and not self.streams_fp8:
+        if self.host_mode == "packed" and not self.streams_quantized:
             for layout, buf in zip(self.layouts, self.store.buffers):
                 layout.bind(layout.views(buf.tensor))
         self._closed = True

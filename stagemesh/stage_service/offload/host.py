@@ -12,7 +12,7 @@
 
 Every store fills a device buffer with block i's bytes on the current (copy) stream: `fill`. A
 store holds blocks in their stream layout (layout.StreamLayout): the block's own bytes, or its
-FP8 form (fp8.py), which the engine rebuilds in the slot after the copy.
+8-bit form (quant.py), which the engine rebuilds in the slot after the copy.
 """
 
 from __future__ import annotations

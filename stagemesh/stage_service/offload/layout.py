@@ -4,7 +4,7 @@ Offsets are aligned to 256 bytes: the most alignment PyTorch's GPU matmul heuris
 (device allocations are 512-aligned), and a multiple of the CPU allocator's 64. So a block in a
 slot gets the same kernels as the same block as ordinary tensors (identical results), and any
 dtype view is legal. Tensors picked by `tail` are placed after all the others, so the rest forms
-one contiguous head (FP8 streaming copies the head as it is and rebuilds the tail).
+one contiguous head (8-bit streaming copies the head as it is and rebuilds the tail).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ class Span(Protocol):
 
 
 class StreamLayout(Protocol):
-    """A block as the host stores it and the link carries it: a BlockLayout itself, or its FP8
-    form (fp8.QuantizedLayout)."""
+    """A block as the host stores it and the link carries it: a BlockLayout itself, or its 8-bit
+    form (quant.QuantizedLayout)."""
 
     path: str
     module: nn.Module

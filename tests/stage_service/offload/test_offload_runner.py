@@ -35,7 +35,7 @@ from stagemesh.stage_service.settings import StageSettings
         ({"dlo_runtime_cache_lock_timeout": math.nan}, "finite number of seconds > 0"),
         ({"dp_size": 0}, "dp_size must be >= 1"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
-        ({"dlo_stream_dtype": "float8_e5m2"}, "dlo_stream_dtype must be one of ['', 'float8_e4m3fn']"),
+        ({"dlo_stream_dtype": "float8_e5m2"}, "dlo_stream_dtype must be one of ['', 'float8_e4m3fn', 'int8']"),
         ({"dlo_stream_dtype": "bfloat16"}, "dlo_stream_dtype must be one of"),
     ],
 )

@@ -267,3 +267,34 @@ def test_an_fp8_entry_does_not_fit_a_model_dtype_request(tiny_model, tmp_path):
     assert dit.blocks[0].attn.q.weight.dtype == torch.float32  # nothing changed
     pairs = swap_storage(parts, streamed, fp8_cache.quantized_specs())
     assert pairs is not None and pairs[FP8_WEIGHT.removeprefix("dit.")][0] is streamed[FP8_WEIGHT]
+
+
+def test_an_int8_entry_is_its_own_layout_and_serves_int8_only(tiny_model, tmp_path):
+    """int8 streaming stores I8 weights with ".int8_scale" scales under a key of its own: an FP8
+    entry never serves it, nor it an FP8 stage, and the checks refuse the other 8-bit form."""
+    torch.set_num_threads(1)
+    int8_opts = {"dlo_stream_dtype": "int8"}
+    plain = DloOptions(enable_dlo=True, dlo_use_allgather=False, **int8_opts)
+    int8_want = DiffusionRunner(tiny_model, "cpu", plain).run(_items())[0]["image"]
+    first = DiffusionRunner(tiny_model, "cpu", DloOptions(**_opts(tmp_path, **int8_opts)))
+    assert first.runtime_cache.reason == "published" and first.offload.stats().stream_dtype == "int8"
+    [entry] = _layout_entries(tmp_path)
+    dtypes = _manifest_dtypes(entry)
+    assert dtypes[FP8_WEIGHT] == "I8" and dtypes[FP8_WEIGHT + ".int8_scale"] == "BF16"
+    assert torch.equal(first.run(_items())[0]["image"], int8_want)
+    second = DiffusionRunner(tiny_model, "cpu", DloOptions(**_opts(tmp_path, **int8_opts)))
+    assert second.runtime_cache.reason == "skip_load_hit" and torch.equal(second.run(_items())[0]["image"], int8_want)
+    fp8 = DiffusionRunner(tiny_model, "cpu", DloOptions(**_opts(tmp_path, **FP8_OPTS)))
+    assert fp8.runtime_cache.reason == "published" and fp8.runtime_cache.key != first.runtime_cache.key
+    # Under one key the checks still refuse the other 8-bit form.
+    int8_cache = DitWeightCache(tiny_model, DloOptions(**_opts(tmp_path, **int8_opts)), None)
+    dit, decoder = load_dit(tiny_model)
+    parts = {"dit.": dit, "decoder.": decoder}
+    fp8_form = DitWeightCache(tiny_model, DloOptions(**_opts(tmp_path, **FP8_OPTS)), None).streamed_form(
+        final_tensors(parts)
+    )
+    with pytest.raises(LayoutMismatch):
+        swap_storage(parts, fp8_form, int8_cache.quantized_specs(), torch.int8)
+    int8_form = int8_cache.streamed_form(final_tensors(parts))
+    pairs = swap_storage(parts, int8_form, int8_cache.quantized_specs(), torch.int8)
+    assert pairs is not None and pairs[FP8_WEIGHT.removeprefix("dit.")][0].dtype == torch.int8

@@ -94,7 +94,7 @@ def load_transformer(folder: CheckpointFolder, family: Family, device: str, dtyp
 
     if not opts.enable_dlo:
         return ordinary().to(device).eval().requires_grad_(False), None
-    from stagemesh.stage_service.offload import fp8
+    from stagemesh.stage_service.offload import quant
     from stagemesh.stage_service.offload.checkpoint import load_or_fallback
     from stagemesh.stage_service.offload.engine import LayerwiseOffload
 
@@ -122,7 +122,7 @@ def load_transformer(folder: CheckpointFolder, family: Family, device: str, dtyp
         resident_layers=opts.dlo_resident_layers,
         use_allgather=False,
         keep_source=reason is None,
-        stream_dtype=fp8.stream_dtype(opts.dlo_stream_dtype),
+        stream_dtype=quant.stream_dtype(opts.dlo_stream_dtype),
     )
     return model, engine
 

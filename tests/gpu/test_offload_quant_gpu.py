@@ -9,7 +9,7 @@ from torch import nn
 
 from stagemesh.stage_service.models.config import DiTConfig
 from stagemesh.stage_service.models.dit import DiT
-from stagemesh.stage_service.offload import LayerwiseOffload, dequant, fp8
+from stagemesh.stage_service.offload import LayerwiseOffload, dequant, quant
 from stagemesh.stage_service.offload import engine as engine_mod
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -44,11 +44,11 @@ def _dequantised(depth: int) -> DiT:
     q * scale (computed on the device, as the engine rebuilds it): FP8 streaming must compute
     exactly what this computes, since both run the blocks from slots with the same kernels."""
     model = _dit(depth)
-    for name in fp8.quantized_specs(model):
+    for name in quant.quantized_specs(model):
         p = model.get_parameter(name)
-        q, scale = fp8.quantize_rows(p, "cuda")
+        q, scale = quant.quantize_rows(p, "cuda")
         rebuilt = p.detach().cuda()
-        fp8.dequantize_into(rebuilt, q.cuda(), scale.cuda())
+        quant.dequantize_into(rebuilt, q.cuda(), scale.cuda())
         p.data = rebuilt.cpu()
     LayerwiseOffload(model, "cuda")
     return model
@@ -97,15 +97,15 @@ def test_an_fp8_mapping_is_page_locked_and_streamed_from_directly(tmp_path):
 
     want = _run(_dequantised(7))
     model = _dit(7)
-    names = fp8.quantized_specs(model)
+    names = quant.quantized_specs(model)
     entry = {k: v.contiguous() for k, v in model.state_dict().items() if k not in names}
     for name in names:
-        entry[name], entry[name + fp8.SCALE_SUFFIX] = fp8.quantize_rows(model.get_parameter(name), "cuda")
+        entry[name], entry[name + ".fp8_scale"] = quant.quantize_rows(model.get_parameter(name), "cuda")
     save_file(entry, str(tmp_path / "entry.safetensors"))
     mapped = map_tensors(tmp_path / "entry.safetensors")
-    state = {k: mapped[k] if k not in names else fp8.placeholder(*names[k]) for k in model.state_dict()}
+    state = {k: mapped[k] if k not in names else quant.placeholder(*names[k]) for k in model.state_dict()}
     model.load_state_dict(state, assign=True)
-    given = {name: (mapped[name], mapped[name + fp8.SCALE_SUFFIX]) for name in names}
+    given = {name: (mapped[name], mapped[name + ".fp8_scale"]) for name in names}
     engine = LayerwiseOffload(model, "cuda", keep_source=True, stream_dtype=FP8, quantized=given)
     assert engine.stats().host_mode == "locked" and engine.stats().host_bytes == 0
     assert all(torch.equal(a, b) for a, b in zip(_run(model), want))
@@ -125,7 +125,7 @@ def test_fp8_device_memory_is_two_slots_and_the_fp8_staging_ring():
     block_ids = {id(t) for layout in engine.layouts for t in layout.module.parameters()}
     resident = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in block_ids)
     held = torch.cuda.memory_allocated() - baseline
-    ring = engine_mod.FP8_STAGING * packed
+    ring = engine_mod.STAGING_BUFFERS * packed
     assert engine.stats().slot_bytes == 2 * slot + ring
     assert held <= 2 * slot + ring + resident + (4 << 20), (held, slot, packed, resident)
 
@@ -138,7 +138,7 @@ def test_the_one_pass_rebuild_equals_the_two_pass_one_bit_for_bit(shape):
     gen = torch.Generator(device="cuda").manual_seed(sum(shape))
     w = torch.randn(shape, device="cuda", generator=gen, dtype=torch.float32).mul_(0.02)
     w[0, 0] = 0.0  # zero and a row of zeros stay exact
-    q, scale = (t.cuda() for t in fp8.quantize_rows(w, "cuda"))
+    q, scale = (t.cuda() for t in quant.quantize_rows(w, "cuda"))
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         one_pass = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
         two_pass = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
