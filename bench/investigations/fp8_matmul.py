@@ -1,5 +1,5 @@
 """Rebuild the FP8 weight or multiply in FP8: the Linear layers of one FLUX block, weights
-quantised as FP8 streaming stores them (stagemesh/stage_service/offload/fp8.py, `quantize_rows`:
+quantised as FP8 streaming stores them (stagemesh/stage_service/offload/quant.py, `quantize_rows`:
 float8_e4m3fn, one bfloat16 scale per output channel), run two ways:
 
   rebuild    `dequantize_into` the weight into a bfloat16 buffer (the Triton kernel on a GPU),
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import print_table, write_json
 from stagemesh.stage_service.offload import dequant
-from stagemesh.stage_service.offload.fp8 import FLOAT8, FP8_MAX, quantize_rows
+from stagemesh.stage_service.offload.quant import FLOAT8, FP8_MAX, quantize_rows
 
 DIM, MLP, IMAGE, TEXT = 3072, 12288, 4096, 512
 BLOCKS: dict[str, list[tuple[str, int, int, int]]] = {  # (Linear, tokens, in, out)
