@@ -1,5 +1,5 @@
-"""FP8 weight streaming for DLO on a CUDA device (skipped without one): real copy and rebuild
-streams, pinned FP8 host buffers, a page-locked runtime-cache-style mapping."""
+"""8-bit (FP8 and int8) weight streaming for DLO on a CUDA device (skipped without one): real copy
+and rebuild streams, pinned 8-bit host buffers, a page-locked runtime-cache-style mapping."""
 
 from __future__ import annotations
 
@@ -39,14 +39,14 @@ def _run(model: DiT, iterations: int = 4) -> list[torch.Tensor]:
     return out
 
 
-def _dequantised(depth: int) -> DiT:
+def _dequantised(depth: int, dtype: torch.dtype = FP8) -> DiT:
     """The model under DLO in its own dtype with every streamed Linear weight replaced by
     q * scale (computed on the device, as the engine rebuilds it): FP8 streaming must compute
     exactly what this computes, since both run the blocks from slots with the same kernels."""
     model = _dit(depth)
     for name in quant.quantized_specs(model):
         p = model.get_parameter(name)
-        q, scale = quant.quantize_rows(p, "cuda")
+        q, scale = quant.quantize_rows(p, "cuda", dtype)
         rebuilt = p.detach().cuda()
         quant.dequantize_into(rebuilt, q.cuda(), scale.cuda())
         p.data = rebuilt.cpu()
@@ -58,12 +58,13 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
 
 
+@pytest.mark.parametrize("dtype", [FP8, torch.int8])
 @pytest.mark.parametrize("depth", [7, 70])
-def test_fp8_streaming_equals_its_dequantised_weights_and_stays_close_to_bf16(depth: int):
-    want = _run(_dequantised(depth))
+def test_8_bit_streaming_equals_its_dequantised_weights_and_stays_close_to_bf16(depth: int, dtype):
+    want = _run(_dequantised(depth, dtype))
     bf16 = _run(_dit(depth).cuda())
     model = _dit(depth)
-    engine = LayerwiseOffload(model, "cuda", stream_dtype=FP8)
+    engine = LayerwiseOffload(model, "cuda", stream_dtype=dtype)
     got = _run(model)
     # Bit for bit: the rebuild on the second stream never races the copy or the compute.
     for a, b in zip(got, want):
@@ -130,15 +131,16 @@ def test_fp8_device_memory_is_two_slots_and_the_fp8_staging_ring():
     assert held <= 2 * slot + ring + resident + (4 << 20), (held, slot, packed, resident)
 
 
+@pytest.mark.parametrize("stream", [FP8, torch.int8])
 @pytest.mark.parametrize("shape", [(3072, 3072), (18432, 3072), (3072, 12288), (7, 33), (1, 1)])
-def test_the_one_pass_rebuild_equals_the_two_pass_one_bit_for_bit(shape):
+def test_the_one_pass_rebuild_equals_the_two_pass_one_bit_for_bit(shape, stream):
     """dequant.py's Triton kernel and torch's copy + mul round the same product once."""
     if dequant._triton_kernel() is None:
         pytest.skip("triton is not installed")
     gen = torch.Generator(device="cuda").manual_seed(sum(shape))
     w = torch.randn(shape, device="cuda", generator=gen, dtype=torch.float32).mul_(0.02)
     w[0, 0] = 0.0  # zero and a row of zeros stay exact
-    q, scale = (t.cuda() for t in quant.quantize_rows(w, "cuda"))
+    q, scale = (t.cuda() for t in quant.quantize_rows(w, "cuda", stream))
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         one_pass = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
         two_pass = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
