@@ -157,9 +157,10 @@ def test_runners_in_process_equal_diffusers_own_pipeline(folders, reference):
         torch.set_num_threads(threads)
 
 
-def test_fp8_streaming_stays_close_to_diffusers_own_pipeline(folders, reference):
-    """FLUX under DLO with FP8 weight streaming (dlo_stream_dtype), in process: the Linear
-    weights of the streamed blocks are rounded once to FP8, so close, not equal."""
+@pytest.mark.parametrize("stream_dtype", ["float8_e4m3fn", "int8"])
+def test_8_bit_streaming_stays_close_to_diffusers_own_pipeline(folders, reference, stream_dtype):
+    """FLUX under DLO with 8-bit weight streaming (dlo_stream_dtype), in process: the Linear
+    weights of the streamed blocks are rounded once to 8 bits, so close, not equal."""
     from stagemesh.stage_service.models.runners import WorkItem, build_runner
     from stagemesh.stage_service.offload import DloOptions
 
@@ -167,11 +168,11 @@ def test_fp8_streaming_stays_close_to_diffusers_own_pipeline(folders, reference)
     torch.set_num_threads(1)
     try:
         encoder = build_runner("encoder", folders["flux"])
-        opts = DloOptions(enable_dlo=True, dlo_use_allgather=False, dlo_stream_dtype="float8_e4m3fn")
+        opts = DloOptions(enable_dlo=True, dlo_use_allgather=False, dlo_stream_dtype=stream_dtype)
         diffusion = build_runner("diffusion", folders["flux"], dlo=opts)
         stats = diffusion.offload.stats()
         # The checkpoint mapping is not streamed from: its quantised form is packed privately.
-        assert stats.stream_dtype == "float8_e4m3fn" and stats.host_mode == "packed"
+        assert stats.stream_dtype == stream_dtype and stats.host_mode == "packed"
         for case in CASES:
             width, height, steps, guidance, seed, prompt = case
             item = WorkItem("r", Params(prompt, width, height, steps, guidance, seed, "tensor"))
@@ -180,7 +181,7 @@ def test_fp8_streaming_stays_close_to_diffusers_own_pipeline(folders, reference)
             want = reference["flux", case]
             cosine = torch.nn.functional.cosine_similarity(out["image"].flatten(), want.flatten(), dim=0)
             psnr = 10 * torch.log10(1 / (out["image"] - want).pow(2).mean())
-            print(f"fp8 vs diffusers {case[:2]}: cosine {float(cosine):.6f}, PSNR {float(psnr):.1f} dB")
+            print(f"{stream_dtype} vs diffusers {case[:2]}: cosine {float(cosine):.6f}, PSNR {float(psnr):.1f} dB")
             assert cosine >= 0.995 and psnr >= 40 and not torch.equal(out["image"], want), (case, float(psnr))
     finally:
         torch.set_num_threads(threads)
