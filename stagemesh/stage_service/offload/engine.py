@@ -40,6 +40,7 @@ from stagemesh.stage_service.offload import quant
 from stagemesh.stage_service.offload.collective import gather_into, group_shape
 from stagemesh.stage_service.offload.host import InitBlock, PackedStore, ShardStore, StagedStore, locked_mapping_store
 from stagemesh.stage_service.offload.layout import BlockLayout, StreamLayout
+from stagemesh.stage_service.offload.placement import check_no_sharing, move_rest
 from stagemesh.stage_service.offload.plan import OffloadPlan, discover, pick_resident
 
 log = logs.get_logger("stagemesh.offload")
@@ -68,45 +69,6 @@ def _check_stream_dtype(dtype: torch.dtype | None, quantized) -> torch.dtype | N
     if quantized is not None and dtype is None:
         raise ValueError("quantized weights were given but stream_dtype is None (as stored)")
     return dtype
-
-
-def _inside(name: str, roots: set[str]) -> bool:
-    parts = name.split(".")
-    return any(".".join(parts[:k]) in roots for k in range(1, len(parts) + 1))
-
-
-def _check_no_sharing(model: nn.Module, layouts: list[BlockLayout], roots: set[str]) -> None:
-    owner: dict[int, str] = {}
-    for layout in layouts:
-        for key in layout.tensor_ids():
-            if key in owner:
-                raise ValueError(
-                    f"blocks {owner[key]!r} and {layout.path!r} share a tensor; "
-                    "tied weights across blocks cannot be streamed"
-                )
-            owner[key] = layout.path
-    for name, module in model.named_modules(remove_duplicate=False):
-        if _inside(name, roots):
-            continue
-        for t in [*module._parameters.values(), *module._buffers.values()]:
-            if t is not None and id(t) in owner:
-                raise ValueError(
-                    f"{name or type(model).__name__} shares a tensor with streamed "
-                    f"block {owner[id(t)]!r}; tied weights cannot be streamed"
-                )
-
-
-def _move_rest(model: nn.Module, roots: set[str], device: torch.device) -> None:
-    """Everything outside the streamed blocks goes to the device, Parameter objects kept."""
-    for name, module in model.named_modules():
-        if _inside(name, roots):
-            continue
-        for p in module._parameters.values():
-            if p is not None and p.device != device:
-                p.data = p.data.to(device)
-        for key, b in module._buffers.items():
-            if b is not None and b.device != device:
-                module._buffers[key] = b.to(device)
 
 
 class LayerwiseOffload:
@@ -148,9 +110,9 @@ class LayerwiseOffload:
         tail = quant.quantizable if self.streams_quantized else None
         self.layouts = [BlockLayout(b.module, b.path, tail=tail) for b in self.streamed]
         roots = {b.path for b in self.streamed}
-        _check_no_sharing(model, self.layouts, roots)
+        check_no_sharing(model, self.layouts, roots)
         self.streams = self._stream_layouts(quantized)
-        _move_rest(model, roots, self.device)
+        move_rest(model, roots, self.device)
         self._init_state()
         # 8-bit from unquantised tensors (a checkpoint mapping): quantised into packed buffers,
         # not streamed from where they are.
