@@ -29,7 +29,6 @@ import http.client
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,10 +39,10 @@ if str(REPO) not in sys.path:  # run as a script: `python3 bench/http_overhead.p
 import grpc
 
 from bench import common
-from bench.mesh_overhead import measured_on_mesh
+from bench.mesh_overhead import overhead_args, run_overhead
 from stagemesh.core import rpc
 from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
-from tests.support.meshproc import Mesh, write_config
+from tests.support.meshproc import Mesh
 
 TARGET_P50_OVERHEAD_MS = 1.0
 CALL_TIMEOUT_S = 60.0
@@ -255,37 +254,11 @@ def report(results: dict) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=300, help="measured iterations per path (default: 300)")
-    parser.add_argument("--warmup", type=int, default=20, help="unmeasured iterations per path first (default: 20)")
-    parser.add_argument("--size", type=int, default=16, help="width and height in pixels (default: 16, the smallest)")
-    parser.add_argument("--steps", type=int, default=1, help="num_inference_steps (default: 1)")
-    parser.add_argument("--seed", type=int, default=1234, help="fixed seed (default: 1234)")
-    parser.add_argument(
-        "--model-dir",
-        default=None,
-        help="model folder for both stages (default: the embedded model's cache folder, generated on first use)",
-    )
-    parser.add_argument("--output", default=str(DEFAULT_OUTPUT), help=f"JSON result file (default: {DEFAULT_OUTPUT})")
-    args = parser.parse_args(argv)
-    if args.requests < 1 or args.warmup < 0:
-        parser.error("--requests must be >= 1 and --warmup >= 0")
-    return args
+    return overhead_args(__doc__ or "", DEFAULT_OUTPUT, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    common.prepare_mesh_run(args)
-    with tempfile.TemporaryDirectory(prefix="stagemesh-bench-") as tmp:
-        root = Path(tmp)
-        config = write_config(root / "mesh.toml", Path(args.model_dir), extra_gateway="http_port = 0")
-        print(f"starting the mesh (model dir {args.model_dir}) ...", flush=True)
-        results, code = measured_on_mesh(config, root / "mesh.log", lambda mesh: measure(args, mesh))
-    results["mesh"]["exit_code"] = code
-    report(results)
-    path = common.write_json(args.output, "http_overhead", results)
-    print(f"wrote {path}")
-    return 0
+    return run_overhead(parse_args(argv), "http_overhead", measure, report, extra_gateway="http_port = 0")
 
 
 if __name__ == "__main__":

@@ -325,8 +325,10 @@ def report(results: dict) -> None:
 
 
 # main ---------------------------------------------------------------------------------------
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def overhead_args(doc: str, default_output: Path, argv: list[str] | None = None) -> argparse.Namespace:
+    """The options of a benchmark that times tiny requests two ways on one mesh (this one and
+    bench/http_overhead.py): `doc` its docstring, `default_output` its JSON file."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=300, help="measured iterations per path (default: 300)")
     parser.add_argument("--warmup", type=int, default=20, help="unmeasured iterations per path first (default: 20)")
     parser.add_argument("--size", type=int, default=16, help="width and height in pixels (default: 16, the smallest)")
@@ -337,11 +339,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="model folder for both stages (default: the embedded model's cache folder, generated on first use)",
     )
-    parser.add_argument("--output", default=str(DEFAULT_OUTPUT), help=f"JSON result file (default: {DEFAULT_OUTPUT})")
+    parser.add_argument("--output", default=str(default_output), help=f"JSON result file (default: {default_output})")
     args = parser.parse_args(argv)
     if args.requests < 1 or args.warmup < 0:
         parser.error("--requests must be >= 1 and --warmup >= 0")
     return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return overhead_args(__doc__ or "", DEFAULT_OUTPUT, argv)
 
 
 def measure(args: argparse.Namespace, mesh: Mesh) -> dict:
@@ -460,19 +466,30 @@ def _summary(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_overhead(
+    args: argparse.Namespace,
+    name: str,
+    measure_on: Callable[[argparse.Namespace, Mesh], dict],
+    report_of: Callable[[dict], None],
+    extra_gateway: str = "",
+) -> int:
+    """Start a mesh of the embedded model, `measure_on(args, mesh)`, stop it, then `report_of`
+    the results and write them as benchmark `name`."""
     common.prepare_mesh_run(args)
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-") as tmp:
         root = Path(tmp)
-        config = write_config(root / "mesh.toml", Path(args.model_dir))
+        config = write_config(root / "mesh.toml", Path(args.model_dir), extra_gateway=extra_gateway)
         print(f"starting the mesh (model dir {args.model_dir}) ...", flush=True)
-        results, code = measured_on_mesh(config, root / "mesh.log", lambda mesh: measure(args, mesh))
+        results, code = measured_on_mesh(config, root / "mesh.log", lambda mesh: measure_on(args, mesh))
     results["mesh"]["exit_code"] = code
-    report(results)
-    path = common.write_json(args.output, "mesh_overhead", results)
+    report_of(results)
+    path = common.write_json(args.output, name, results)
     print(f"wrote {path}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_overhead(parse_args(argv), "mesh_overhead", measure, report)
 
 
 if __name__ == "__main__":
