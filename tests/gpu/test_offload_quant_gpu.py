@@ -7,43 +7,21 @@ import pytest
 import torch
 from torch import nn
 
-from stagemesh.stage_service.models.config import DiTConfig
 from stagemesh.stage_service.models.dit import DiT
 from stagemesh.stage_service.offload import LayerwiseOffload, dequant, quant
 from stagemesh.stage_service.offload import engine as engine_mod
+from tests.support.small_dit import run_on_cuda, small_dit
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 FP8 = torch.float8_e4m3fn
-CFG = DiTConfig(hidden_size=256, num_heads=4, cond_dim=64, decoder_channels=8)
-
-
-def _dit(depth: int) -> DiT:
-    torch.manual_seed(0)
-    model = DiT(DiTConfig(**{**CFG.__dict__, "depth": depth}))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.05)
-    return model.to(torch.bfloat16).eval().requires_grad_(False)
-
-
-def _run(model: DiT, iterations: int = 4) -> list[torch.Tensor]:
-    out = []
-    with torch.inference_mode():
-        for k in range(iterations):
-            g = torch.Generator().manual_seed(k)
-            x, t = torch.randn(2, 4, 32, 32, generator=g), torch.rand(2, generator=g)
-            c = torch.randn(2, 77, 64, generator=g)
-            out.append(model(x.cuda(), t.cuda(), c.cuda()).float().cpu())
-    torch.cuda.synchronize()
-    return out
 
 
 def _dequantised(depth: int, dtype: torch.dtype = FP8) -> DiT:
     """The model under DLO in its own dtype with every streamed Linear weight replaced by
     q * scale (computed on the device, as the engine rebuilds it): FP8 streaming must compute
     exactly what this computes, since both run the blocks from slots with the same kernels."""
-    model = _dit(depth)
+    model = small_dit(depth)
     for name in quant.quantized_specs(model):
         p = model.get_parameter(name)
         q, scale = quant.quantize_rows(p, "cuda", dtype)
@@ -61,34 +39,34 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("dtype", [FP8, torch.int8])
 @pytest.mark.parametrize("depth", [7, 70])
 def test_8_bit_streaming_equals_its_dequantised_weights_and_stays_close_to_bf16(depth: int, dtype):
-    want = _run(_dequantised(depth, dtype))
-    bf16 = _run(_dit(depth).cuda())
-    model = _dit(depth)
+    want = run_on_cuda(_dequantised(depth, dtype))
+    bf16 = run_on_cuda(small_dit(depth).cuda())
+    model = small_dit(depth)
     engine = LayerwiseOffload(model, "cuda", stream_dtype=dtype)
-    got = _run(model)
+    got = run_on_cuda(model)
     # Bit for bit: the rebuild on the second stream never races the copy or the compute.
     for a, b in zip(got, want):
         assert torch.equal(a, b), float((a - b).abs().max())
     assert min(_cosine(a, b) for a, b in zip(got, bf16)) >= 0.995
     assert all(buf.pinned and buf.tensor.is_pinned() for buf in engine.store.buffers)
-    base = LayerwiseOffload(_dit(depth), "cuda").stats()
+    base = LayerwiseOffload(small_dit(depth), "cuda").stats()
     assert engine.stats().host_bytes <= 0.55 * base.host_bytes
     assert engine.transfers == 1 + 4 * depth
 
 
 def test_fp8_with_resident_layers_and_after_sleep():
-    want = _run(_dequantised(7))
-    plain = _dit(7)
+    want = run_on_cuda(_dequantised(7))
+    plain = small_dit(7)
     LayerwiseOffload(plain, "cuda", stream_dtype=FP8)
-    model = _dit(7)
+    model = small_dit(7)
     engine = LayerwiseOffload(model, "cuda", stream_dtype=FP8, use_allgather=False, resident_layers=3)
     # Resident blocks are not quantised: close to the dequantised model, not equal.
-    got = _run(model)
+    got = run_on_cuda(model)
     assert min(_cosine(a, b) for a, b in zip(got, want)) >= 0.995
     assert engine.release_device() > 0
     engine.restore_device()
-    assert all(torch.equal(a, b) for a, b in zip(_run(model), got))
-    assert all(torch.equal(a, b) for a, b in zip(_run(plain), want))
+    assert all(torch.equal(a, b) for a, b in zip(run_on_cuda(model), got))
+    assert all(torch.equal(a, b) for a, b in zip(run_on_cuda(plain), want))
 
 
 def test_an_fp8_mapping_is_page_locked_and_streamed_from_directly(tmp_path):
@@ -96,8 +74,8 @@ def test_an_fp8_mapping_is_page_locked_and_streamed_from_directly(tmp_path):
 
     from stagemesh.weight_store.checkpoint import map_tensors
 
-    want = _run(_dequantised(7))
-    model = _dit(7)
+    want = run_on_cuda(_dequantised(7))
+    model = small_dit(7)
     names = quant.quantized_specs(model)
     entry = {k: v.contiguous() for k, v in model.state_dict().items() if k not in names}
     for name in names:
@@ -109,7 +87,7 @@ def test_an_fp8_mapping_is_page_locked_and_streamed_from_directly(tmp_path):
     given = {name: (mapped[name], mapped[name + ".fp8_scale"]) for name in names}
     engine = LayerwiseOffload(model, "cuda", keep_source=True, stream_dtype=FP8, quantized=given)
     assert engine.stats().host_mode == "locked" and engine.stats().host_bytes == 0
-    assert all(torch.equal(a, b) for a, b in zip(_run(model), want))
+    assert all(torch.equal(a, b) for a, b in zip(run_on_cuda(model), want))
     engine.close()
     engine.store.close()
 
@@ -117,7 +95,7 @@ def test_an_fp8_mapping_is_page_locked_and_streamed_from_directly(tmp_path):
 def test_fp8_device_memory_is_two_slots_and_the_fp8_staging_ring():
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
-    model = _dit(12)
+    model = small_dit(12)
     engine = LayerwiseOffload(model, "cuda", stream_dtype=FP8)
     torch.cuda.synchronize()
     slot = max(layout.nbytes for layout in engine.layouts)
