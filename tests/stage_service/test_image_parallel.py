@@ -29,9 +29,8 @@ from stagemesh.stage_service.models.parallel import ImageParallel, form_axes, ga
 from stagemesh.stage_service.models.runners import WorkItem, build_runner
 from stagemesh.stage_service.offload.config import DloOptions
 from stagemesh.stage_service.settings import StageSettings
-from stagemesh.v1 import gateway_pb2, generation_pb2
 from tests.support.gloo_ranks import run_ranks
-from tests.support.meshproc import Mesh, segments_of, shm_entries, start_mesh, write_config
+from tests.support.meshproc import clean_mesh, unary_png, write_config
 
 TOLERANCE = 1e-5  # float32 on the CPU; the largest difference seen here is about 1e-6
 DLO = {"enable_dlo": True, "dlo_use_allgather": False}
@@ -255,27 +254,15 @@ def test_executor_runs_every_batch_on_all_sp_ranks(tiny_model, single):
 def sp_mesh(tmp_path_factory, tiny_model, mesh):
     root = tmp_path_factory.mktemp("sp-mesh")
     config = write_config(root / "mesh.toml", tiny_model, extra_diffusion="sp_size = 2")
-    shm_before = shm_entries()
-    running = start_mesh(config, root / "mesh.log")
-    yield running
-    assert running.stop() == 0, running.logs()[-3000:]
-    assert not segments_of(shm_entries() - shm_before, running.child_pids())
-
-
-def _png(m: Mesh, width: int, height: int, steps: int, seed: int, prompt: str) -> bytes:
-    params = generation_pb2.GenerationParams(
-        prompt=prompt, width=width, height=height, num_inference_steps=steps, seed=seed
-    )
-    with m.channel() as channel:
-        reply = m.gateway(channel).GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=params), timeout=60)
-    return reply.result.png
+    with clean_mesh(config, root / "mesh.log") as running:
+        yield running
 
 
 @pytest.mark.mesh
 def test_sp2_mesh_gives_the_png_of_one_rank(sp_mesh, mesh):
     cases = [(64, 48, 3, 1, "a lighthouse at dusk"), (48, 48, 2, 2, "a red fox")]
     for case in cases:
-        want, got = _png(mesh, *case), _png(sp_mesh, *case)
+        want, got = unary_png(mesh, *case), unary_png(sp_mesh, *case)
         a = np.asarray(Image.open(io.BytesIO(want)), dtype=np.int16)
         b = np.asarray(Image.open(io.BytesIO(got)), dtype=np.int16)
         assert a.shape == b.shape and np.abs(a - b).max() <= 1, case

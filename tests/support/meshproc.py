@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 
 from stagemesh.core import readyfile, rpc
-from stagemesh.v1 import gateway_pb2_grpc
+from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180.0
@@ -254,6 +254,27 @@ def spawn_service(name: str, args: list[str], folder: Path, env: dict | None = N
             stderr=subprocess.STDOUT,
         )
     return Service(process, ready, log_path)
+
+
+@contextlib.contextmanager
+def clean_mesh(config: Path, log_path: Path) -> Iterator[Mesh]:
+    """A started mesh; after use, checked to stop with exit 0 and to leave no shared-memory segment."""
+    shm_before = shm_entries()
+    running = start_mesh(config, log_path)
+    yield running
+    assert running.stop() == 0, running.logs()[-3000:]
+    assert not segments_of(shm_entries() - shm_before, running.child_pids())
+
+
+def unary_png(mesh: Mesh, width: int, height: int, steps: int, seed: int, prompt: str, timeout: float = 60.0) -> bytes:
+    """One GenerateUnary through the mesh's gateway: the image's PNG bytes."""
+    params = generation_pb2.GenerationParams(
+        prompt=prompt, width=width, height=height, num_inference_steps=steps, seed=seed
+    )
+    with mesh.channel() as channel:
+        reply = mesh.gateway(channel).GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=params), timeout=timeout)
+    assert reply.result.png.startswith(b"\x89PNG")
+    return reply.result.png
 
 
 @contextlib.contextmanager

@@ -16,9 +16,9 @@ import pytest
 
 from stagemesh.stage_service.models.config import PipelineConfig
 from stagemesh.stage_service.models.weights import DIT_FILE, ensure_model_dir
-from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2
+from stagemesh.v1 import control_pb2, gateway_pb2
 from stagemesh.weight_store.checkpoint import read_index
-from tests.support.meshproc import Mesh, parallel_meshes, start_mesh, write_config
+from tests.support.meshproc import Mesh, parallel_meshes, start_mesh, unary_png, write_config
 
 pytestmark = pytest.mark.mesh
 
@@ -54,22 +54,12 @@ def meshes(tmp_path_factory, model_dir, request) -> dict[str, Mesh]:
         yield {"reference": reference[0], **started}
 
 
-def _png(m: Mesh, width: int, height: int, steps: int, seed: int, prompt: str) -> bytes:
-    params = generation_pb2.GenerationParams(
-        prompt=prompt, width=width, height=height, num_inference_steps=steps, seed=seed
-    )
-    with m.channel() as channel:
-        reply = m.gateway(channel).GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=params), timeout=RPC_TIMEOUT_S)
-    assert reply.result.png.startswith(b"\x89PNG")
-    return reply.result.png
-
-
 def test_dlo_stage_gives_the_same_png_bytes_as_without(meshes):
     # That DLO really runs in these stages shows in what their sleep frees (test below).
     for case in CASES:
-        want = _png(meshes["reference"], *case)
+        want = unary_png(meshes["reference"], *case)
         for name in DLO_MESHES:
-            assert _png(meshes[name], *case) == want, (name, case)
+            assert unary_png(meshes[name], *case) == want, (name, case)
 
 
 def _sleep_wake(m: Mesh, level: int) -> tuple[int, int]:
@@ -81,7 +71,7 @@ def _sleep_wake(m: Mesh, level: int) -> tuple[int, int]:
         [ack] = slept.acks
         assert (ack.stage_id, ack.status, ack.level) == (1, control_pb2.ACK_STATUS_SUCCESS, level)
         with pytest.raises(grpc.RpcError) as refused:
-            _png(m, *CASES[0])
+            unary_png(m, *CASES[0])
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         woken = stub.WakeUp(gateway_pb2.WakeUpRequest(stage_ids=[1]), timeout=RPC_TIMEOUT_S)
         [back] = woken.acks
@@ -93,7 +83,7 @@ def _sleep_wake(m: Mesh, level: int) -> tuple[int, int]:
 
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_and_wake_of_a_dlo_stage_keep_the_png_bytes(meshes, model_dir, level):
-    want = [_png(meshes["reference"], *case) for case in CASES[:2]]
+    want = [unary_png(meshes["reference"], *case) for case in CASES[:2]]
     index = read_index(Path(model_dir) / DIT_FILE)
     model_bytes = sum(r.nbytes for r in index.values())
     block0 = sum(r.nbytes for name, r in index.items() if name.startswith("dit.blocks.0."))
@@ -101,7 +91,7 @@ def test_sleep_and_wake_of_a_dlo_stage_keep_the_png_bytes(meshes, model_dir, lev
     for name in DLO_MESHES:
         freed[name], taken = _sleep_wake(meshes[name], level)
         assert 0 < freed[name] < model_bytes and taken >= freed[name], name
-        assert [_png(meshes[name], *case) for case in CASES[:2]] == want, name
+        assert [unary_png(meshes[name], *case) for case in CASES[:2]] == want, name
     # Less than the model: the streamed blocks are not the stage's device memory (DLO is on).
     # Slots are alike in both; the resident layer is the only difference in what sleep frees.
     assert freed["dlo-resident"] - freed["dlo"] == block0
