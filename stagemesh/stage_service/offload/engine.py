@@ -10,10 +10,10 @@ the other slot. Events order the streams:
     free[s]   recorded after the block in slot s ran -> the copy stream waits before refilling it
                                                         (8-bit: the rebuild into the slot waits)
 
-With 8-bit streaming the copies land in a ring of STAGING_BUFFERS buffers instead, each reused once the
-rebuild that read it has run (consumed[k]), so the link runs ahead of the rebuilds and the
-compute; the rebuilds run on a high-priority stream, so the compute's kernels do not hold them
-back (measured: docs/perf-notes/dlo.md).
+With 8-bit streaming the copies land in a ring of STAGING_BUFFERS buffers instead, each reused
+once the rebuild that read it has run (consumed[k]), so the link runs ahead of the rebuilds and
+the compute; the rebuilds run on a high-priority stream, so the compute's kernels do not hold
+them back (measured: docs/perf-notes/dlo.md).
 
 A forward pre-hook points the block's parameters at typed views into its slot. Which block runs
 next is learned from the order the blocks actually ran in (first guess: declared order, wrapping
@@ -206,7 +206,6 @@ class LayerwiseOffload:
         self._free = [platform.DeviceEvent(dev) for _ in range(2)]
         self._copied = [platform.DeviceEvent(dev) for _ in range(self._staging)]
         self._consumed = [platform.DeviceEvent(dev) for _ in range(self._staging)]
-        self._stage = 0
         self._owner: list[int | None] = [None, None]
         self._bound: list[int | None] = [None] * n  # slot each block's tensors point at
         self._pending: list[cf.Future | None] = [None, None]
