@@ -1,6 +1,6 @@
-"""Rebuilding an FP8 weight in the model's dtype: out = q * scale, one scale per row.
+"""Rebuilding an 8-bit weight (FP8 or int8) in the model's dtype: out = q * scale, one scale per row.
 
-Two ways, with the same result bit for bit (the FP8 value widened to float32, times the scale
+Two ways, with the same result bit for bit (the 8-bit value widened to float32, times the scale
 widened to float32, rounded once to out's dtype):
   - torch: `out.copy_(q)` then `out.mul_(scale)`: two passes, 7 bytes of memory traffic per
     element (read 1 + write 2, then read 2 + write 2). Used on the CPU and wherever Triton is not.
@@ -19,7 +19,7 @@ import torch
 
 KERNELS = ("auto", "torch", "triton")
 KERNEL = "auto"
-_BLOCK = 4096  # elements per program: 4 KiB of FP8 in, 8 KiB out
+_BLOCK = 4096  # elements per program: 4 KiB of 8-bit values in, 8 KiB out
 
 
 def dequantize_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, kernel: str | None = None) -> None:
@@ -27,24 +27,19 @@ def dequantize_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, ker
     chosen = KERNEL if kernel is None else kernel
     if chosen not in KERNELS:
         raise ValueError(f"dequantize kernel = {chosen!r}; allowed: {', '.join(KERNELS)}")
-    if chosen == "torch" or not out.is_cuda or (chosen == "auto" and _triton_kernel() is None):
+    one_pass = _triton_kernel() if chosen != "torch" and out.is_cuda else None
+    if one_pass is None:
+        if chosen == "triton" and out.is_cuda:
+            raise RuntimeError("dequantize kernel 'triton' asked for, but triton cannot be imported")
         out.copy_(q)
         out.mul_(scale.unsqueeze(1))
         return
-    kernel_fn = _triton_kernel()
-    if kernel_fn is None:
-        raise RuntimeError("dequantize kernel 'triton' asked for, but triton cannot be imported")
     if not (out.is_contiguous() and q.is_contiguous() and scale.is_contiguous()):
         raise ValueError("dequantize_into: out, q and scale must be contiguous")
     rows, cols = q.shape
-    total = rows * cols
-    if total:
-        grid = (triton_cdiv(total, _BLOCK),)
-        kernel_fn[grid](q, scale, out, total, cols, BLOCK=_BLOCK, num_warps=8)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+    if rows * cols:
+        grid = (-(-rows * cols // _BLOCK),)
+        one_pass[grid](q, scale, out, rows * cols, cols, BLOCK=_BLOCK, num_warps=8)
 
 
 @functools.cache
