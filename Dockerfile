@@ -15,7 +15,12 @@ RUN apt-get update \
 # The package with the stage extra (torch from the package index: its CUDA build); one image runs
 # every service, though the gateway and the cache service would need only the base install.
 WORKDIR /src
-COPY pyproject.toml README.md LICENSE ./
+COPY pyproject.toml setup.py MANIFEST.in README.md LICENSE ./
+# stagemesh/ links to the service folders beside it; the build follows the links
+COPY protos ./protos
+COPY gateway ./gateway
+COPY stage_service ./stage_service
+COPY cache_service ./cache_service
 COPY stagemesh ./stagemesh
 RUN python3 -m venv /opt/stagemesh \
     && /opt/stagemesh/bin/pip install --upgrade pip \

@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import print_table, write_json
 from stagemesh.core.params import Params
-from stagemesh.stage_service.engine.engine import Engine, OutputsEvent
-from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.engine.dispatch import Engine, OutputsEvent
+from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.models.config import PipelineConfig
 from stagemesh.stage_service.models.runners import DiffusionRunner, WorkItem
 from stagemesh.stage_service.models.weights import ensure_model_dir

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import RESULTS_DIR, print_table, usable_cpus, write_json
 from stagemesh.core.params import Params
-from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.models.config import PipelineConfig
 from stagemesh.stage_service.models.contract import WorkItem
 from stagemesh.stage_service.models.weights import ensure_model_dir

@@ -15,7 +15,14 @@ package or stage service room: what it imports) and exits 1 when any rule is bro
   application module;
 - inside stagemesh.stage_service, imports only go down the rooms in ROOMS; every module is in a room;
 - nothing the base install runs (BASE_INSTALL: the gateway, the cache service, the client) imports,
-  at any depth, a package that only the `stage` extra brings (STAGE_EXTRA: torch, ...).
+  at any depth, a package that only the `stage` extra brings (STAGE_EXTRA: torch, ...);
+- no Python file of the repository imports a service folder by its bare name (`gateway`,
+  `stage_service`, `cache_service`): they are the packages stagemesh.gateway etc., and a bare
+  import would load a second copy of their modules.
+
+The services' code lives in the repository's top-level folders (SOURCE_ROOTS); stagemesh/ holds
+links to them, which this check does not follow, so each module is read once, under its
+dotted name.
 """
 
 from __future__ import annotations
@@ -29,6 +36,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("stagemesh",)
+# dotted package -> its folder under the repository root
+SOURCE_ROOTS = {
+    "stagemesh": "stagemesh",
+    "stagemesh.gateway": "gateway",
+    "stagemesh.stage_service": "stage_service",
+    "stagemesh.cache_service": "cache_service",
+}
+BARE_SERVICE_NAMES = frozenset(name for name in SOURCE_ROOTS.values() if name != "stagemesh")
+# folders of the repository whose Python files the bare-name rule reads besides SOURCE_ROOTS
+OTHER_CODE = ("tests", "bench", "scripts")
 STAGE = "stagemesh.stage_service"
 SERVICES = ("stagemesh.gateway", STAGE, "stagemesh.cache_service")
 SHARED_TOP_DOWN = ("stagemesh.weight_store", "stagemesh.core", "stagemesh.v1")
@@ -59,16 +76,50 @@ class Import:
     line: int
 
 
+def _python_files(folder: Path) -> Iterable[Path]:
+    """Every .py file below `folder`, not entering linked folders (stagemesh/'s links to the
+    service folders, read under their own root)."""
+    for path in sorted(folder.iterdir()) if folder.is_dir() else ():
+        if path.is_symlink():
+            continue
+        if path.is_dir():
+            yield from _python_files(path)
+        elif path.suffix == ".py":
+            yield path
+
+
 def find_modules(root: Path) -> dict[str, Path]:
-    """Dotted module name -> file, for every .py file of PACKAGES under `root`."""
+    """Dotted module name -> file, for every .py file of SOURCE_ROOTS under `root`."""
     modules = {}
-    for package in PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            parts = path.relative_to(root).with_suffix("").parts
+    for package, folder in SOURCE_ROOTS.items():
+        for path in _python_files(root / folder):
+            parts = path.relative_to(root / folder).with_suffix("").parts
             if parts[-1] == "__init__":
                 parts = parts[:-1]
-            modules[".".join(parts)] = path
+            modules[".".join([package, *parts])] = path
     return modules
+
+
+def bare_service_imports(root: Path) -> list[str]:
+    """Imports of a service folder by its bare name anywhere in the repository's code."""
+    found = []
+    folders = [*SOURCE_ROOTS.values(), *OTHER_CODE]
+    for path in (p for folder in folders for p in _python_files(root / folder)):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] in BARE_SERVICE_NAMES:
+                    found.append(
+                        f"{path.relative_to(root).as_posix()}:{node.lineno}: imports {name} by its bare name "
+                        f"(import stagemesh.{name})"
+                    )
+    return found
 
 
 def _nearest_module(name: str, modules: dict[str, Path]) -> str | None:
@@ -276,7 +327,11 @@ def main(argv: list[str]) -> int:
     root = Path(argv[0]) if argv else REPO
     modules, imports, external = find_imports(root)
     print("\n".join(layer_picture(modules, imports)))
-    found = violations(root, modules, imports) + base_install_violations(root, modules, imports, external)
+    found = (
+        violations(root, modules, imports)
+        + base_install_violations(root, modules, imports, external)
+        + bare_service_imports(root)
+    )
     if found:
         print(f"\n{len(found)} structure violation(s):")
         print("\n".join(f"  {line}" for line in found))

@@ -1,4 +1,4 @@
-"""Regenerate the Python stubs in stagemesh/v1/ from the stagemesh/v1/*.proto beside them.
+"""Regenerate the Python stubs in stagemesh/v1/ from protos/stagemesh/v1/*.proto.
 
 Usage: python scripts/gen_protos.py [OUTPUT_ROOT]   (default: the repository root)
 Needs grpcio-tools (the `test` extra pins the version the committed stubs come from).
@@ -13,9 +13,9 @@ from pathlib import Path
 from grpc_tools import protoc
 
 REPO = Path(__file__).resolve().parent.parent
-# The include root: imports name the files as stagemesh/v1/<name>.proto. The sources sit in the
-# package so that the wheel ships them beside the stubs.
-PROTO_ROOT = REPO
+# The include root: imports name the files as stagemesh/v1/<name>.proto. The wheel ships them
+# beside the stubs (setup.py copies them in at build time).
+PROTO_ROOT = REPO / "protos"
 
 
 def generate(out_root: Path) -> list[Path]:

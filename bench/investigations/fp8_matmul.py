@@ -1,5 +1,5 @@
 """Rebuild the FP8 weight or multiply in FP8: the Linear layers of one FLUX block, weights
-quantised as FP8 streaming stores them (stagemesh/stage_service/offload/quant.py, `quantize_rows`:
+quantised as FP8 streaming stores them (stage_service/offload/quant.py, `quantize_rows`:
 float8_e4m3fn, one bfloat16 scale per output channel), run two ways:
 
   rebuild    `dequantize_into` the weight into a bfloat16 buffer (the Triton kernel on a GPU),

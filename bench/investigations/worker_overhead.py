@@ -52,7 +52,7 @@ from stagemesh.stage_service.transport import ipc, protocol
 from stagemesh.stage_service.transport.result_pipe import result_pipe
 from stagemesh.stage_service.worker import async_output
 from stagemesh.stage_service.worker.async_output import AsyncOutputThread, copy_to_host
-from stagemesh.stage_service.worker.worker import Worker
+from stagemesh.stage_service.worker.process import Worker
 
 BUSY_PROCESSES = 3  # the serving stack's busy threads outside the worker, roughly
 

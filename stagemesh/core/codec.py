@@ -3,7 +3,7 @@ every decoder makes, and numpy arrays to and from them.
 
 Torch-free on purpose: the gateway decodes the last stage's image with it, and a gateway-only
 install has no torch. The stage's torch conversions build on these checks
-(stagemesh/stage_service/transport/tensors.py).
+(stage_service/transport/tensors.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("stagemesh",)
+# what a build reads: the package (whose service folders are links to the top-level ones), the
+# service folders and the .proto sources
+SOURCES = ("stagemesh", "gateway", "stage_service", "cache_service", "protos")
 BUILD_TIMEOUT_S = 120
 
 
@@ -25,10 +27,11 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
         pytest.skip("the build backend (setuptools) is not installed and cannot be fetched offline")
     # Build from a copy: setuptools writes build/ and *.egg-info/ into the source tree.
     source = tmp_path_factory.mktemp("source")
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
+    for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "LICENSE"):
         shutil.copy2(REPO / name, source / name)
-    for package in PACKAGES:
-        shutil.copytree(REPO / package, source / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for folder in SOURCES:
+        ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+        shutil.copytree(REPO / folder, source / folder, symlinks=True, ignore=ignore)
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(source)],
@@ -43,11 +46,22 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
 def test_wheel_ships_license_protos_and_typing_marker(wheel):
     names = set(wheel.namelist())
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), sorted(names)
-    protos = {p.name for p in (REPO / "stagemesh" / "v1").glob("*.proto")}
-    assert protos, "no .proto sources in stagemesh/v1"
+    protos = {p.name for p in (REPO / "protos" / "stagemesh" / "v1").glob("*.proto")}
+    assert protos, "no .proto sources in protos/stagemesh/v1"
     assert {f"stagemesh/v1/{p}" for p in protos} <= names
     assert "stagemesh/py.typed" in names
     assert not any(n.startswith(("tests/", "bench/", "scripts/")) for n in names)
+
+
+def test_the_wheel_installs_only_the_stagemesh_package(wheel):
+    tops = {name.split("/")[0] for name in wheel.namelist()}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"stagemesh"}, sorted(tops)
+    # the top-level service folders land inside it, each module once
+    names = set(wheel.namelist())
+    for service in ("gateway", "stage_service", "cache_service"):
+        assert f"stagemesh/{service}/server.py" in names
+        assert f"stagemesh/{service}/__init__.py" in names
+    assert "stagemesh/stage_service/engine/dispatch.py" in names
 
 
 def test_wheel_metadata(wheel):

@@ -40,8 +40,8 @@ def test_finds_a_cycle_and_an_upward_import(tmp_path):
             "stagemesh/core/b.py": (
                 "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from stagemesh.core.a import f\n"
             ),
-            "stagemesh/stage_service/engine/run.py": "",
-            "stagemesh/stage_service/platform.py": "from .engine import run\n",
+            "stage_service/engine/run.py": "",
+            "stage_service/platform.py": "from .engine import run\n",
         },
     )
     result = check(root)
@@ -62,9 +62,9 @@ def test_finds_imports_across_layers(tmp_path):
             "stagemesh/core/auth.py": (
                 "import stagemesh.gateway.server\nimport stagemesh.config\nfrom stagemesh.weight_store import store\n"
             ),
-            "stagemesh/gateway/server.py": "from stagemesh.cache_service.server import serve\n",
-            "stagemesh/cache_service/server.py": "def serve(): ...\n",
-            "stagemesh/stage_service/runner.py": "",
+            "gateway/server.py": "from stagemesh.cache_service.server import serve\n",
+            "cache_service/server.py": "def serve(): ...\n",
+            "stage_service/runner.py": "",
         },
     )
     result = check(root)
@@ -83,10 +83,10 @@ def test_finds_a_stage_dependency_the_base_install_would_import(tmp_path):
     root = plant(
         tmp_path,
         {
-            "stagemesh/gateway/server.py": "from stagemesh.core import codec\n",
+            "gateway/server.py": "from stagemesh.core import codec\n",
             # Inside a function counts: the base install would fail when it runs.
             "stagemesh/core/codec.py": "def decode():\n    from torch.nn import functional\n",
-            "stagemesh/stage_service/server.py": "import torch\n",  # the stage may
+            "stage_service/server.py": "import torch\n",  # the stage may
         },
     )
     result = check(root)
@@ -96,3 +96,32 @@ def test_finds_a_stage_dependency_the_base_install_would_import(tmp_path):
         "reached from the base install by stagemesh.core.codec <- stagemesh.gateway.server" in result.stdout
     )
     assert "stagemesh.stage_service.server imports torch" not in result.stdout
+
+
+def test_finds_a_service_imported_by_its_bare_name(tmp_path):
+    root = plant(
+        tmp_path,
+        {
+            "gateway/server.py": "",
+            "stage_service/server.py": "from gateway import server\n",
+            "tests/test_x.py": "import cache_service.server\n",
+        },
+    )
+    (root / "cache_service").mkdir()
+    (root / "cache_service" / "server.py").write_text("")
+    result = check(root)
+    assert result.returncode == 1, result.stdout
+    assert "stage_service/server.py:1: imports gateway by its bare name" in result.stdout
+    assert "tests/test_x.py:1: imports cache_service.server by its bare name" in result.stdout
+
+
+def test_reads_the_service_folders_once_through_their_links(tmp_path):
+    # stagemesh/gateway is a link to the top-level folder, as in the repository: its modules are
+    # counted once, under their dotted names, and a violation names the real file.
+    root = plant(tmp_path, {"stagemesh/core/auth.py": "", "gateway/server.py": "import stagemesh.config\n"})
+    (root / "stagemesh" / "config.py").write_text("")
+    (root / "stagemesh" / "gateway").symlink_to("../gateway")
+    result = check(root)
+    assert result.returncode == 1, result.stdout
+    assert "gateway/server.py:1: stagemesh.gateway.server imports stagemesh.config (a service imports" in result.stdout
+    assert result.stdout.count("stagemesh.gateway.server imports") == 1

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stagemesh.core.params import Params
-from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.models.config import PipelineConfig
 from stagemesh.stage_service.models.contract import WorkItem
 from stagemesh.stage_service.models.weights import ensure_model_dir

@@ -9,7 +9,7 @@ from torch import nn
 
 from stagemesh.stage_service.models.dit import DiT
 from stagemesh.stage_service.offload import LayerwiseOffload, dequant, quant
-from stagemesh.stage_service.offload import engine as engine_mod
+from stagemesh.stage_service.offload import streamer as streamer_mod
 from tests.support.small_dit import run_on_cuda, small_dit
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -104,7 +104,7 @@ def test_fp8_device_memory_is_two_slots_and_the_fp8_staging_ring():
     block_ids = {id(t) for layout in engine.layouts for t in layout.module.parameters()}
     resident = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in block_ids)
     held = torch.cuda.memory_allocated() - baseline
-    ring = engine_mod.STAGING_BUFFERS * packed
+    ring = streamer_mod.STAGING_BUFFERS * packed
     assert engine.stats().slot_bytes == 2 * slot + ring
     assert held <= 2 * slot + ring + resident + (4 << 20), (held, slot, packed, resident)
 

@@ -10,8 +10,8 @@ import signal
 import torch
 
 from stagemesh.stage_service.control import StageControl
-from stagemesh.stage_service.engine.engine import Engine
-from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.engine.dispatch import Engine
+from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.settings import StageSettings
 
 

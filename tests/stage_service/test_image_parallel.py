@@ -21,8 +21,8 @@ import torch
 from PIL import Image
 
 from stagemesh.core.params import Params
-from stagemesh.stage_service.executor.executor import Executor
 from stagemesh.stage_service.executor.group import build_groups
+from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.models.config import DiTConfig
 from stagemesh.stage_service.models.dit import DiT, pad_conds, velocity
 from stagemesh.stage_service.models.parallel import ImageParallel, form_axes, gather_along

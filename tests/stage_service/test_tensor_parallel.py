@@ -19,7 +19,7 @@ from PIL import Image
 
 from stagemesh.core.params import Params
 from stagemesh.core.procutil import free_port
-from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.models.runners import WorkItem, build_runner
 from stagemesh.stage_service.offload.config import DloOptions
 from stagemesh.stage_service.settings import StageSettings

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from stagemesh.stage_service.executor.executor import _Pending, _Worker
+from stagemesh.stage_service.executor.multiproc import PendingCall, WorkerProcess
 from stagemesh.stage_service.transport import ipc
 
 WAIT_S = 10.0
@@ -18,9 +18,9 @@ def oid(n: int) -> str:
     return f"{n:032x}"
 
 
-def pend(w: _Worker, rpc_id: str, on_progress=None) -> cf.Future:
+def pend(w: WorkerProcess, rpc_id: str, on_progress=None) -> cf.Future:
     fut: cf.Future = cf.Future()
-    w.pending[rpc_id] = _Pending(fut, on_progress)
+    w.pending[rpc_id] = PendingCall(fut, on_progress)
     return fut
 
 

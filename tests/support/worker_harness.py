@@ -20,7 +20,7 @@ from stagemesh.stage_service.transport import ipc, protocol
 from stagemesh.stage_service.transport.result_pipe import result_pipe
 from stagemesh.stage_service.worker import async_output
 from stagemesh.stage_service.worker.async_output import AsyncOutputThread
-from stagemesh.stage_service.worker.worker import Worker
+from stagemesh.stage_service.worker.process import Worker
 
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 CTX = mp.get_context("spawn")

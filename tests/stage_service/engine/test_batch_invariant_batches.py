@@ -11,9 +11,9 @@ import collections
 import torch
 
 from stagemesh.core.params import Params
-from stagemesh.stage_service.engine.engine import BatchDispatcher
+from stagemesh.stage_service.engine.dispatch import BatchDispatcher
 from stagemesh.stage_service.engine.request import StageRequest
-from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.settings import StageSettings
 
 

@@ -15,8 +15,8 @@ from grpc_status import rpc_status
 
 from stagemesh.core import errors
 from stagemesh.core.params import Params
-from stagemesh.stage_service.engine.engine import Engine, OutputsEvent
-from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.engine.dispatch import Engine, OutputsEvent
+from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.settings import StageSettings
 from stagemesh.stage_service.transport import tensors
 from stagemesh.v1 import generation_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2

@@ -19,9 +19,9 @@ import torch
 from stagemesh.core import errors
 from stagemesh.core.params import Params
 from stagemesh.stage_service.control import StageControl
-from stagemesh.stage_service.engine.engine import Engine, OutputsEvent, ProgressEvent
+from stagemesh.stage_service.engine.dispatch import Engine, OutputsEvent, ProgressEvent
 from stagemesh.stage_service.engine.wave_rules import WAVE_TIMEOUT_ENV, WaveFailed, WaveRequest, run_wave
-from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.models.runners import WorkItem, build_runner
 from stagemesh.stage_service.offload.config import DloOptions
 from stagemesh.stage_service.settings import StageSettings

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from stagemesh.core.params import Params
-from stagemesh.stage_service.engine.engine import Engine, OutputsEvent
+from stagemesh.stage_service.engine.dispatch import Engine, OutputsEvent
 from stagemesh.stage_service.engine.image_groups import GROUP_WAIT_S, ImageGroups
 from stagemesh.stage_service.engine.request import StageRequest
-from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.settings import StageSettings
 
 COND_DIM = 64

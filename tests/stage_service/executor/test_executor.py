@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from stagemesh.core import errors
-from stagemesh.stage_service.executor.executor import Executor, _Worker
+from stagemesh.stage_service.executor.multiproc import Executor, WorkerProcess
 from stagemesh.stage_service.settings import StageSettings
 from stagemesh.stage_service.transport import ipc, protocol
 from tests.support.executor_parts import oid, packed_outputs, pend
@@ -25,7 +25,7 @@ from tests.support.shm_guard import no_segment_left_behind, our_segments  # noqa
 def ex_worker():
     """An executor (not started) and a worker record, as the pump sees them."""
     ex = Executor(StageSettings(stage_id=1, kind="diffusion", model_dir="unused"))
-    w = _Worker(ex.groups[0].specs[0], process=None, requests=None, results=None)
+    w = WorkerProcess(ex.groups[0].specs[0], process=None, requests=None, results=None)
     return ex, w
 
 

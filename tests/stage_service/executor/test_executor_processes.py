@@ -18,8 +18,8 @@ import torch
 
 from stagemesh.core import errors
 from stagemesh.core.params import Params
-from stagemesh.stage_service.executor import executor as executor_mod
-from stagemesh.stage_service.executor.executor import Executor, _Worker
+from stagemesh.stage_service.executor import multiproc as executor_mod
+from stagemesh.stage_service.executor.multiproc import Executor, WorkerProcess
 from stagemesh.stage_service.models.contract import WorkItem
 from stagemesh.stage_service.settings import StageSettings
 from stagemesh.stage_service.transport import ipc, protocol
@@ -39,7 +39,7 @@ def test_race_cancel_storm_against_a_real_pump_thread():
     proc = ctx.Process(target=time.sleep, args=(120,), daemon=True)
     proc.start()
     receiver, results = result_pipe(ctx)  # the test writes what a worker would
-    w = _Worker(ex.groups[0].specs[0], proc, ctx.Queue(), receiver)
+    w = WorkerProcess(ex.groups[0].specs[0], proc, ctx.Queue(), receiver)
     n = 60
     rpc_futs = [pend(w, f"r{i}") for i in range(n)]
     pump = threading.Thread(target=ex._pump, args=(w,), daemon=True)
@@ -89,7 +89,7 @@ def test_real_pump_notices_a_dead_process_and_fails_everything_it_owed():
     proc = ctx.Process(target=time.sleep, args=(120,), daemon=True)
     proc.start()
     receiver, sender = result_pipe(ctx)  # we keep a sender: the death shows by the process alone
-    w = _Worker(ex.groups[0].specs[0], proc, ctx.Queue(), receiver)
+    w = WorkerProcess(ex.groups[0].specs[0], proc, ctx.Queue(), receiver)
     ex.groups[0].workers = [w]
     pump = threading.Thread(target=ex._pump, args=(w,), daemon=True)
     pump.start()
@@ -138,7 +138,7 @@ def test_a_dead_worker_ends_its_result_pipe_and_the_pump_fails_pending_without_p
     proc = ctx.Process(target=_hold_and_sleep, args=(sender, 120), daemon=True)
     proc.start()
     sender.close()  # as worker_startup.spawn does
-    w = _Worker(ex.groups[0].specs[0], proc, ctx.Queue(), receiver)
+    w = WorkerProcess(ex.groups[0].specs[0], proc, ctx.Queue(), receiver)
     ex.groups[0].workers = [w]
     pump = threading.Thread(target=ex._pump, args=(w,), daemon=True)
     pump.start()
@@ -162,7 +162,7 @@ def test_shutdown_closes_queues_and_fails_pending_even_when_the_request_queue_is
     proc = ctx.Process(target=time.sleep, args=(120,), daemon=True)  # ignores Shutdown
     proc.start()
     receiver, sender = result_pipe(ctx)
-    w = _Worker(ex.groups[0].specs[0], proc, ctx.Queue(), receiver)
+    w = WorkerProcess(ex.groups[0].specs[0], proc, ctx.Queue(), receiver)
     ex.groups[0].workers = [w]
     w.pump = threading.Thread(target=ex._pump, args=(w,), daemon=True)
     w.pump.start()

@@ -19,9 +19,9 @@ import torch
 
 from stagemesh.core import errors
 from stagemesh.core.params import Params
-from stagemesh.stage_service.engine.engine import Engine, OutputsEvent
-from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.engine.dispatch import Engine, OutputsEvent
 from stagemesh.stage_service.executor.group import GroupCall, first_answer
+from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.models.contract import WorkItem
 from stagemesh.stage_service.settings import StageSettings
 

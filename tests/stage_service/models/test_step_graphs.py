@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.models import DiffusionRunner, load_dit
 from stagemesh.stage_service.models.dit import MIN_COND_BUCKET, cond_bucket, pad_conds, sample
 from stagemesh.stage_service.models.step_graphs import StepGraphs

@@ -123,10 +123,10 @@ def test_allgather_equals_resident_and_no_allgather(world: int, tmp_path: Path):
 
 
 def test_group_of_one_runs_no_collective(monkeypatch: pytest.MonkeyPatch):
-    from stagemesh.stage_service.offload import engine as engine_module
+    from stagemesh.stage_service.offload import streamer as streamer_module
 
     calls = []
-    monkeypatch.setattr(engine_module, "gather_into", lambda *a: calls.append(a))
+    monkeypatch.setattr(streamer_module, "gather_into", lambda *a: calls.append(a))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         model = _model()

@@ -14,7 +14,7 @@ from torch import nn
 from stagemesh.stage_service.models.config import DiTConfig
 from stagemesh.stage_service.models.dit import DiT
 from stagemesh.stage_service.offload import DloOptions, LayerwiseOffload, dequant, quant
-from stagemesh.stage_service.offload import engine as engine_mod
+from stagemesh.stage_service.offload import streamer as streamer_mod
 
 FP8 = torch.float8_e4m3fn
 EIGHT_BIT = [torch.float8_e4m3fn, torch.int8]
@@ -169,7 +169,7 @@ def test_8_bit_stream_against_the_bf16_model(dtype):
     assert stats.h2d_bytes_per_iteration <= 0.55 * base.h2d_bytes_per_iteration
     # Slots keep the model's dtype; a ring of FP8_STAGING buffers holds the FP8 form as it arrives.
     slots = 2 * max(lay.nbytes for lay in engine.layouts)
-    assert stats.slot_bytes == slots + engine_mod.STAGING_BUFFERS * max(s.nbytes for s in engine.streams)
+    assert stats.slot_bytes == slots + streamer_mod.STAGING_BUFFERS * max(s.nbytes for s in engine.streams)
     # Only Linear weights are quantised: norms and biases stream as they are.
     for layout in engine.layouts:
         assert {e.name for e in layout.tail} == {"weight"}

@@ -13,7 +13,7 @@ import torch
 
 from stagemesh import config as mesh_config
 from stagemesh.core.params import Params
-from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.models.config import PipelineConfig
 from stagemesh.stage_service.models.runners import WorkItem, build_runner
 from stagemesh.stage_service.models.weights import ensure_model_dir

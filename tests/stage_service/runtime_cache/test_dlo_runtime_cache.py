@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from stagemesh.core.params import Params
-from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.models.runners import DiffusionRunner, WorkItem, build_runner
 from stagemesh.stage_service.models.runtime_weights import DitWeightCache, LayoutMismatch, final_tensors, swap_storage
 from stagemesh.stage_service.models.weights import load_dit

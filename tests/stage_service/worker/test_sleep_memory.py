@@ -16,8 +16,8 @@ import resource
 import torch
 
 from stagemesh.stage_service.control import StageControl
-from stagemesh.stage_service.engine.engine import Engine
-from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.engine.dispatch import Engine
+from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.models.config import DiTConfig, LMConfig, PipelineConfig
 from stagemesh.stage_service.models.weights import DIT_FILE, ensure_model_dir
 from stagemesh.stage_service.settings import StageSettings

@@ -23,7 +23,7 @@ from stagemesh.core.params import Params
 from stagemesh.stage_service.engine.image_groups import ImageGroups
 from stagemesh.stage_service.engine.request import Batch, Dispatcher, OutputsEvent, ProgressEvent, StageRequest
 from stagemesh.stage_service.engine.waves_scheduler import WaveScheduler
-from stagemesh.stage_service.executor.executor import BatchItemFailed, Executor, ProgressFn
+from stagemesh.stage_service.executor.multiproc import BatchItemFailed, Executor, ProgressFn
 from stagemesh.stage_service.executor.outputs import output_timeout
 from stagemesh.stage_service.models.batch_invariance import BATCHED_KINDS, padding_key
 

@@ -116,7 +116,7 @@ class RunnerBase:
     """What a runner without extra device memory, DLO or TP answers; a runner with a DLO engine
     sets `offload`."""
 
-    offload: Any = None  # offload.engine.LayerwiseOffload when enable_dlo is set
+    offload: Any = None  # offload.streamer.LayerwiseOffload when enable_dlo is set
     # True: an item's output does not depend on its batch mates (batch_invariant, done by the runner).
     batch_invariant = False
     supports_negative_prompt = False

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from stagemesh.core import errors, logs
 from stagemesh.core.tasks import finish_even_if_cancelled
-from stagemesh.stage_service.engine.engine import Engine
-from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.engine.dispatch import Engine
+from stagemesh.stage_service.executor.multiproc import Executor
 
 log = logs.get_logger("stagemesh.control")
 

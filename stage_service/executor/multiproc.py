@@ -17,11 +17,11 @@ from stagemesh.core import errors, logs
 from stagemesh.stage_service.executor import worker_startup
 from stagemesh.stage_service.executor.group import (
     GroupCall,
+    PendingCall,
     ProgressFn,
     StageOptions,
     WorkerGroup,
-    _Pending,
-    _Worker,
+    WorkerProcess,
     build_groups,
     first_answer,
 )
@@ -62,7 +62,7 @@ class Executor:
         self.compute_seconds = 0.0  # device time of every forward pass whose outputs came back
 
     @property
-    def _workers(self) -> dict[int, _Worker]:
+    def _workers(self) -> dict[int, WorkerProcess]:
         """Every running process by rank."""
         return {w.spec.rank: w for g in self.groups for w in g.workers}
 
@@ -158,7 +158,7 @@ class Executor:
         call = GroupCall(parts, [w.spec.rank for w in answering], g.output_ranks)
         with self._lock:
             for w, fut in zip(answering, parts):
-                w.pending[rpc_id] = _Pending(fut, listeners[g.workers.index(w)])
+                w.pending[rpc_id] = PendingCall(fut, listeners[g.workers.index(w)])
         for w, payload in zip(g.workers, payloads):
             if execute:
                 # Packed per rank: each reader unlinks the shared-memory segments it unpacks.
@@ -194,12 +194,12 @@ class Executor:
             ipc.sweep(os.getpid(), rank)
         g.workers = []
 
-    def _spawn(self, spec: protocol.WorkerSpec, group: int) -> _Worker:
+    def _spawn(self, spec: protocol.WorkerSpec, group: int) -> WorkerProcess:
         process, requests, results = worker_startup.spawn(self._ctx, spec)
         log.info("worker started", rank=spec.rank, pid=process.pid)
-        return _Worker(spec, process, requests, results, group=group)
+        return WorkerProcess(spec, process, requests, results, group=group)
 
-    def _await_all_ready(self, workers: list[_Worker], timeout_s: float) -> list[protocol.Ready]:
+    def _await_all_ready(self, workers: list[WorkerProcess], timeout_s: float) -> list[protocol.Ready]:
         by_rank = {w.spec.rank: w for w in workers}
         for rank, ready in worker_startup.wait_ready(self.stage_name, by_rank, timeout_s):
             w = by_rank[rank]
@@ -210,7 +210,7 @@ class Executor:
             log.info("worker ready", rank=rank, device=ready.device)
         return [w.ready for w in workers if w.ready is not None]
 
-    def _pump(self, w: _Worker) -> None:
+    def _pump(self, w: WorkerProcess) -> None:
         """The only reader of a worker's result queue, and its watchdog."""
         w.last_heard = time.monotonic()
         while True:
@@ -230,7 +230,7 @@ class Executor:
                 return  # pipe closed by shutdown
             self._dispatch(w, msg)
 
-    def _kill_if_hung(self, w: _Worker) -> None:
+    def _kill_if_hung(self, w: WorkerProcess) -> None:
         """A live process that sent nothing, not even a heartbeat, for hang_timeout_s is stopped
         (SIGSTOP) or stuck where its threads cannot run: kill it, so its death restarts the group."""
         silent = time.monotonic() - w.last_heard
@@ -240,7 +240,7 @@ class Executor:
         log.error("worker hung; killing it", rank=w.spec.rank, pid=w.process.pid, silent_s=round(silent, 1))
         w.process.kill()
 
-    def _dispatch(self, w: _Worker, msg: Any) -> None:
+    def _dispatch(self, w: WorkerProcess, msg: Any) -> None:
         w.last_heard = time.monotonic()
         if isinstance(msg, protocol.Heartbeat):
             return
@@ -291,7 +291,7 @@ class Executor:
         elif isinstance(msg, protocol.Failure):
             resolve_future(pending.future, exc=self._failure(w, msg))
 
-    def _failure(self, w: _Worker, msg: protocol.Failure) -> errors.StagemeshError:
+    def _failure(self, w: WorkerProcess, msg: protocol.Failure) -> errors.StagemeshError:
         if msg.cancelled:
             return errors.Cancelled(msg.message)
         if msg.item is not None:
@@ -307,9 +307,9 @@ class Executor:
             )
         return errors.StagemeshError(f"{self.stage_name} failed to run a batch; the stage log has the details")
 
-    def _note_stats(self, w: _Worker, stats: protocol.WorkerStats) -> None:
+    def _note_stats(self, w: WorkerProcess, stats: protocol.WorkerStats) -> None:
         # The worker's offload count is cumulative; it starts again from 0 in a new process (a new
-        # _Worker) or a rebuilt DLO engine (a smaller value).
+        # WorkerProcess) or a rebuilt DLO engine (a smaller value).
         before = w.stats.offload_bytes if w.stats is not None else 0
         grown = stats.offload_bytes - before if stats.offload_bytes >= before else stats.offload_bytes
         with self._lock:  # one pump thread per worker: they may add at the same time
@@ -333,7 +333,7 @@ class Executor:
             return
         self.outputs.deliver(msg.async_output_id, result)
 
-    def _worker_died(self, w: _Worker) -> None:
+    def _worker_died(self, w: WorkerProcess) -> None:
         """One dead process takes its group down: everything the group owed fails now, and the
         stage is told so it restarts the group as a whole."""
         if self._closed or w.stopping:
@@ -353,13 +353,13 @@ class Executor:
         if self._on_death is not None:
             self._on_death(group.index, reason)
 
-    def _fail_pending(self, w: _Worker, exc: BaseException) -> None:
+    def _fail_pending(self, w: WorkerProcess, exc: BaseException) -> None:
         with self._lock:
             pending, w.pending = w.pending, {}
         for p in pending.values():
             resolve_future(p.future, exc=exc)
 
-    def _stop_worker(self, w: _Worker, graceful: bool, reason: str = "executor shut down") -> None:
+    def _stop_worker(self, w: WorkerProcess, graceful: bool, reason: str = "executor shut down") -> None:
         w.stopping = True
         if graceful and w.process.is_alive():
             try:

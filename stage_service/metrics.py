@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 from stagemesh.core.metrics import Reader, Reading
 from stagemesh.stage_service.control import StageControl
-from stagemesh.stage_service.engine.engine import Engine
-from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.engine.dispatch import Engine
+from stagemesh.stage_service.executor.multiproc import Executor
 
 
 def stage_readings(engine: Engine, executor: Executor, control: StageControl, ready: Callable[[], bool]) -> Reader:

@@ -15,8 +15,8 @@ from stagemesh.core.metrics import ServiceMetrics
 from stagemesh.core.params import Limits
 from stagemesh.core.rpc import ServiceHost, servicer_method
 from stagemesh.stage_service.control import Ack, StageControl
-from stagemesh.stage_service.engine.engine import Engine, OutputsEvent, ProgressEvent
-from stagemesh.stage_service.executor.executor import Executor
+from stagemesh.stage_service.engine.dispatch import Engine, OutputsEvent, ProgressEvent
+from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.inputs import check_inputs, init_image
 from stagemesh.stage_service.metrics import stage_readings
 from stagemesh.stage_service.models.contract import TensorSpec

@@ -66,18 +66,18 @@ class StageOptions(Protocol):
 
 
 @dataclass
-class _Pending:
+class PendingCall:
     future: cf.Future
     on_progress: ProgressFn | None
 
 
 @dataclass
-class _Worker:
+class WorkerProcess:
     spec: protocol.WorkerSpec
     process: mp.Process
     requests: Any
     results: Any
-    pending: dict[str, _Pending] = field(default_factory=dict)
+    pending: dict[str, PendingCall] = field(default_factory=dict)
     pump: threading.Thread | None = None
     ready: protocol.Ready | None = None
     stats: protocol.WorkerStats | None = None  # from the worker's latest reply
@@ -93,7 +93,7 @@ class WorkerGroup:
     specs: list[protocol.WorkerSpec]  # one per process, in rank order
     collective: str = ""  # "tp", "image" or "dp": the processes form one torch.distributed group
     waves: bool = False  # a dispatch is a DP wave: one batch per rank, every rank answers
-    workers: list[_Worker] = field(default_factory=list)  # the running processes, in rank order
+    workers: list[WorkerProcess] = field(default_factory=list)  # the running processes, in rank order
 
     @property
     def size(self) -> int:

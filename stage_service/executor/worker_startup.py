@@ -13,7 +13,7 @@ from typing import Any
 from stagemesh.core import errors
 from stagemesh.stage_service.transport import protocol
 from stagemesh.stage_service.transport.result_pipe import result_pipe
-from stagemesh.stage_service.worker import worker
+from stagemesh.stage_service.worker import process as worker_process
 
 POLL_S = 0.1
 
@@ -24,7 +24,7 @@ def spawn(ctx: Any, spec: protocol.WorkerSpec) -> tuple[mp.Process, Any, Any]:
     requests = ctx.Queue()
     results, sender = result_pipe(ctx)
     process = ctx.Process(
-        target=worker.main,
+        target=worker_process.main,
         args=(spec, requests, sender),
         name=f"stagemesh-worker-{spec.stage_id}-{spec.rank}",
         daemon=True,

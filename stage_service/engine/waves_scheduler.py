@@ -37,11 +37,11 @@ from stagemesh.stage_service.engine.wave_rules import (
     run_wave,
     wave_timeout,
 )
-from stagemesh.stage_service.executor.executor import ProgressFn
+from stagemesh.stage_service.executor.multiproc import ProgressFn
 from stagemesh.stage_service.transport import protocol
 
 if TYPE_CHECKING:
-    from stagemesh.stage_service.executor.executor import Executor
+    from stagemesh.stage_service.executor.multiproc import Executor
 
 log = logs.get_logger("stagemesh.waves")
 

@@ -96,7 +96,7 @@ def load_transformer(folder: CheckpointFolder, family: Family, device: str, dtyp
         return ordinary().to(device).eval().requires_grad_(False), None
     from stagemesh.stage_service.offload import quant
     from stagemesh.stage_service.offload.checkpoint import load_or_fallback
-    from stagemesh.stage_service.offload.engine import LayerwiseOffload
+    from stagemesh.stage_service.offload.streamer import LayerwiseOffload
 
     saved = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built in its dtype: no float32 copy on meta either
