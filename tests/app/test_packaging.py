@@ -1,5 +1,6 @@
 """The wheel carries what an installation needs: the license, the API's .proto files, the typing
-marker and complete metadata."""
+marker and complete metadata; it is built from what the Dockerfile copies, so the image's
+install step has everything it reads."""
 
 from __future__ import annotations
 
@@ -15,23 +16,32 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-# what a build reads: the package (whose service folders are links to the top-level ones), the
-# service folders and the .proto sources
-SOURCES = ("stagemesh", "gateway", "stage_service", "cache_service", "protos")
 BUILD_TIMEOUT_S = 120
+
+
+def dockerfile_copies() -> list[str]:
+    """The repository paths the Dockerfile copies into its build stage, in order."""
+    sources = []
+    for line in (REPO / "Dockerfile").read_text().splitlines():
+        words = line.split()
+        if words[:1] == ["COPY"] and not any(w.startswith("--from") for w in words):
+            sources += words[1:-1]
+    return sources
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    """The wheel built from exactly what the Dockerfile copies (so the image builds too)."""
     if importlib.util.find_spec("setuptools") is None:
         pytest.skip("the build backend (setuptools) is not installed and cannot be fetched offline")
     # Build from a copy: setuptools writes build/ and *.egg-info/ into the source tree.
     source = tmp_path_factory.mktemp("source")
-    for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "LICENSE"):
-        shutil.copy2(REPO / name, source / name)
-    for folder in SOURCES:
-        ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-        shutil.copytree(REPO / folder, source / folder, symlinks=True, ignore=ignore)
+    for name in dockerfile_copies():
+        if (REPO / name).is_dir():
+            ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+            shutil.copytree(REPO / name, source / name, symlinks=True, ignore=ignore)
+        else:
+            shutil.copy2(REPO / name, source / name)
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(source)],
