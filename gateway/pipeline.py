@@ -190,7 +190,7 @@ class Pipeline:
     def _result(request_id: str, params: Params, index: int, image_proto, latency) -> generation_pb2.GenerationResult:
         result = generation_pb2.GenerationResult(
             request_id=request_id,
-            output_format=converters.output_format_enum(params.output_format),
+            output_format=converters.output_format_to_proto(params.output_format),
             width=params.width,
             height=params.height,
             seed=params.seed,
@@ -201,7 +201,7 @@ class Pipeline:
             result.tensor.CopyFrom(image_proto)
         else:
             data = encode(codec.to_array(image_proto, "image"), params.output_format, params.quality)
-            setattr(result, params.output_format, data)  # the oneof's png, jpeg or webp
+            setattr(result, params.output_format, data)  # a format's name is its field of the oneof
         return result
 
     async def list_stages(self) -> list[gateway_pb2.StageInfo]:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeAlias
 
+from stagemesh.core import converters, formats
 from stagemesh.v1 import generation_pb2
 
 if TYPE_CHECKING:
@@ -16,13 +17,6 @@ if TYPE_CHECKING:
 OutputFormat: TypeAlias = Literal["png", "jpeg", "webp", "tensor"]
 # Encoded bytes, a path to an image file, or a PIL image (sent as PNG).
 InitImage: TypeAlias = "bytes | bytearray | memoryview | str | os.PathLike[str] | Image.Image"
-
-FORMAT_ENUMS: dict[str, generation_pb2.OutputFormat] = {
-    "png": generation_pb2.OUTPUT_FORMAT_PNG,
-    "jpeg": generation_pb2.OUTPUT_FORMAT_JPEG,
-    "webp": generation_pb2.OUTPUT_FORMAT_WEBP,
-    "tensor": generation_pb2.OUTPUT_FORMAT_TENSOR,
-}
 
 
 def generation_params(
@@ -41,9 +35,11 @@ def generation_params(
     strength: float | None = None,
 ) -> generation_pb2.GenerationParams:
     """Unset (None) fields stay unset: the gateway applies its defaults and checks the ranges."""
-    if output_format not in FORMAT_ENUMS:
-        raise ValueError(f"output_format = {output_format!r}: allowed {', '.join(map(repr, FORMAT_ENUMS))}")
-    params = generation_pb2.GenerationParams(prompt=prompt, output_format=FORMAT_ENUMS[output_format])
+    if output_format not in formats.NAMES:
+        raise ValueError(f"output_format = {output_format!r}: allowed {', '.join(map(repr, formats.NAMES))}")
+    params = generation_pb2.GenerationParams(
+        prompt=prompt, output_format=converters.output_format_to_proto(output_format)
+    )
     for name, value in (
         ("width", width),
         ("height", height),

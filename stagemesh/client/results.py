@@ -12,17 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
-from stagemesh.client.requests import FORMAT_ENUMS
+from stagemesh.core import converters, formats
 from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2
 
 if TYPE_CHECKING:
     import numpy as np
     from PIL import Image
 
-_FORMAT_NAMES = {enum_value: name for name, enum_value in FORMAT_ENUMS.items()}
-_FORMAT_NAMES[generation_pb2.OUTPUT_FORMAT_UNSPECIFIED] = "png"
-# File suffixes that name an encoded format: save() converts when the suffix asks for another one.
-_SUFFIX_FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
 _NUMPY_DTYPES = ("float32", "float16", "float64", "uint8", "int8", "int16", "int32", "int64", "bool")
 
 
@@ -62,13 +58,13 @@ class GenerationResult:
             tensor = TensorData(msg.tensor.dtype, tuple(int(d) for d in msg.tensor.shape), msg.tensor.data)
         return cls(
             request_id=msg.request_id,
-            format=_FORMAT_NAMES.get(msg.output_format, which or "png"),
+            format=converters.output_format_from_proto(msg.output_format) or which or formats.DEFAULT.name,
             width=msg.width,
             height=msg.height,
             seed=msg.seed,
             index=msg.index,
             stage_latency_ms={int(k): v for k, v in msg.stage_latency_ms.items()},
-            _encoded=getattr(msg, which) if which in ("png", "jpeg", "webp") else b"",
+            _encoded=getattr(msg, which) if which in formats.ENCODED_NAMES else b"",
             _tensor=tensor,
         )
 
@@ -113,7 +109,8 @@ class GenerationResult:
         (or names none), else converted to the format the suffix names (.png, .jpg/.jpeg, .webp);
         a tensor result to .npy as the array, to an image suffix as the 8-bit image."""
         path = Path(path)
-        wanted = _SUFFIX_FORMATS.get(path.suffix.lower())
+        named = formats.by_suffix(path.suffix)  # save() converts when the suffix asks for another format
+        wanted = named.name if named is not None else None
         if self._tensor is not None and path.suffix.lower() == ".npy":
             import numpy as np
 

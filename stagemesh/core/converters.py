@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
+from stagemesh.core import formats
 from stagemesh.core import params as gp
 from stagemesh.core.errors import InvalidArgument
 from stagemesh.v1 import generation_pb2
 
-_FORMAT_NAMES = {
-    generation_pb2.OUTPUT_FORMAT_UNSPECIFIED: gp.OUTPUT_PNG,
-    generation_pb2.OUTPUT_FORMAT_PNG: gp.OUTPUT_PNG,
-    generation_pb2.OUTPUT_FORMAT_TENSOR: gp.OUTPUT_TENSOR,
-    generation_pb2.OUTPUT_FORMAT_JPEG: gp.OUTPUT_JPEG,
-    generation_pb2.OUTPUT_FORMAT_WEBP: gp.OUTPUT_WEBP,
-}
-_FORMAT_ENUMS = {
-    gp.OUTPUT_PNG: generation_pb2.OUTPUT_FORMAT_PNG,
-    gp.OUTPUT_TENSOR: generation_pb2.OUTPUT_FORMAT_TENSOR,
-    gp.OUTPUT_JPEG: generation_pb2.OUTPUT_FORMAT_JPEG,
-    gp.OUTPUT_WEBP: generation_pb2.OUTPUT_FORMAT_WEBP,
-}
+
+def output_format_to_proto(name: str) -> generation_pb2.OutputFormat:
+    """KeyError for a name outside formats.NAMES."""
+    return formats.by_name(name).wire
+
+
+def output_format_from_proto(value: int) -> str | None:
+    """The format's name (UNSPECIFIED reads as the default, PNG); None for an unknown value."""
+    fmt = formats.by_wire(value)
+    return None if fmt is None else fmt.name
 
 
 def _decimal(value: float) -> float:
@@ -32,7 +30,7 @@ def params_from_proto(
 ) -> gp.Params:
     """`init_image`: the starting image as its reader found it (the gateway probes the bytes of
     msg.init_image; a stage measures its INIT_IMAGE_INPUT); bytes in msg.init_image alone are refused."""
-    fmt = _FORMAT_NAMES.get(msg.output_format)
+    fmt = output_format_from_proto(msg.output_format)
     if msg.init_image and init_image is None:
         raise InvalidArgument.field(
             "params.init_image",
@@ -65,16 +63,12 @@ def params_to_proto(p: gp.Params) -> generation_pb2.GenerationParams:
         num_inference_steps=p.num_inference_steps,
         guidance_scale=p.guidance_scale,
         seed=p.seed,
-        output_format=_FORMAT_ENUMS[p.output_format],
+        output_format=output_format_to_proto(p.output_format),
         negative_prompt=p.negative_prompt or None,
         num_images=p.num_images,
         quality=p.quality if p.output_format in gp.LOSSY_FORMATS else None,
         strength=p.strength,
     )
-
-
-def output_format_enum(name: str) -> generation_pb2.OutputFormat:
-    return _FORMAT_ENUMS[name]
 
 
 def require_field(condition: bool, field: str, description: str) -> None:

@@ -1,0 +1,49 @@
+"""Each protobuf <-> domain pair of stagemesh.core.converters, and the output-format table they
+read: whatever one side writes, the other reads back as it was (pure domain: no server)."""
+
+from __future__ import annotations
+
+import typing
+
+from hypothesis import given
+from hypothesis import strategies as st
+from PIL import Image
+
+from stagemesh.client.requests import OutputFormat
+from stagemesh.core import converters, formats
+from stagemesh.v1 import generation_pb2
+
+int32s = st.integers(-(2**31), 2**31 - 1)
+
+
+# ---- output formats --------------------------------------------------------------------------------
+@given(st.sampled_from(formats.NAMES))
+def test_a_format_name_round_trips_through_its_enum(name):
+    assert converters.output_format_from_proto(converters.output_format_to_proto(name)) == name
+
+
+@given(st.sampled_from(generation_pb2.OutputFormat.values()))
+def test_every_enum_value_reads_as_a_format_that_writes_it_back(value):
+    name = converters.output_format_from_proto(value)
+    assert name is not None
+    # UNSPECIFIED is read as the default and written back as that format's own value.
+    expected = formats.DEFAULT.wire if value == generation_pb2.OUTPUT_FORMAT_UNSPECIFIED else value
+    assert converters.output_format_to_proto(name) == expected
+
+
+@given(int32s.filter(lambda v: v not in generation_pb2.OutputFormat.values()))
+def test_an_unknown_enum_value_reads_as_no_format(value):
+    assert converters.output_format_from_proto(value) is None
+
+
+def test_the_table_agrees_with_the_wire_the_client_and_pillow():
+    assert set(generation_pb2.OutputFormat.values()) == {f.wire for f in formats.FORMATS} | {0}
+    # A format's name is the GenerationResult oneof field that carries its image.
+    oneof = generation_pb2.GenerationResult.DESCRIPTOR.oneofs_by_name["image"]
+    assert {field.name for field in oneof.fields} == set(formats.NAMES)
+    assert set(typing.get_args(OutputFormat)) == set(formats.NAMES)
+    Image.init()
+    for fmt in formats.FORMATS:
+        assert fmt.encoded == (fmt.pillow in Image.SAVE), fmt
+        assert all(formats.by_suffix(s.upper()) is fmt for s in fmt.suffixes), fmt
+    assert formats.by_suffix(".npy") is None and formats.by_suffix("") is None
