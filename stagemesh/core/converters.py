@@ -5,7 +5,11 @@ from __future__ import annotations
 from stagemesh.core import formats
 from stagemesh.core import params as gp
 from stagemesh.core.errors import InvalidArgument
-from stagemesh.v1 import generation_pb2
+from stagemesh.v1 import generation_pb2, stage_pb2
+
+# Limits' fields that StageLimits carries, by the same names. What a stage can use beyond a
+# prompt travels beside them, on DescribeStageResponse; max_num_images is the gateway's own.
+_LIMITS_FIELDS = tuple(f.name for f in stage_pb2.StageLimits.DESCRIPTOR.fields)
 
 
 def output_format_to_proto(name: str) -> generation_pb2.OutputFormat:
@@ -17,6 +21,15 @@ def output_format_from_proto(value: int) -> str | None:
     """The format's name (UNSPECIFIED reads as the default, PNG); None for an unknown value."""
     fmt = formats.by_wire(value)
     return None if fmt is None else fmt.name
+
+
+def limits_to_proto(limits: gp.Limits) -> stage_pb2.StageLimits:
+    return stage_pb2.StageLimits(**{name: getattr(limits, name) for name in _LIMITS_FIELDS})
+
+
+def limits_from_proto(msg: stage_pb2.StageLimits) -> gp.Limits:
+    """The fields StageLimits does not carry keep Limits' defaults."""
+    return gp.Limits(**{name: getattr(msg, name) for name in _LIMITS_FIELDS})
 
 
 def _decimal(value: float) -> float:

@@ -4,6 +4,7 @@ read: whatever one side writes, the other reads back as it was (pure domain: no 
 from __future__ import annotations
 
 import typing
+from dataclasses import fields, replace
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -11,9 +12,12 @@ from PIL import Image
 
 from stagemesh.client.requests import OutputFormat
 from stagemesh.core import converters, formats
-from stagemesh.v1 import generation_pb2
+from stagemesh.core.params import Limits
+from stagemesh.v1 import generation_pb2, stage_pb2
 
 int32s = st.integers(-(2**31), 2**31 - 1)
+# What a `float` field of a message holds exactly (NaN left out: it equals nothing, itself neither).
+float32s = st.floats(width=32, allow_nan=False)
 
 
 # ---- output formats --------------------------------------------------------------------------------
@@ -47,3 +51,25 @@ def test_the_table_agrees_with_the_wire_the_client_and_pillow():
         assert fmt.encoded == (fmt.pillow in Image.SAVE), fmt
         assert all(formats.by_suffix(s.upper()) is fmt for s in fmt.suffixes), fmt
     assert formats.by_suffix(".npy") is None and formats.by_suffix("") is None
+
+
+# ---- stage limits ----------------------------------------------------------------------------------
+_OFF_THE_WIRE = {f.name for f in fields(Limits)} - {f.name for f in stage_pb2.StageLimits.DESCRIPTOR.fields}
+limits = st.builds(
+    Limits,
+    **{f.name: float32s if f.type == "float" else int32s for f in fields(Limits) if f.name not in _OFF_THE_WIRE},
+    max_num_images=st.integers(1, 64),
+    supports_negative_prompt=st.booleans(),
+    supports_init_image=st.booleans(),
+)
+
+
+def test_stagelimits_leaves_out_what_travels_beside_it_and_the_gateways_own_bound():
+    assert _OFF_THE_WIRE == {"max_num_images", "supports_negative_prompt", "supports_init_image"}
+
+
+@given(limits)
+def test_limits_round_trip_and_what_stagelimits_does_not_carry_keeps_its_default(stage_limits):
+    defaults = {name: getattr(Limits(), name) for name in _OFF_THE_WIRE}
+    back = converters.limits_from_proto(converters.limits_to_proto(stage_limits))
+    assert back == replace(stage_limits, **defaults)
