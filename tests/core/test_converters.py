@@ -3,6 +3,7 @@ read: whatever one side writes, the other reads back as it was (pure domain: no 
 
 from __future__ import annotations
 
+import math
 import typing
 from dataclasses import fields, replace
 
@@ -12,7 +13,7 @@ from PIL import Image
 
 from stagemesh.client.requests import OutputFormat
 from stagemesh.core import converters, formats
-from stagemesh.core.params import Limits
+from stagemesh.core.params import InitImage, Limits, resolve
 from stagemesh.v1 import generation_pb2, stage_pb2
 
 int32s = st.integers(-(2**31), 2**31 - 1)
@@ -73,3 +74,72 @@ def test_limits_round_trip_and_what_stagelimits_does_not_carry_keeps_its_default
     defaults = {name: getattr(Limits(), name) for name in _OFF_THE_WIRE}
     back = converters.limits_from_proto(converters.limits_to_proto(stage_limits))
     assert back == replace(stage_limits, **defaults)
+
+
+# ---- generation parameters -------------------------------------------------------------------------
+FULL = Limits(
+    pixel_multiple=16,
+    max_pixels_side=256,
+    max_inference_steps=50,
+    max_prompt_bytes=64,
+    max_num_images=4,
+    supports_negative_prompt=True,
+    supports_init_image=True,
+)
+sides = st.integers(1, FULL.max_pixels_side // FULL.pixel_multiple).map(lambda n: n * FULL.pixel_multiple)
+# At most 16 characters of at most 4 UTF-8 bytes: within max_prompt_bytes. Protobuf strings hold no surrogates.
+texts = st.text(st.characters(exclude_categories=["Cs"]), max_size=16)
+
+
+@st.composite
+def params(draw):
+    """A request as resolve() accepts it: every field set or left to its default."""
+    image = draw(st.none() | st.builds(InitImage, sides, sides))
+    steps = draw(st.integers(1, FULL.max_inference_steps))
+    guidance = draw(st.floats(1.0, FULL.max_guidance_scale, width=32))
+    output_format = draw(st.sampled_from(formats.NAMES))
+    strength = None
+    if image is not None:
+        # As a client writes it: a decimal of up to 6 digits, leaving at least one denoising step.
+        strength = draw(st.integers(math.ceil(10**6 / steps), 10**6)) / 10**6
+    return resolve(
+        prompt=draw(texts),
+        width=draw(st.none() | (st.just(image.width) if image else sides)),
+        height=draw(st.none() | (st.just(image.height) if image else sides)),
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        seed=draw(st.none() | st.integers(0, 2**64 - 1)),
+        output_format=output_format,
+        limits=FULL,
+        negative_prompt=draw(texts) if guidance != 1.0 else "",
+        num_images=draw(st.none() | st.integers(1, FULL.max_num_images)),
+        quality=draw(st.integers(1, 100)) if output_format in formats.LOSSY_NAMES else None,
+        strength=strength,
+        init_image=image,
+    )
+
+
+@given(params())
+def test_params_round_trip_through_proto(p):
+    wire = converters.params_to_proto(p)
+    assert not wire.init_image  # stages receive the starting image decoded, as a tensor input
+    assert converters.params_from_proto(wire, FULL, p.init_image) == p
+
+
+@given(st.sampled_from([f for f in formats.FORMATS if not f.lossy]), st.integers(1, 100))
+def test_quality_is_sent_only_with_a_format_that_takes_one(fmt, quality):
+    p = resolve(
+        prompt="a",
+        width=None,
+        height=None,
+        num_inference_steps=None,
+        guidance_scale=None,
+        seed=1,
+        output_format=fmt.name,
+        limits=FULL,
+    )
+    assert not converters.params_to_proto(p).HasField("quality")
+    lossy = replace(p, output_format=formats.JPEG.name, quality=quality)
+    assert converters.params_to_proto(lossy).quality == quality
+    assert converters.params_from_proto(converters.params_to_proto(lossy), FULL) == lossy
+
