@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stagemesh.core import auth, converters, errors, logs, rpc, tls
+from stagemesh.core.acks import WorkerAck
 from stagemesh.core.params import Limits
 from stagemesh.gateway import dns
 from stagemesh.v1 import control_pb2, generation_pb2, stage_pb2, stage_pb2_grpc
@@ -313,15 +314,10 @@ class StageClient:
         for address, result in results:
             if isinstance(result, ReplicaFailure):
                 # Every failed ACK of a replica starts with `replica ADDRESS:` (docs/API.md).
-                acks = [
-                    control_pb2.WorkerAck(
-                        stage_id=self.stage_id,
-                        rank=NO_WORKER_RANK,
-                        level=level,
-                        status=control_pb2.ACK_STATUS_ERROR,
-                        error=f"replica {address}: {result.unnamed}",
-                    )
-                ]
+                failed = WorkerAck(
+                    self.stage_id, NO_WORKER_RANK, False, level, error=f"replica {address}: {result.unnamed}"
+                )
+                acks = [converters.worker_ack_to_proto(failed)]
             else:
                 acks = list(result.acks)
                 for ack in acks:

@@ -29,9 +29,9 @@ from stagemesh.client.results import (
     StageListing,
     StageStarted,
     StageState,
-    WorkerAck,
 )
 from stagemesh.client.sync import Client
+from stagemesh.core.acks import WorkerAck
 
 __all__ = [
     "AsyncClient",

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
 from stagemesh.core import converters, formats
+from stagemesh.core.acks import WorkerAck
 from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2
 
 if TYPE_CHECKING:
@@ -227,19 +228,6 @@ _CONTROL_STATUSES = {
 
 
 @dataclass(frozen=True)
-class WorkerAck:
-    """One worker's answer to a sleep or wake. `rank` is -1 for a replica that did not answer."""
-
-    stage_id: int
-    rank: int
-    ok: bool
-    level: int
-    freed_bytes: int
-    latency_ms: float
-    error: str
-
-
-@dataclass(frozen=True)
 class ControlResult:
     """The answer to sleep() or wake_up(): overall status, why it was skipped, one ack per worker."""
 
@@ -256,16 +244,5 @@ class ControlResult:
         return cls(
             status=_CONTROL_STATUSES.get(msg.status, ControlStatus.UNSPECIFIED),
             reason=getattr(msg, "reason", ""),
-            acks=[
-                WorkerAck(
-                    stage_id=a.stage_id,
-                    rank=a.rank,
-                    ok=a.status == control_pb2.ACK_STATUS_SUCCESS,
-                    level=a.level,
-                    freed_bytes=a.freed_bytes,
-                    latency_ms=a.latency_ms,
-                    error=a.error,
-                )
-                for a in msg.acks
-            ],
+            acks=[converters.worker_ack_from_proto(a) for a in msg.acks],
         )

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from stagemesh.core import formats
 from stagemesh.core import params as gp
+from stagemesh.core.acks import WorkerAck
 from stagemesh.core.errors import InvalidArgument
-from stagemesh.v1 import generation_pb2, stage_pb2
+from stagemesh.v1 import control_pb2, generation_pb2, stage_pb2
 
 # Limits' fields that StageLimits carries, by the same names. What a stage can use beyond a
 # prompt travels beside them, on DescribeStageResponse; max_num_images is the gateway's own.
@@ -81,6 +82,31 @@ def params_to_proto(p: gp.Params) -> generation_pb2.GenerationParams:
         num_images=p.num_images,
         quality=p.quality if p.output_format in gp.LOSSY_FORMATS else None,
         strength=p.strength,
+    )
+
+
+def worker_ack_to_proto(ack: WorkerAck) -> control_pb2.WorkerAck:
+    return control_pb2.WorkerAck(
+        stage_id=ack.stage_id,
+        rank=ack.rank,
+        status=control_pb2.ACK_STATUS_SUCCESS if ack.ok else control_pb2.ACK_STATUS_ERROR,
+        freed_bytes=ack.freed_bytes,
+        latency_ms=ack.latency_ms,
+        level=ack.level,
+        error=ack.error,
+    )
+
+
+def worker_ack_from_proto(msg: control_pb2.WorkerAck) -> WorkerAck:
+    """Only ACK_STATUS_SUCCESS reads as ok."""
+    return WorkerAck(
+        stage_id=msg.stage_id,
+        rank=msg.rank,
+        ok=msg.status == control_pb2.ACK_STATUS_SUCCESS,
+        level=msg.level,
+        freed_bytes=msg.freed_bytes,
+        latency_ms=msg.latency_ms,
+        error=msg.error,
     )
 
 

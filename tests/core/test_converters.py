@@ -13,12 +13,15 @@ from PIL import Image
 
 from stagemesh.client.requests import OutputFormat
 from stagemesh.core import converters, formats
+from stagemesh.core.acks import WorkerAck
 from stagemesh.core.params import InitImage, Limits, resolve
-from stagemesh.v1 import generation_pb2, stage_pb2
+from stagemesh.v1 import control_pb2, generation_pb2, stage_pb2
 
 int32s = st.integers(-(2**31), 2**31 - 1)
 # What a `float` field of a message holds exactly (NaN left out: it equals nothing, itself neither).
 float32s = st.floats(width=32, allow_nan=False)
+# At most 16 characters of at most 4 UTF-8 bytes: within max_prompt_bytes. Protobuf strings hold no surrogates.
+texts = st.text(st.characters(exclude_categories=["Cs"]), max_size=16)
 
 
 # ---- output formats --------------------------------------------------------------------------------
@@ -76,6 +79,30 @@ def test_limits_round_trip_and_what_stagelimits_does_not_carry_keeps_its_default
     assert back == replace(stage_limits, **defaults)
 
 
+# ---- worker acks ----------------------------------------------------------------------------------
+worker_acks = st.builds(
+    WorkerAck,
+    stage_id=int32s,
+    rank=int32s,
+    ok=st.booleans(),
+    level=int32s,
+    freed_bytes=st.integers(-(2**63), 2**63 - 1),
+    latency_ms=st.floats(allow_nan=False),
+    error=texts,
+)
+
+
+@given(worker_acks)
+def test_a_worker_ack_round_trips_through_proto(ack):
+    assert converters.worker_ack_from_proto(converters.worker_ack_to_proto(ack)) == ack
+
+
+@given(st.sampled_from(control_pb2.AckStatus.values()))
+def test_only_a_success_status_reads_as_ok(status):
+    ack = converters.worker_ack_from_proto(control_pb2.WorkerAck(status=status))
+    assert ack.ok == (status == control_pb2.ACK_STATUS_SUCCESS)
+
+
 # ---- generation parameters -------------------------------------------------------------------------
 FULL = Limits(
     pixel_multiple=16,
@@ -87,8 +114,6 @@ FULL = Limits(
     supports_init_image=True,
 )
 sides = st.integers(1, FULL.max_pixels_side // FULL.pixel_multiple).map(lambda n: n * FULL.pixel_multiple)
-# At most 16 characters of at most 4 UTF-8 bytes: within max_prompt_bytes. Protobuf strings hold no surrogates.
-texts = st.text(st.characters(exclude_categories=["Cs"]), max_size=16)
 
 
 @st.composite
@@ -142,4 +167,3 @@ def test_quality_is_sent_only_with_a_format_that_takes_one(fmt, quality):
     lossy = replace(p, output_format=formats.JPEG.name, quality=quality)
     assert converters.params_to_proto(lossy).quality == quality
     assert converters.params_from_proto(converters.params_to_proto(lossy), FULL) == lossy
-
