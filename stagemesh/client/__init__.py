@@ -22,16 +22,15 @@ from stagemesh.client.errors import (
 from stagemesh.client.results import (
     ControlResult,
     ControlStatus,
-    DenoisingStep,
     GenerationResult,
     ProgressEvent,
     StageInfo,
     StageListing,
-    StageStarted,
     StageState,
 )
 from stagemesh.client.sync import Client
 from stagemesh.core.acks import WorkerAck
+from stagemesh.core.events import DenoisingStep, StageStarted
 
 __all__ = [
     "AsyncClient",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 from stagemesh.core import converters, formats
 from stagemesh.core.acks import WorkerAck
+from stagemesh.core.events import DenoisingStep, StageStarted
 from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2
 
 if TYPE_CHECKING:
@@ -123,36 +124,13 @@ class GenerationResult:
         return path
 
 
-@dataclass(frozen=True)
-class StageStarted:
-    """A stage began work on the request."""
-
-    stage_id: int
-    kind: str
-
-
-@dataclass(frozen=True)
-class DenoisingStep:
-    """Step `step` of `total` (from 1) of the diffusion stage, for image `index` of the request."""
-
-    stage_id: int
-    step: int
-    total: int
-    index: int
-
-
 # What on_progress receives, one per streamed event: a result is an event too.
 ProgressEvent: TypeAlias = StageStarted | DenoisingStep | GenerationResult
 
 
 def event_from_proto(msg: gateway_pb2.GenerateResponse) -> ProgressEvent:
-    which = msg.WhichOneof("event")
-    if which == "stage_started":
-        return StageStarted(msg.stage_started.stage_id, msg.stage_started.kind)
-    if which == "denoising_step":
-        s = msg.denoising_step
-        return DenoisingStep(s.stage_id, s.step, s.total, s.index)
-    return GenerationResult.from_proto(msg.result)
+    progress = converters.progress_from_proto(msg)
+    return progress if progress is not None else GenerationResult.from_proto(msg.result)
 
 
 class StageState(enum.StrEnum):

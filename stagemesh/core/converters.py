@@ -6,7 +6,8 @@ from stagemesh.core import formats
 from stagemesh.core import params as gp
 from stagemesh.core.acks import WorkerAck
 from stagemesh.core.errors import InvalidArgument
-from stagemesh.v1 import control_pb2, generation_pb2, stage_pb2
+from stagemesh.core.events import DenoisingStep, StageStarted
+from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2, stage_pb2
 
 # Limits' fields that StageLimits carries, by the same names. What a stage can use beyond a
 # prompt travels beside them, on DescribeStageResponse; max_num_images is the gateway's own.
@@ -108,6 +109,29 @@ def worker_ack_from_proto(msg: control_pb2.WorkerAck) -> WorkerAck:
         latency_ms=msg.latency_ms,
         error=msg.error,
     )
+
+
+def progress_to_proto(event: StageStarted | DenoisingStep) -> gateway_pb2.GenerateResponse:
+    if isinstance(event, StageStarted):
+        return gateway_pb2.GenerateResponse(
+            stage_started=gateway_pb2.StageStarted(stage_id=event.stage_id, kind=event.kind)
+        )
+    return gateway_pb2.GenerateResponse(
+        denoising_step=gateway_pb2.DenoisingStep(
+            stage_id=event.stage_id, step=event.step, total=event.total, index=event.index
+        )
+    )
+
+
+def progress_from_proto(msg: gateway_pb2.GenerateResponse) -> StageStarted | DenoisingStep | None:
+    """None for a message that carries no progress (a result)."""
+    which = msg.WhichOneof("event")
+    if which == "stage_started":
+        return StageStarted(msg.stage_started.stage_id, msg.stage_started.kind)
+    if which == "denoising_step":
+        step = msg.denoising_step
+        return DenoisingStep(step.stage_id, step.step, step.total, step.index)
+    return None
 
 
 def require_field(condition: bool, field: str, description: str) -> None:

@@ -14,8 +14,9 @@ from PIL import Image
 from stagemesh.client.requests import OutputFormat
 from stagemesh.core import converters, formats
 from stagemesh.core.acks import WorkerAck
+from stagemesh.core.events import DenoisingStep, StageStarted
 from stagemesh.core.params import InitImage, Limits, resolve
-from stagemesh.v1 import control_pb2, generation_pb2, stage_pb2
+from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2, stage_pb2
 
 int32s = st.integers(-(2**31), 2**31 - 1)
 # What a `float` field of a message holds exactly (NaN left out: it equals nothing, itself neither).
@@ -101,6 +102,20 @@ def test_a_worker_ack_round_trips_through_proto(ack):
 def test_only_a_success_status_reads_as_ok(status):
     ack = converters.worker_ack_from_proto(control_pb2.WorkerAck(status=status))
     assert ack.ok == (status == control_pb2.ACK_STATUS_SUCCESS)
+
+
+# ---- progress events ------------------------------------------------------------------------------
+progress_events = st.builds(StageStarted, int32s, texts) | st.builds(DenoisingStep, int32s, int32s, int32s, int32s)
+
+
+@given(progress_events)
+def test_a_progress_event_round_trips_through_proto(event):
+    assert converters.progress_from_proto(converters.progress_to_proto(event)) == event
+
+
+def test_a_result_is_no_progress_event():
+    msg = gateway_pb2.GenerateResponse(result=generation_pb2.GenerationResult(png=b"\x89PNG"))
+    assert converters.progress_from_proto(msg) is None
 
 
 # ---- generation parameters -------------------------------------------------------------------------
