@@ -1,4 +1,6 @@
-"""Protobuf <-> domain conversions shared by the gateway and the stage service."""
+"""Protobuf <-> domain conversions shared by the gateway, the stage service and the client: each
+a pair, X_to_proto beside X_from_proto, so that what one side writes the other reads back
+(tests/core/test_converters.py checks every pair round trip)."""
 
 from __future__ import annotations
 
