@@ -19,6 +19,7 @@ from stagemesh.client.errors import (
     UnavailableError,
     UnimplementedError,
 )
+from stagemesh.client.requests import GenerateOptions
 from stagemesh.client.results import (
     ControlResult,
     ControlStatus,
@@ -43,6 +44,7 @@ __all__ = [
     "DenoisingStep",
     "FailedPreconditionError",
     "FieldViolation",
+    "GenerateOptions",
     "GenerationResult",
     "InternalError",
     "InvalidArgumentError",

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import builtins
 import enum
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from stagemesh.core import converters, formats
 from stagemesh.core.acks import WorkerAck
@@ -126,6 +126,8 @@ class GenerationResult:
 
 # What on_progress receives, one per streamed event: a result is an event too.
 ProgressEvent: TypeAlias = StageStarted | DenoisingStep | GenerationResult
+# generate()'s on_progress; AsyncClient awaits what it returns when that is awaitable.
+ProgressCallback: TypeAlias = Callable[[ProgressEvent], Any]
 
 
 def event_from_proto(msg: gateway_pb2.GenerateResponse) -> ProgressEvent:
