@@ -202,10 +202,9 @@ class DirectPath:
 
     def _limits(self) -> Limits:
         """What the gateway's Pipeline.limits computes: the last stage's limits, the tightest prompt limit."""
-        from stagemesh.gateway.stages import limits_from_proto
-
         limits = [
-            limits_from_proto(s.DescribeStage(stage_pb2.DescribeStageRequest(), timeout=10).limits) for s in self.stubs
+            converters.limits_from_proto(s.DescribeStage(stage_pb2.DescribeStageRequest(), timeout=10).limits)
+            for s in self.stubs
         ]
         return Limits(**{**limits[-1].__dict__, "max_prompt_bytes": min(x.max_prompt_bytes for x in limits)})
 

@@ -8,13 +8,13 @@ import io
 import numpy as np
 from PIL import Image
 
+from stagemesh.core import formats
 from stagemesh.core.errors import InvalidArgument
-from stagemesh.core.params import OUTPUT_JPEG, OUTPUT_PNG, OUTPUT_WEBP, InitImage, Limits
+from stagemesh.core.params import OUTPUT_PNG, InitImage, Limits
 
 INIT_IMAGE_FIELD = "params.init_image"
 # What a starting image may be encoded as (Pillow's names); no other decoder sees the bytes.
 INIT_IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
-_SAVE_FORMATS = {OUTPUT_PNG: "PNG", OUTPUT_JPEG: "JPEG", OUTPUT_WEBP: "WEBP"}
 
 
 def to_uint8(image: np.ndarray) -> np.ndarray:
@@ -24,10 +24,11 @@ def to_uint8(image: np.ndarray) -> np.ndarray:
 
 def encode(image: np.ndarray, output_format: str, quality: int) -> bytes:
     """[H, W, 3] float in [0, 1] as PNG, or as JPEG / WebP at `quality` (1-100)."""
+    fmt = formats.by_name(output_format)
     pixels = np.ascontiguousarray(to_uint8(image))
     buffer = io.BytesIO()
-    options = {} if output_format == OUTPUT_PNG else {"quality": quality}
-    Image.fromarray(pixels).save(buffer, format=_SAVE_FORMATS[output_format], **options)
+    options = {"quality": quality} if fmt.lossy else {}
+    Image.fromarray(pixels).save(buffer, format=fmt.pillow, **options)
     return buffer.getvalue()
 
 

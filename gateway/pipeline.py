@@ -9,9 +9,9 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 
 from stagemesh.core import codec, converters, errors, logs
+from stagemesh.core.events import DenoisingStep, StageStarted
 from stagemesh.core.params import INIT_IMAGE_INPUT, OUTPUT_TENSOR, Limits, Params
 from stagemesh.gateway.control import Admission, AdmissionTicket
 from stagemesh.gateway.fanout import merged
@@ -30,20 +30,6 @@ INLINE_ENCODE_PIXELS = 64 * 64
 # Stages that denoise: their progress is reported as denoising steps, and they guide.
 DENOISING_KINDS = ("diffusion", "denoise")
 _SEEDS = 2**64  # a seed is a uint64: image i's seed + i wraps around
-
-
-@dataclass(frozen=True)
-class StageStarted:
-    stage_id: int
-    kind: str
-
-
-@dataclass(frozen=True)
-class DenoisingStep:
-    stage_id: int
-    step: int
-    total: int
-    index: int = 0  # which image of the request
 
 
 class _AllStarted:
@@ -190,7 +176,7 @@ class Pipeline:
     def _result(request_id: str, params: Params, index: int, image_proto, latency) -> generation_pb2.GenerationResult:
         result = generation_pb2.GenerationResult(
             request_id=request_id,
-            output_format=converters.output_format_enum(params.output_format),
+            output_format=converters.output_format_to_proto(params.output_format),
             width=params.width,
             height=params.height,
             seed=params.seed,
@@ -201,7 +187,7 @@ class Pipeline:
             result.tensor.CopyFrom(image_proto)
         else:
             data = encode(codec.to_array(image_proto, "image"), params.output_format, params.quality)
-            setattr(result, params.output_format, data)  # the oneof's png, jpeg or webp
+            setattr(result, params.output_format, data)  # a format's name is its field of the oneof
         return result
 
     async def list_stages(self) -> list[gateway_pb2.StageInfo]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from stagemesh.core import auth, errors, logs, serve, tls
+from stagemesh.core import auth, converters, errors, logs, serve, tls
 from stagemesh.core.metrics import ServiceMetrics
 from stagemesh.core.params import check_request_id
 from stagemesh.core.rpc import ServiceHost, servicer_method
@@ -26,16 +26,8 @@ DATA_METHODS = auth.control_methods(SERVICE_NAME, ("Generate", "GenerateUnary", 
 
 
 def _event_proto(event: object) -> gateway_pb2.GenerateResponse:
-    if isinstance(event, StageStarted):
-        return gateway_pb2.GenerateResponse(
-            stage_started=gateway_pb2.StageStarted(stage_id=event.stage_id, kind=event.kind)
-        )
-    if isinstance(event, DenoisingStep):
-        return gateway_pb2.GenerateResponse(
-            denoising_step=gateway_pb2.DenoisingStep(
-                stage_id=event.stage_id, step=event.step, total=event.total, index=event.index
-            )
-        )
+    if isinstance(event, StageStarted | DenoisingStep):
+        return converters.progress_to_proto(event)
     assert isinstance(event, generation_pb2.GenerationResult)
     return gateway_pb2.GenerateResponse(result=event)
 

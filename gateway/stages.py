@@ -19,7 +19,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stagemesh.core import auth, errors, logs, rpc, tls
+from stagemesh.core import auth, converters, errors, logs, rpc, tls
+from stagemesh.core.acks import WorkerAck
 from stagemesh.core.params import Limits
 from stagemesh.gateway import dns
 from stagemesh.v1 import control_pb2, generation_pb2, stage_pb2, stage_pb2_grpc
@@ -93,19 +94,6 @@ async def resolve(target: DnsTarget) -> list[str]:
         return [_address((ip, target.port), socket.AF_INET6 if ":" in ip else socket.AF_INET) for ip in found]
     infos = await asyncio.get_running_loop().getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
     return list(dict.fromkeys(_address(sockaddr, family) for family, _, _, _, sockaddr in infos))
-
-
-def limits_from_proto(msg: stage_pb2.StageLimits) -> Limits:
-    return Limits(
-        pixel_multiple=msg.pixel_multiple,
-        max_pixels_side=msg.max_pixels_side,
-        max_inference_steps=msg.max_inference_steps,
-        max_prompt_bytes=msg.max_prompt_bytes,
-        default_size=msg.default_size,
-        default_inference_steps=msg.default_inference_steps,
-        default_guidance_scale=msg.default_guidance_scale,
-        max_guidance_scale=msg.max_guidance_scale,
-    )
 
 
 @dataclass(frozen=True)
@@ -300,7 +288,7 @@ class StageClient:
                 )
         reply = aggregate(replies)
         self.kind = reply.kind
-        self.limits = limits_from_proto(reply.limits)
+        self.limits = converters.limits_from_proto(reply.limits)
         self.supports_sleep = reply.supports_sleep
         self.sleep_level = reply.sleep_level
         self.supports_negative_prompt = reply.supports_negative_prompt
@@ -326,15 +314,10 @@ class StageClient:
         for address, result in results:
             if isinstance(result, ReplicaFailure):
                 # Every failed ACK of a replica starts with `replica ADDRESS:` (docs/API.md).
-                acks = [
-                    control_pb2.WorkerAck(
-                        stage_id=self.stage_id,
-                        rank=NO_WORKER_RANK,
-                        level=level,
-                        status=control_pb2.ACK_STATUS_ERROR,
-                        error=f"replica {address}: {result.unnamed}",
-                    )
-                ]
+                failed = WorkerAck(
+                    self.stage_id, NO_WORKER_RANK, False, level, error=f"replica {address}: {result.unnamed}"
+                )
+                acks = [converters.worker_ack_to_proto(failed)]
             else:
                 acks = list(result.acks)
                 for ack in acks:

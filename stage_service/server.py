@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from stagemesh.core import auth, converters, logs, rpc, serve, tls
+from stagemesh.core.acks import WorkerAck
 from stagemesh.core.metrics import ServiceMetrics
 from stagemesh.core.params import Limits
 from stagemesh.core.rpc import ServiceHost, servicer_method
@@ -32,16 +33,9 @@ SERVICE_NAME = stage_pb2.DESCRIPTOR.services_by_name["StageService"].full_name
 CONTROL_METHODS = auth.control_methods(SERVICE_NAME, ("SleepStage", "WakeUpStage"))
 
 
-def _ack_proto(stage_id: int, ack: Ack) -> control_pb2.WorkerAck:
-    return control_pb2.WorkerAck(
-        stage_id=stage_id,
-        rank=ack.rank,
-        status=control_pb2.ACK_STATUS_SUCCESS if ack.ok else control_pb2.ACK_STATUS_ERROR,
-        freed_bytes=ack.freed_bytes,
-        latency_ms=ack.latency_ms,
-        level=ack.level,
-        error=ack.error,
-    )
+def _acks_proto(stage_id: int, acks: list[Ack]) -> list[control_pb2.WorkerAck]:
+    """The workers' answers as the wire carries them, each naming this stage."""
+    return [converters.worker_ack_to_proto(WorkerAck(stage_id, **dataclasses.asdict(a))) for a in acks]
 
 
 def _encode_outputs(outputs: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -82,16 +76,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             stage_id=s.stage_id,
             kind=s.kind,
             ready=self.ready and self._engine.serving,
-            limits=stage_pb2.StageLimits(
-                pixel_multiple=lim.pixel_multiple,
-                max_pixels_side=lim.max_pixels_side,
-                max_inference_steps=lim.max_inference_steps,
-                max_prompt_bytes=lim.max_prompt_bytes,
-                default_size=lim.default_size,
-                default_inference_steps=lim.default_inference_steps,
-                default_guidance_scale=lim.default_guidance_scale,
-                max_guidance_scale=lim.max_guidance_scale,
-            ),
+            limits=converters.limits_to_proto(lim),
             device=ready[0].device if ready else s.device,
             device_memory_bytes=self._executor.device_memory_bytes(),
             workers=s.worker_processes(),
@@ -105,12 +90,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     @servicer_method
     async def SleepStage(self, request: stage_pb2.SleepStageRequest, context) -> stage_pb2.SleepStageResponse:
         acks = await self._control.sleep(request.level)
-        return stage_pb2.SleepStageResponse(acks=[_ack_proto(self._settings.stage_id, a) for a in acks])
+        return stage_pb2.SleepStageResponse(acks=_acks_proto(self._settings.stage_id, acks))
 
     @servicer_method
     async def WakeUpStage(self, request, context) -> stage_pb2.WakeUpStageResponse:
         acks = await self._control.wake()
-        return stage_pb2.WakeUpStageResponse(acks=[_ack_proto(self._settings.stage_id, a) for a in acks])
+        return stage_pb2.WakeUpStageResponse(acks=_acks_proto(self._settings.stage_id, acks))
 
 
 def _export_cache_security(token: str | None, tls_ca: str) -> None:

@@ -129,7 +129,7 @@ async def _generate(
     wire = schema.to_generation_params(body, image)
     params = pipeline.resolve(wire)
     request_id = logs.current_request_id()
-    output_format = schema.output_format_name(wire)
+    output_format = params.output_format
     if body.stream:
         events = await open_stream(pipeline, request_id, params, stopping, prefix, output_format)
         return StreamingResponse(events, media_type="text/event-stream", headers=_STREAM_HEADERS)

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from stagemesh.core import errors
+from stagemesh.core import converters, errors, formats
 from stagemesh.v1 import control_pb2, generation_pb2
 
 # The mesh serves one pipeline: GET /v1/models lists it under this id, and a request's `model`
@@ -25,11 +25,6 @@ from stagemesh.v1 import control_pb2, generation_pb2
 MODEL_ID = "stagemesh"
 MAX_SEED = 2**64 - 1  # GenerationParams.seed is a uint64
 _SIZE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
-OUTPUT_FORMATS = {
-    "png": generation_pb2.OUTPUT_FORMAT_PNG,
-    "jpeg": generation_pb2.OUTPUT_FORMAT_JPEG,
-    "webp": generation_pb2.OUTPUT_FORMAT_WEBP,
-}
 # GenerationParams' field names in domain errors -> the HTTP request's names.
 _HTTP_PARAMS = {
     "width": "size",
@@ -128,7 +123,7 @@ def to_generation_params(request: ImageRequest, init_image: bytes = b"") -> gene
     check_unsupported(request)
     params = generation_pb2.GenerationParams(
         prompt=request.prompt,
-        output_format=OUTPUT_FORMATS[request.output_format or "png"],
+        output_format=converters.output_format_to_proto(request.output_format or formats.DEFAULT.name),
         init_image=init_image,
     )
     size = _size(request.size)
@@ -137,7 +132,7 @@ def to_generation_params(request: ImageRequest, init_image: bytes = b"") -> gene
     if request.n is not None:
         params.num_images = request.n
     # JPEG and WebP only; 0 (OpenAI's most compressed) is the encoders' lowest quality, 1.
-    if request.output_compression is not None and request.output_format in ("jpeg", "webp"):
+    if request.output_compression is not None and request.output_format in formats.LOSSY_NAMES:
         params.quality = max(1, request.output_compression)
     for name in ("seed", "negative_prompt", "num_inference_steps", "guidance_scale", "strength"):
         value = getattr(request, name)
@@ -146,13 +141,9 @@ def to_generation_params(request: ImageRequest, init_image: bytes = b"") -> gene
     return params
 
 
-def output_format_name(params: generation_pb2.GenerationParams) -> str:
-    return next(name for name, value in OUTPUT_FORMATS.items() if value == params.output_format)
-
-
 def image_bytes(result: generation_pb2.GenerationResult) -> bytes:
     which = result.WhichOneof("image")
-    if which not in ("png", "jpeg", "webp"):
+    if which not in formats.ENCODED_NAMES:
         raise errors.StagemeshError(f"the pipeline returned no encoded image (got {which})")
     return getattr(result, which)
 

@@ -19,19 +19,19 @@ from stagemesh.client.errors import (
     UnavailableError,
     UnimplementedError,
 )
+from stagemesh.client.requests import GenerateOptions
 from stagemesh.client.results import (
     ControlResult,
     ControlStatus,
-    DenoisingStep,
     GenerationResult,
     ProgressEvent,
     StageInfo,
     StageListing,
-    StageStarted,
     StageState,
-    WorkerAck,
 )
 from stagemesh.client.sync import Client
+from stagemesh.core.acks import WorkerAck
+from stagemesh.core.events import DenoisingStep, StageStarted
 
 __all__ = [
     "AsyncClient",
@@ -44,6 +44,7 @@ __all__ = [
     "DenoisingStep",
     "FailedPreconditionError",
     "FieldViolation",
+    "GenerateOptions",
     "GenerationResult",
     "InternalError",
     "InvalidArgumentError",

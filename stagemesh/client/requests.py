@@ -1,4 +1,4 @@
-"""The GenerationParams a client sends, built from its keyword arguments."""
+"""The keywords of a client's generate() and the GenerationParams built from them."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import io
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, TypeAlias
+from typing import TYPE_CHECKING, Literal, Required, TypeAlias, TypedDict, Unpack
 
+from stagemesh.core import converters, formats
 from stagemesh.v1 import generation_pb2
 
 if TYPE_CHECKING:
@@ -16,47 +17,70 @@ if TYPE_CHECKING:
 OutputFormat: TypeAlias = Literal["png", "jpeg", "webp", "tensor"]
 # Encoded bytes, a path to an image file, or a PIL image (sent as PNG).
 InitImage: TypeAlias = "bytes | bytearray | memoryview | str | os.PathLike[str] | Image.Image"
-
-FORMAT_ENUMS: dict[str, generation_pb2.OutputFormat] = {
-    "png": generation_pb2.OUTPUT_FORMAT_PNG,
-    "jpeg": generation_pb2.OUTPUT_FORMAT_JPEG,
-    "webp": generation_pb2.OUTPUT_FORMAT_WEBP,
-    "tensor": generation_pb2.OUTPUT_FORMAT_TENSOR,
-}
+DEFAULT_OUTPUT_FORMAT: OutputFormat = "png"
 
 
-def generation_params(
-    prompt: str,
-    *,
-    width: int | None = None,
-    height: int | None = None,
-    steps: int | None = None,
-    guidance_scale: float | None = None,
-    seed: int | None = None,
-    negative_prompt: str | None = None,
-    num_images: int | None = None,
-    output_format: OutputFormat = "png",
-    quality: int | None = None,
-    init_image: InitImage | None = None,
-    strength: float | None = None,
-) -> generation_pb2.GenerationParams:
-    """Unset (None) fields stay unset: the gateway applies its defaults and checks the ranges."""
-    if output_format not in FORMAT_ENUMS:
-        raise ValueError(f"output_format = {output_format!r}: allowed {', '.join(map(repr, FORMAT_ENUMS))}")
-    params = generation_pb2.GenerationParams(prompt=prompt, output_format=FORMAT_ENUMS[output_format])
-    for name, value in (
-        ("width", width),
-        ("height", height),
-        ("num_inference_steps", steps),
-        ("guidance_scale", guidance_scale),
-        ("seed", seed),
-        ("negative_prompt", negative_prompt),
-        ("num_images", num_images),
-        ("quality", quality),
-        ("strength", strength),
-    ):
-        if value is not None:
-            setattr(params, name, value)
+class _Options(TypedDict, total=False):
+    """Every keyword of generate() but num_images, which decides what it returns."""
+
+    width: int | None
+    height: int | None
+    steps: int | None  # num_inference_steps
+    guidance_scale: float | None
+    seed: int | None
+    negative_prompt: str | None
+    output_format: OutputFormat  # DEFAULT_OUTPUT_FORMAT when left out
+    quality: int | None
+    init_image: InitImage | None
+    strength: float | None
+    # The call's own, not GenerationParams' fields.
+    request_id: str | None
+    timeout: float | None
+
+
+class GenerateOptions(_Options, total=False):
+    """The keywords of Client.generate and AsyncClient.generate beside the prompt (docs/API.md,
+    "Python client"): each one left out, or None, leaves its field to the gateway's default."""
+
+    num_images: int | None
+
+
+class OneImageOptions(_Options, total=False):
+    """generate()'s keywords when they ask for one image (a GenerationResult)."""
+
+    num_images: None
+
+
+class ImageListOptions(_Options, total=False):
+    """generate()'s keywords when they give num_images (a list of GenerationResult)."""
+
+    num_images: Required[int]
+
+
+KEYWORDS = GenerateOptions.__optional_keys__ | GenerateOptions.__required_keys__
+# Keywords that name a GenerationParams field otherwise.
+_FIELD_NAMES = {"steps": "num_inference_steps"}
+# Keywords that are not set on GenerationParams as they are given.
+_NOT_COPIED = frozenset({"output_format", "init_image", "request_id", "timeout"})
+
+
+def generation_params(prompt: str, **options: Unpack[GenerateOptions]) -> generation_pb2.GenerationParams:
+    """Unset (None) fields stay unset: the gateway applies its defaults and checks the ranges.
+    request_id and timeout are the caller's to send."""
+    unknown = sorted(options.keys() - KEYWORDS)
+    if unknown:
+        # As Python refuses a keyword a signature does not name; `**options` would take any.
+        raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}")
+    output_format = options.get("output_format", DEFAULT_OUTPUT_FORMAT)
+    if output_format not in formats.NAMES:
+        raise ValueError(f"output_format = {output_format!r}: allowed {', '.join(map(repr, formats.NAMES))}")
+    params = generation_pb2.GenerationParams(
+        prompt=prompt, output_format=converters.output_format_to_proto(output_format)
+    )
+    for keyword, value in options.items():
+        if value is not None and keyword not in _NOT_COPIED:
+            setattr(params, _FIELD_NAMES.get(keyword, keyword), value)
+    init_image = options.get("init_image")
     if init_image is not None:
         params.init_image = init_image_bytes(init_image)
     return params

@@ -7,22 +7,20 @@ from __future__ import annotations
 
 import builtins
 import enum
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
-from stagemesh.client.requests import FORMAT_ENUMS
+from stagemesh.core import converters, formats
+from stagemesh.core.acks import WorkerAck
+from stagemesh.core.events import DenoisingStep, StageStarted
 from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2
 
 if TYPE_CHECKING:
     import numpy as np
     from PIL import Image
 
-_FORMAT_NAMES = {enum_value: name for name, enum_value in FORMAT_ENUMS.items()}
-_FORMAT_NAMES[generation_pb2.OUTPUT_FORMAT_UNSPECIFIED] = "png"
-# File suffixes that name an encoded format: save() converts when the suffix asks for another one.
-_SUFFIX_FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
 _NUMPY_DTYPES = ("float32", "float16", "float64", "uint8", "int8", "int16", "int32", "int64", "bool")
 
 
@@ -62,13 +60,13 @@ class GenerationResult:
             tensor = TensorData(msg.tensor.dtype, tuple(int(d) for d in msg.tensor.shape), msg.tensor.data)
         return cls(
             request_id=msg.request_id,
-            format=_FORMAT_NAMES.get(msg.output_format, which or "png"),
+            format=converters.output_format_from_proto(msg.output_format) or which or formats.DEFAULT.name,
             width=msg.width,
             height=msg.height,
             seed=msg.seed,
             index=msg.index,
             stage_latency_ms={int(k): v for k, v in msg.stage_latency_ms.items()},
-            _encoded=getattr(msg, which) if which in ("png", "jpeg", "webp") else b"",
+            _encoded=getattr(msg, which) if which in formats.ENCODED_NAMES else b"",
             _tensor=tensor,
         )
 
@@ -113,7 +111,8 @@ class GenerationResult:
         (or names none), else converted to the format the suffix names (.png, .jpg/.jpeg, .webp);
         a tensor result to .npy as the array, to an image suffix as the 8-bit image."""
         path = Path(path)
-        wanted = _SUFFIX_FORMATS.get(path.suffix.lower())
+        named = formats.by_suffix(path.suffix)  # save() converts when the suffix asks for another format
+        wanted = named.name if named is not None else None
         if self._tensor is not None and path.suffix.lower() == ".npy":
             import numpy as np
 
@@ -125,36 +124,15 @@ class GenerationResult:
         return path
 
 
-@dataclass(frozen=True)
-class StageStarted:
-    """A stage began work on the request."""
-
-    stage_id: int
-    kind: str
-
-
-@dataclass(frozen=True)
-class DenoisingStep:
-    """Step `step` of `total` (from 1) of the diffusion stage, for image `index` of the request."""
-
-    stage_id: int
-    step: int
-    total: int
-    index: int
-
-
 # What on_progress receives, one per streamed event: a result is an event too.
 ProgressEvent: TypeAlias = StageStarted | DenoisingStep | GenerationResult
+# generate()'s on_progress; AsyncClient awaits what it returns when that is awaitable.
+ProgressCallback: TypeAlias = Callable[[ProgressEvent], Any]
 
 
 def event_from_proto(msg: gateway_pb2.GenerateResponse) -> ProgressEvent:
-    which = msg.WhichOneof("event")
-    if which == "stage_started":
-        return StageStarted(msg.stage_started.stage_id, msg.stage_started.kind)
-    if which == "denoising_step":
-        s = msg.denoising_step
-        return DenoisingStep(s.stage_id, s.step, s.total, s.index)
-    return GenerationResult.from_proto(msg.result)
+    progress = converters.progress_from_proto(msg)
+    return progress if progress is not None else GenerationResult.from_proto(msg.result)
 
 
 class StageState(enum.StrEnum):
@@ -230,19 +208,6 @@ _CONTROL_STATUSES = {
 
 
 @dataclass(frozen=True)
-class WorkerAck:
-    """One worker's answer to a sleep or wake. `rank` is -1 for a replica that did not answer."""
-
-    stage_id: int
-    rank: int
-    ok: bool
-    level: int
-    freed_bytes: int
-    latency_ms: float
-    error: str
-
-
-@dataclass(frozen=True)
 class ControlResult:
     """The answer to sleep() or wake_up(): overall status, why it was skipped, one ack per worker."""
 
@@ -259,16 +224,5 @@ class ControlResult:
         return cls(
             status=_CONTROL_STATUSES.get(msg.status, ControlStatus.UNSPECIFIED),
             reason=getattr(msg, "reason", ""),
-            acks=[
-                WorkerAck(
-                    stage_id=a.stage_id,
-                    rank=a.rank,
-                    ok=a.status == control_pb2.ACK_STATUS_SUCCESS,
-                    level=a.level,
-                    freed_bytes=a.freed_bytes,
-                    latency_ms=a.latency_ms,
-                    error=a.error,
-                )
-                for a in msg.acks
-            ],
+            acks=[converters.worker_ack_from_proto(a) for a in msg.acks],
         )

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from types import TracebackType
-from typing import Any, overload
+from typing import Unpack, overload
 
 from stagemesh.client import calls
 from stagemesh.client.channel import DEFAULT_RETRY, Connection, RetryPolicy
 from stagemesh.client.errors import raising_call_errors
-from stagemesh.client.requests import InitImage, OutputFormat, generation_params
-from stagemesh.client.results import ControlResult, GenerationResult, ProgressEvent, StageListing
+from stagemesh.client.requests import GenerateOptions, ImageListOptions, OneImageOptions, generation_params
+from stagemesh.client.results import ControlResult, GenerationResult, ProgressCallback, StageListing
 from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
 
 
@@ -61,64 +61,21 @@ class Client:
 
     @overload
     def generate(
-        self,
-        prompt: str,
-        *,
-        width: int | None = ...,
-        height: int | None = ...,
-        steps: int | None = ...,
-        guidance_scale: float | None = ...,
-        seed: int | None = ...,
-        negative_prompt: str | None = ...,
-        num_images: None = ...,
-        output_format: OutputFormat = ...,
-        quality: int | None = ...,
-        init_image: InitImage | None = ...,
-        strength: float | None = ...,
-        request_id: str | None = ...,
-        timeout: float | None = ...,
-        on_progress: Callable[[ProgressEvent], Any] | None = ...,
+        self, prompt: str, *, on_progress: ProgressCallback | None = ..., **options: Unpack[OneImageOptions]
     ) -> GenerationResult: ...
 
     @overload
     def generate(
-        self,
-        prompt: str,
-        *,
-        width: int | None = ...,
-        height: int | None = ...,
-        steps: int | None = ...,
-        guidance_scale: float | None = ...,
-        seed: int | None = ...,
-        negative_prompt: str | None = ...,
-        num_images: int,
-        output_format: OutputFormat = ...,
-        quality: int | None = ...,
-        init_image: InitImage | None = ...,
-        strength: float | None = ...,
-        request_id: str | None = ...,
-        timeout: float | None = ...,
-        on_progress: Callable[[ProgressEvent], Any] | None = ...,
+        self, prompt: str, *, on_progress: ProgressCallback | None = ..., **options: Unpack[ImageListOptions]
     ) -> list[GenerationResult]: ...
 
+    @overload
     def generate(
-        self,
-        prompt: str,
-        *,
-        width: int | None = None,
-        height: int | None = None,
-        steps: int | None = None,
-        guidance_scale: float | None = None,
-        seed: int | None = None,
-        negative_prompt: str | None = None,
-        num_images: int | None = None,
-        output_format: OutputFormat = "png",
-        quality: int | None = None,
-        init_image: InitImage | None = None,
-        strength: float | None = None,
-        request_id: str | None = None,
-        timeout: float | None = None,
-        on_progress: Callable[[ProgressEvent], Any] | None = None,
+        self, prompt: str, *, on_progress: ProgressCallback | None = ..., **options: Unpack[GenerateOptions]
+    ) -> GenerationResult | list[GenerationResult]: ...
+
+    def generate(
+        self, prompt: str, *, on_progress: ProgressCallback | None = None, **options: Unpack[GenerateOptions]
     ) -> GenerationResult | list[GenerationResult]:
         """Generate an image: one GenerationResult, or with `num_images` a list of them by index.
 
@@ -127,28 +84,16 @@ class Client:
         `quality` 1-100 for JPEG and WebP; `init_image` (bytes, a path or a PIL image) with
         `strength` in (0, 1] makes it image-to-image. With `on_progress`, the call streams
         (Generate) and on_progress(event) runs for every event as it arrives; without, it is one
-        GenerateUnary.
+        GenerateUnary. The keywords are those of GenerateOptions.
         """
-        params = generation_params(
-            prompt,
-            width=width,
-            height=height,
-            steps=steps,
-            guidance_scale=guidance_scale,
-            seed=seed,
-            negative_prompt=negative_prompt,
-            num_images=num_images,
-            output_format=output_format,
-            quality=quality,
-            init_image=init_image,
-            strength=strength,
-        )
-        deadline = self.connection.deadline(timeout)
+        params = generation_params(prompt, **options)
+        request_id = options.get("request_id")
+        deadline = self.connection.deadline(options.get("timeout"))
         if on_progress is None:
             results = self._generate_unary(params, request_id, deadline)
         else:
             results = self._generate_streaming(params, request_id, deadline, on_progress)
-        return results if num_images is not None else results[0]
+        return results if options.get("num_images") is not None else results[0]
 
     def _generate_unary(
         self, params: generation_pb2.GenerationParams, request_id: str | None, deadline: float
@@ -164,7 +109,7 @@ class Client:
         params: generation_pb2.GenerationParams,
         request_id: str | None,
         deadline: float,
-        on_progress: Callable[[ProgressEvent], Any],
+        on_progress: ProgressCallback,
     ) -> list[GenerationResult]:
         collected = calls.Collected()
         with raising_call_errors():

@@ -10,15 +10,16 @@ import math
 import secrets
 from dataclasses import dataclass, field
 
+from stagemesh.core import formats
 from stagemesh.core.errors import FieldViolation, InvalidArgument
 
-OUTPUT_PNG = "png"
-OUTPUT_TENSOR = "tensor"
-OUTPUT_JPEG = "jpeg"
-OUTPUT_WEBP = "webp"
-OUTPUT_FORMATS = (OUTPUT_PNG, OUTPUT_TENSOR, OUTPUT_JPEG, OUTPUT_WEBP)
+OUTPUT_PNG = formats.PNG.name
+OUTPUT_TENSOR = formats.TENSOR.name
+OUTPUT_JPEG = formats.JPEG.name
+OUTPUT_WEBP = formats.WEBP.name
+OUTPUT_FORMATS = formats.NAMES
 # Formats that take a quality.
-LOSSY_FORMATS = (OUTPUT_JPEG, OUTPUT_WEBP)
+LOSSY_FORMATS = formats.LOSSY_NAMES
 DEFAULT_QUALITY = 90
 MAX_QUALITY = 100
 # Image-to-image without a strength: how far from the starting image (diffusers' default).
@@ -205,7 +206,8 @@ def _check_outputs(
     if output_format not in OUTPUT_FORMATS:
         out.append(
             FieldViolation(
-                "params.output_format", f"unknown output format {output_format!r}; allowed: PNG, TENSOR, JPEG, WEBP"
+                "params.output_format",
+                f"unknown output format {output_format!r}; allowed: {', '.join(map(str.upper, OUTPUT_FORMATS))}",
             )
         )
     if not 1 <= num_images <= limits.max_num_images:
@@ -215,11 +217,12 @@ def _check_outputs(
     if quality is None:
         return
     if output_format not in LOSSY_FORMATS:
+        lossy = [name.upper() for name in LOSSY_FORMATS]
         out.append(
             FieldViolation(
                 "params.quality",
-                f"applies to JPEG and WEBP only, not {output_format.upper()}; allowed: unset, or 1 to "
-                f"{MAX_QUALITY} with output_format JPEG or WEBP",
+                f"applies to {' and '.join(lossy)} only, not {output_format.upper()}; allowed: unset, or 1 to "
+                f"{MAX_QUALITY} with output_format {' or '.join(lossy)}",
             )
         )
     elif not 1 <= quality <= MAX_QUALITY:
