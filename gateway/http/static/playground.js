@@ -229,7 +229,7 @@
       progress.step(data.index || 0, data.step, data.total, data.stage_id);
     } else if (type.endsWith(".completed")) {
       progress.completed(data.index || 0);
-      addResult(data);
+      addResult(data, progress.shown);
     } else if (type === "error") {
       const error = { status: 0, ...data.error };
       progress.done("The request failed.");
@@ -243,6 +243,7 @@
       this.images = images;
       this.fractions = new Array(images).fill(0);
       this.stepLines = new Map();
+      this.shown = []; // this request's result items, in index order
       page.events.replaceChildren();
       page.progressBar.value = 0;
       page.progressText.textContent = "Waiting for the gateway…";
@@ -301,7 +302,7 @@
     return bytes;
   }
 
-  function addResult(data) {
+  function addResult(data, shown) {
     const format = data.output_format || "png";
     const blob = new Blob([decodeBase64(data.b64_json)], { type: `image/${format}` });
     const url = URL.createObjectURL(blob);
@@ -321,7 +322,14 @@
     caption.append(`Seed ${data.seed} · ${data.size} · ${format.toUpperCase()} · `, link);
     figure.append(img, caption);
     item.append(figure);
-    page.results.prepend(item);
+    // The newest request first; its images by index, whichever order they finish in.
+    const index = data.index || 0;
+    const after = shown.find((other) => other.index > index);
+    if (after) after.item.before(item);
+    else if (shown.length) shown[shown.length - 1].item.after(item);
+    else page.results.prepend(item);
+    shown.push({ index, item });
+    shown.sort((a, b) => a.index - b.index);
     page.resultsEmpty.hidden = true;
     while (page.results.children.length > MAX_RESULTS) {
       const old = page.results.lastElementChild;
