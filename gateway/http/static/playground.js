@@ -533,6 +533,15 @@
   // --- wiring ---------------------------------------------------------------------------------
 
   page.form.addEventListener("submit", generate);
+  // Enter in a text area starts a new line; Ctrl+Enter (or Cmd+Enter) sends the form from there too.
+  for (const area of page.form.querySelectorAll("textarea")) {
+    area.addEventListener("keydown", (event) => {
+      if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) {
+        event.preventDefault();
+        page.form.requestSubmit();
+      }
+    });
+  }
   page.cancel.addEventListener("click", () => running && running.abort());
   page.image.addEventListener("change", () => {
     const chosen = page.image.files.length > 0;

@@ -259,5 +259,17 @@ def test_at_phone_width_the_page_fits_and_names_the_field_at_fault(opened, artif
     sync_api.expect(page.locator("#events")).to_contain_text("Sent to /v1/images/edits.")
     assert page.locator("#result-list img").first.evaluate("i => [i.naturalWidth, i.naturalHeight]") == [48, 32]
     assert "/v1/images/edits" in {urlsplit(u).path for u in recorded.requests}
+
+    # A long request shows in stage 1's queue; Cancel ends it there too (the page's own refresh says so).
+    page.get_by_label("Image file").set_input_files(files=[])
+    fill_request(page, "a long night", width=512, height=512, steps=200, seed=4)
+    page.get_by_label("Prompt", exact=True).press("Control+Enter")
+    sync_api.expect(page.locator("#events")).to_contain_text("denoising step")
+    queue = page.locator("#stage-1 td[data-label='Queue']")
+    sync_api.expect(queue).to_have_text("1")
+    page.get_by_role("button", name="Cancel").click()
+    sync_api.expect(page.locator("#progress-text")).to_contain_text("Cancelled")
+    sync_api.expect(queue).to_have_text("0")
+    sync_api.expect(page.locator("#result-list img")).to_have_count(2)
     assert recorded.foreign_requests() == []
     assert recorded.policy_violations() == []
