@@ -203,6 +203,12 @@ class Pipeline:
             info.device = reply.device
             info.device_memory_bytes = reply.device_memory_bytes
             info.sleep_level = reply.sleep_level
+            info.workers = reply.workers
+            info.supports_sleep = reply.supports_sleep
+            info.max_batch_size = reply.max_batch_size
+            info.queue_depth = reply.queue_depth
+            if reply.batches:
+                info.mean_batch_size = reply.batched_requests / reply.batches
             if reply.sleep_level:
                 info.state = gateway_pb2.STAGE_STATE_SLEEPING
             else:

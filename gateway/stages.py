@@ -109,7 +109,7 @@ class ReplicaAcks:
 
 
 def aggregate(replies: list[stage_pb2.DescribeStageResponse]) -> stage_pb2.DescribeStageResponse:
-    """The stage as the replicas that answered describe it: memory and workers summed, ready only
+    """The stage as the replicas that answered describe it: memory, workers and load summed, ready only
     if all are, asleep (at the deepest level) if any is, since round_robin would route into it."""
     total = stage_pb2.DescribeStageResponse()
     total.CopyFrom(replies[0])
@@ -121,6 +121,9 @@ def aggregate(replies: list[stage_pb2.DescribeStageResponse]) -> stage_pb2.Descr
     total.sleep_level = max(r.sleep_level for r in replies)
     total.device_memory_bytes = sum(r.device_memory_bytes for r in replies)
     total.workers = sum(r.workers for r in replies)
+    total.queue_depth = sum(r.queue_depth for r in replies)
+    total.batches = sum(r.batches for r in replies)
+    total.batched_requests = sum(r.batched_requests for r in replies)
     total.device = ",".join(dict.fromkeys(r.device for r in replies))
     return total
 

@@ -85,6 +85,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             sleep_level=self._control.level,
             supports_negative_prompt=lim.supports_negative_prompt,
             supports_init_image=lim.supports_init_image,
+            queue_depth=self._engine.queue_depth,
+            batches=self._engine.batches,
+            batched_requests=self._engine.batched_requests,
         )
 
     @servicer_method

@@ -1,9 +1,11 @@
-"""The gateway's HTTP routes: OpenAI's Images API and the control calls, thin over the same domain
-objects the gRPC servicer calls (Pipeline, ControlPlane). docs/API.md, "HTTP API", lists them."""
+"""The gateway's HTTP routes: OpenAI's Images API, the mesh's state and the control calls, thin over
+the same domain objects the gRPC servicer calls (Pipeline, ControlPlane), and the playground page
+that drives them from a browser. docs/API.md, "HTTP API", lists them."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -18,6 +20,7 @@ from stagemesh.core import auth, errors, logs
 from stagemesh.gateway.control import ControlPlane
 from stagemesh.gateway.http import errors as http_errors
 from stagemesh.gateway.http import openai_schema as schema
+from stagemesh.gateway.http import playground
 from stagemesh.gateway.http.generation import ClientGone, all_images, open_stream, unless_disconnected
 from stagemesh.gateway.http.middleware import RequestContext
 from stagemesh.gateway.pipeline import Pipeline
@@ -75,6 +78,15 @@ def create_app(pipeline: Pipeline, control: ControlPlane, settings: HttpSettings
         }
         return JSONResponse(body, status_code=200 if serving else 503)
 
+    @app.get("/v1/omni/stages", dependencies=[data])
+    async def stages() -> dict:
+        """ListStages, and the request limits the pipeline sets (what a form may offer)."""
+        return {
+            "generation_paused": pipeline.admission.paused,
+            "stages": [_stage_json(s) for s in await pipeline.list_stages()],
+            "limits": dataclasses.asdict(pipeline.limits),
+        }
+
     @app.post("/v1/omni/sleep", dependencies=[ctl])
     async def sleep(body: schema.SleepBody) -> dict:
         result = await control.sleep(body.stage_ids, body.level, None)
@@ -95,7 +107,25 @@ def create_app(pipeline: Pipeline, control: ControlPlane, settings: HttpSettings
         control.resume()
         return {"status": "SUCCESS", "generation_paused": pipeline.admission.paused}
 
+    playground.add_routes(app)
     return app
+
+
+def _stage_json(stage: gateway_pb2.StageInfo) -> dict:
+    return {
+        "stage_id": stage.stage_id,
+        "kind": stage.kind,
+        "state": _STATE_NAMES[stage.state],
+        "replicas": stage.replicas,
+        "workers": stage.workers,
+        "device": stage.device,
+        "device_memory_bytes": stage.device_memory_bytes,
+        "sleep_level": stage.sleep_level,
+        "supports_sleep": stage.supports_sleep,
+        "queue_depth": stage.queue_depth,
+        "max_batch_size": stage.max_batch_size,
+        "mean_batch_size": round(stage.mean_batch_size, 2),
+    }
 
 
 def _control_token(token: str | None):

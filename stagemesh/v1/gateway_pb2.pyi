@@ -127,7 +127,7 @@ class GenerateUnaryResponse(_message.Message):
     def __init__(self, result: _Optional[_Union[_generation_pb2.GenerationResult, _Mapping]] = ..., results: _Optional[_Iterable[_Union[_generation_pb2.GenerationResult, _Mapping]]] = ...) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("stage_id", "kind", "replicas", "state", "sleep_level", "device_memory_bytes", "device")
+    __slots__ = ("stage_id", "kind", "replicas", "state", "sleep_level", "device_memory_bytes", "device", "workers", "supports_sleep", "max_batch_size", "queue_depth", "mean_batch_size")
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,11 @@ class StageInfo(_message.Message):
     SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_SLEEP_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    MEAN_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     stage_id: int
     kind: str
     replicas: int
@@ -142,7 +147,12 @@ class StageInfo(_message.Message):
     sleep_level: int
     device_memory_bytes: int
     device: str
-    def __init__(self, stage_id: _Optional[int] = ..., kind: _Optional[str] = ..., replicas: _Optional[int] = ..., state: _Optional[_Union[StageState, str]] = ..., sleep_level: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    workers: int
+    supports_sleep: bool
+    max_batch_size: int
+    queue_depth: int
+    mean_batch_size: float
+    def __init__(self, stage_id: _Optional[int] = ..., kind: _Optional[str] = ..., replicas: _Optional[int] = ..., state: _Optional[_Union[StageState, str]] = ..., sleep_level: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., device: _Optional[str] = ..., workers: _Optional[int] = ..., supports_sleep: _Optional[bool] = ..., max_batch_size: _Optional[int] = ..., queue_depth: _Optional[int] = ..., mean_batch_size: _Optional[float] = ...) -> None: ...
 
 class ListStagesRequest(_message.Message):
     __slots__ = ()

@@ -102,7 +102,7 @@ class DescribeStageRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeStageResponse(_message.Message):
-    __slots__ = ("stage_id", "kind", "ready", "limits", "device", "device_memory_bytes", "workers", "max_batch_size", "supports_sleep", "sleep_level", "supports_negative_prompt", "supports_init_image")
+    __slots__ = ("stage_id", "kind", "ready", "limits", "device", "device_memory_bytes", "workers", "max_batch_size", "supports_sleep", "sleep_level", "supports_negative_prompt", "supports_init_image", "queue_depth", "batches", "batched_requests")
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,9 @@ class DescribeStageResponse(_message.Message):
     SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_INIT_IMAGE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     stage_id: int
     kind: str
     ready: bool
@@ -127,4 +130,7 @@ class DescribeStageResponse(_message.Message):
     sleep_level: int
     supports_negative_prompt: bool
     supports_init_image: bool
-    def __init__(self, stage_id: _Optional[int] = ..., kind: _Optional[str] = ..., ready: _Optional[bool] = ..., limits: _Optional[_Union[StageLimits, _Mapping]] = ..., device: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., supports_sleep: _Optional[bool] = ..., sleep_level: _Optional[int] = ..., supports_negative_prompt: _Optional[bool] = ..., supports_init_image: _Optional[bool] = ...) -> None: ...
+    queue_depth: int
+    batches: int
+    batched_requests: int
+    def __init__(self, stage_id: _Optional[int] = ..., kind: _Optional[str] = ..., ready: _Optional[bool] = ..., limits: _Optional[_Union[StageLimits, _Mapping]] = ..., device: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., supports_sleep: _Optional[bool] = ..., sleep_level: _Optional[int] = ..., supports_negative_prompt: _Optional[bool] = ..., supports_init_image: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., batches: _Optional[int] = ..., batched_requests: _Optional[int] = ...) -> None: ...

@@ -1,6 +1,6 @@
 """The wheel carries what an installation needs: the license, the API's .proto files, the typing
-marker and complete metadata; it is built from what the Dockerfile copies, so the image's
-install step has everything it reads."""
+marker, the playground's static files and complete metadata; it is built from what the Dockerfile
+copies, so the image's install step has everything it reads."""
 
 from __future__ import annotations
 
@@ -60,6 +60,10 @@ def test_wheel_ships_license_protos_and_typing_marker(wheel):
     assert protos, "no .proto sources in protos/stagemesh/v1"
     assert {f"stagemesh/v1/{p}" for p in protos} <= names
     assert "stagemesh/py.typed" in names
+    # the gateway's playground page, served from the installed package
+    static = {p.name for p in (REPO / "gateway" / "http" / "static").iterdir()}
+    assert {"index.html", "playground.js", "playground.css"} <= static
+    assert {f"stagemesh/gateway/http/static/{name}" for name in static} <= names
     assert not any(n.startswith(("tests/", "bench/", "scripts/")) for n in names)
 
 

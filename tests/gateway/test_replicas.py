@@ -203,3 +203,10 @@ def test_aggregate_sums_memory_and_sleeps_if_any_replica_sleeps():
     assert (total.device_memory_bytes, total.workers, total.sleep_level, total.device) == (100, 2, 2, "cpu")
     assert total.ready and total.supports_sleep
     assert not aggregate([one, stage_pb2.DescribeStageResponse(kind="diffusion")]).ready
+
+
+def test_aggregate_sums_the_replicas_load():
+    one = stage_pb2.DescribeStageResponse(kind="ar", queue_depth=3, batches=4, batched_requests=10, max_batch_size=4)
+    two = stage_pb2.DescribeStageResponse(kind="ar", queue_depth=1, batches=2, batched_requests=2, max_batch_size=4)
+    total = aggregate([one, two])
+    assert (total.queue_depth, total.batches, total.batched_requests, total.max_batch_size) == (4, 6, 12, 4)
