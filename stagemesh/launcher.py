@@ -11,8 +11,7 @@ from dataclasses import replace
 
 from stagemesh.config import MeshConfig, SecurityConfig
 from stagemesh.core import auth, errors, logs, tls
-from stagemesh.stage_service.offload.config import DEFAULT_RUNTIME_CACHE_DIR
-from stagemesh.stage_service.settings import StageSettings
+from stagemesh.stage_service.settings import DEFAULT_RUNTIME_CACHE_DIR, StageSettings
 from stagemesh.supervisor import Child, StartFailed, Supervisor, service_argv
 
 log = logs.get_logger("stagemesh.up")

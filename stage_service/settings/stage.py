@@ -1,32 +1,38 @@
-"""Every option of one stage service: flags of `stagemesh stage`, keys of a [[stages]] table."""
+"""Every option of one stage service: flags of `stagemesh stage`, keys of a [[stages]] table, and
+what each of its worker processes is started with."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 from stagemesh.core import envflags, logs, metrics, options, tls
 from stagemesh.core.options import option
 from stagemesh.core.params import Limits
-from stagemesh.stage_service.offload.config import DloOptions
-from stagemesh.stage_service.transport.protocol import HEARTBEAT_S, SLEEP_HOST_BUFFERS
+from stagemesh.stage_service.settings.dlo import DloOptions
 
 # encoder / denoise / decode: stages of a diffusers-format folder (docs/MODELS.md)
 KINDS = ("ar", "diffusion", "encoder", "denoise", "decode")
 PRESETS = ("tiny", "flux-sized")
 # The kinds that run a denoising loop, which sequence and CFG parallelism split.
 IMAGE_PARALLEL_KINDS = ("diffusion", "denoise")
+# When a worker prepares the level-1 sleep host buffer: by the first level-1 sleep, before it
+# reports ready, or on threads once its model is loaded (worker/sleep.py).
+SLEEP_HOST_BUFFERS = ("first_sleep", "at_start", "background")
+# How often a serving worker says it is alive, even in the middle of a batch; hang_timeout_s
+# must span two of them.
+HEARTBEAT_S = 1.0
 
 
 @dataclass(frozen=True)
 class StageSettings(DloOptions):
-    """Every option of one stage, written once: each field (its default and help text) is a flag
-    of `stagemesh stage` and a key of a [[stages]] table. The DLO options (enable_dlo, dp_size,
-    dlo_*, tensor_parallel_size) come from DloOptions, their one definition; the fields below
-    are the stage's own."""
+    """Every option of one stage, written once: each field is a flag of `stagemesh stage` and a
+    key of a [[stages]] table, and the executor hands the object whole to every worker process
+    (plain values: it pickles). The DLO options (enable_dlo, dp_size, dlo_*,
+    tensor_parallel_size) come from DloOptions, their one definition; the fields below are the
+    stage's own."""
 
     stage_id: int = option(0, "position of this stage in the pipeline (0 = first)")
     kind: str = option(
@@ -224,6 +230,13 @@ class StageSettings(DloOptions):
         """dp_size data-parallel ranks are that many processes, with or without a DP group."""
         return max(self.workers, self.dp_size, self.tensor_parallel_size, self.image_parallel_size())
 
+    def invariant_rows(self) -> int:
+        """Requests per forward pass under batch_invariant: the stage's largest batch, or one where a
+        DP wave gives each rank one request; 0 without it."""
+        if not self.batch_invariant:
+            return 0
+        return 1 if self.dp_group_size() > 1 else self.max_batch_size
+
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         dlo = {f.name for f in fields(DloOptions)}
@@ -256,27 +269,6 @@ class StageSettings(DloOptions):
 
     def to_flags(self) -> list[str]:
         return options.to_flags(self)
-
-    def resolved_model_dir(self) -> Path:
-        from stagemesh.stage_service.models.weights import default_model_dir
-
-        return Path(self.model_dir).expanduser() if self.model_dir else default_model_dir()
-
-    def prepare_model_dir(self) -> Path:
-        """Generate the embedded model's weights on first use (deterministic, no download); a
-        diffusers-format folder is only checked for the components this stage loads."""
-        from stagemesh.stage_service.models import diffusers_adapter
-
-        if (
-            diffusers_adapter.is_diffusers_folder(self.resolved_model_dir())
-            or self.kind in diffusers_adapter.FOLDER_ONLY_KINDS
-        ):
-            return diffusers_adapter.check_stage_folder(self.resolved_model_dir(), self.kind).path
-        from stagemesh.stage_service.models.config import PipelineConfig
-        from stagemesh.stage_service.models.weights import ensure_model_dir
-
-        config = PipelineConfig.tiny() if self.model_preset == "tiny" else PipelineConfig.flux_sized()
-        return ensure_model_dir(self.resolved_model_dir(), config)
 
     def limits(self, runner_limits: dict[str, Any] | None = None) -> Limits:
         runner_limits = runner_limits or {}
