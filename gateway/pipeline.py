@@ -16,7 +16,7 @@ from stagemesh.core.params import INIT_IMAGE_INPUT, OUTPUT_TENSOR, Limits, Param
 from stagemesh.gateway.control import Admission, AdmissionTicket
 from stagemesh.gateway.fanout import merged
 from stagemesh.gateway.images import decode_init_image, encode, probe_init_image
-from stagemesh.gateway.options import DEFAULT_MAX_IMAGES_PER_REQUEST
+from stagemesh.gateway.settings import DEFAULT_MAX_IMAGES_PER_REQUEST
 from stagemesh.gateway.stages import StageClient
 from stagemesh.v1 import gateway_pb2, generation_pb2, tensor_pb2
 

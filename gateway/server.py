@@ -12,8 +12,8 @@ from stagemesh.core.rpc import ServiceHost, servicer_method
 from stagemesh.gateway.control import Admission, ControlPlane
 from stagemesh.gateway.delivery import DeliveryBudget
 from stagemesh.gateway.metrics import gateway_readings
-from stagemesh.gateway.options import MIN_STAGE_UNRESPONSIVE_S
 from stagemesh.gateway.pipeline import DenoisingStep, Pipeline, StageStarted
+from stagemesh.gateway.settings import GatewaySettings
 from stagemesh.gateway.stages import StageClient
 from stagemesh.gateway.watch import StageWatch
 from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
@@ -91,50 +91,40 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return gateway_pb2.ResumeGenerationResponse()
 
 
-async def serve_gateway(args: argparse.Namespace) -> None:
-    if not args.stage:
+async def serve_gateway(settings: GatewaySettings) -> None:
+    if not settings.stage:
         raise errors.InvalidArgument.field("--stage", "give at least one stage ADDRESS")
-    if not args.max_images_per_request >= 1:
-        raise errors.InvalidArgument.field(
-            "--max-images-per-request", f"{args.max_images_per_request}: allowed 1 or more"
-        )
-    if not args.max_undelivered_bytes > 0:
-        raise errors.InvalidArgument.field("--max-undelivered-bytes", f"{args.max_undelivered_bytes}: allowed above 0")
-    if not args.stage_unresponsive_s >= MIN_STAGE_UNRESPONSIVE_S:
-        raise errors.InvalidArgument.field(
-            "--stage-unresponsive-s", f"{args.stage_unresponsive_s:g}: allowed {MIN_STAGE_UNRESPONSIVE_S:g} or more"
-        )
-    token = auth.load_token(args.token_file)
-    api_key = auth.load_api_key(args.api_key_file)
-    credentials = tls.server_credentials(args.tls_cert, args.tls_key)
+    token = auth.load_token(settings.token_file)
+    api_key = auth.load_api_key(settings.api_key_file)
+    credentials = tls.server_credentials(settings.tls_cert, settings.tls_key)
     stages = [
-        StageClient(i, [a.strip() for a in spec.split(",") if a.strip()], tls_ca=args.tls_ca, token=token)
-        for i, spec in enumerate(args.stage)
+        StageClient(i, [a.strip() for a in spec.split(",") if a.strip()], tls_ca=settings.tls_ca, token=token)
+        for i, spec in enumerate(settings.stage)
     ]
     admission = Admission()
-    pipeline = Pipeline(stages, admission, args.max_images_per_request)
+    pipeline = Pipeline(stages, admission, settings.max_images_per_request)
     control = ControlPlane(stages, admission)
-    metrics = ServiceMetrics("gateway", args.host, args.metrics_port)
+    metrics = ServiceMetrics("gateway", settings.host, settings.metrics_port)
     metrics.add_readings(gateway_readings(admission, len(stages)))
     # Metrics first: they also count the calls the auth interceptor refuses.
     host = ServiceHost(
-        args.host,
-        args.port,
+        settings.host,
+        settings.port,
         [SERVICE_NAME],
-        max_receive_bytes=args.max_request_bytes,
+        max_receive_bytes=settings.max_request_bytes,
         interceptors=[
             *metrics.interceptors(),
             *auth.interceptors(token, CONTROL_METHODS),
             *auth.api_key_interceptors(api_key, DATA_METHODS, token),
         ],
         credentials=credentials,
-        health_port=args.health_port,
+        health_port=settings.health_port,
     )
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
-        GatewayServicer(pipeline, control, DeliveryBudget(args.max_undelivered_bytes)), host.server
+        GatewayServicer(pipeline, control, DeliveryBudget(settings.max_undelivered_bytes)), host.server
     )
 
-    http = _http_listener(args, pipeline, control, token, api_key)
+    http = _http_listener(settings, pipeline, control, token, api_key)
     watching: list[asyncio.Task] = []
 
     async def load() -> None:
@@ -142,7 +132,7 @@ async def serve_gateway(args: argparse.Namespace) -> None:
             http.start()  # answers while the stages load: /health says 503 until they serve
         await pipeline.wait_until_ready()
         control.restore()
-        watching.append(asyncio.ensure_future(StageWatch(stages, args.stage_unresponsive_s).run()))
+        watching.append(asyncio.ensure_future(StageWatch(stages, settings.stage_unresponsive_s).run()))
 
     async def close() -> None:
         for task in watching:
@@ -152,7 +142,7 @@ async def serve_gateway(args: argparse.Namespace) -> None:
 
     await serve.run(
         host,
-        ready_file=args.ready_file,
+        ready_file=settings.ready_file,
         load=load,
         close=close,
         metrics=metrics,
@@ -161,24 +151,30 @@ async def serve_gateway(args: argparse.Namespace) -> None:
     )
 
 
-def _http_listener(args: argparse.Namespace, pipeline: Pipeline, control: ControlPlane, token, api_key):
+def _http_listener(settings: GatewaySettings, pipeline: Pipeline, control: ControlPlane, token, api_key):
     """The HTTP API's listener, bound; None without --http-port (FastAPI is then never imported)."""
-    if args.http_port is None:
+    if settings.http_port is None:
         return None
     from stagemesh.gateway.http.app import HttpSettings, create_app
     from stagemesh.gateway.http.listener import HttpListener
 
-    settings = HttpSettings(args.max_request_bytes, control_token=token, api_key=api_key)
+    http = HttpSettings(settings.max_request_bytes, control_token=token, api_key=api_key)
     return HttpListener(
-        create_app(pipeline, control, settings),
-        args.host,
-        args.http_port,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
+        create_app(pipeline, control, http),
+        settings.host,
+        settings.http_port,
+        tls_cert=settings.tls_cert,
+        tls_key=settings.tls_key,
         grace_s=serve.STOP_GRACE_S,
     )
 
 
 def main(args: argparse.Namespace) -> None:
     logs.configure("gateway", args.log_level)
-    serve.main("gateway", serve_gateway(args))
+    serve.main("gateway", _serve(args))
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    # The settings are built inside the run, so a value out of range ends the start as every
+    # refused option does: exit 2 and one log line naming the flag.
+    await serve_gateway(GatewaySettings.from_args(args))

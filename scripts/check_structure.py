@@ -52,7 +52,7 @@ SHARED_TOP_DOWN = ("stagemesh.weight_store", "stagemesh.core", "stagemesh.v1")
 SHARED = frozenset(SHARED_TOP_DOWN)
 # the stage service's rooms, top first; one tuple is one tier (its rooms may import one another).
 ROOMS: tuple[tuple[str, ...], ...] = (
-    ("server", "control", "settings", "metrics", "inputs"),
+    ("server", "control", "metrics", "inputs"),
     ("engine",),
     ("executor",),
     ("worker",),
@@ -61,6 +61,7 @@ ROOMS: tuple[tuple[str, ...], ...] = (
     ("offload",),
     ("transport",),
     ("platform",),
+    ("settings",),  # the stage's options: every room reads them
 )
 TIER = {room: tier for tier, rooms in enumerate(ROOMS) for room in rooms}
 # `pip install stagemesh` without extras runs these; the stage's worker dependencies come with

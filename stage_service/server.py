@@ -22,6 +22,7 @@ from stagemesh.stage_service.inputs import check_inputs, init_image
 from stagemesh.stage_service.metrics import stage_readings
 from stagemesh.stage_service.models.contract import TensorSpec
 from stagemesh.stage_service.models.diffusers_adapter import FolderError
+from stagemesh.stage_service.models.model_dir import prepare_model_dir
 from stagemesh.stage_service.settings import StageSettings
 from stagemesh.stage_service.transport import tensors
 from stagemesh.v1 import control_pb2, stage_pb2, stage_pb2_grpc
@@ -139,7 +140,7 @@ async def serve_stage(settings: StageSettings) -> None:
     metrics.add_readings(stage_readings(engine, executor, control, lambda: servicer.ready and engine.serving))
 
     async def load() -> None:
-        await asyncio.to_thread(settings.prepare_model_dir)
+        await asyncio.to_thread(prepare_model_dir, settings)
         readies = await asyncio.to_thread(executor.start)
         ready = readies[0]
         servicer.limits = dataclasses.replace(

@@ -13,7 +13,7 @@ def _parser() -> argparse.ArgumentParser:
     from stagemesh.cache_service import server as cache_server
     from stagemesh.client import commands as client
     from stagemesh.core import envflags, logs
-    from stagemesh.gateway import options as gateway_options
+    from stagemesh.gateway.settings import GatewaySettings
     from stagemesh.stage_service.settings import StageSettings
 
     parser = envflags.EnvParser(prog="stagemesh", description=__doc__)
@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     envflags.read_environment(up)
 
     for name, add_arguments, main_module, text in (
-        ("gateway", gateway_options.add_arguments, "stagemesh.gateway.server", "run the public gateway service alone"),
+        ("gateway", GatewaySettings.add_arguments, "stagemesh.gateway.server", "run the public gateway service alone"),
         ("stage", StageSettings.add_arguments, "stagemesh.stage_service.server", "run one stage service alone"),
         (
             "cache",

@@ -7,50 +7,12 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from stagemesh.core import logs, metrics
-from stagemesh.gateway.options import (
-    DEFAULT_MAX_IMAGES_PER_REQUEST,
-    DEFAULT_MAX_UNDELIVERED_BYTES,
-    DEFAULT_STAGE_UNRESPONSIVE_S,
-    MIN_STAGE_UNRESPONSIVE_S,
-    check_http_port,
-)
+from stagemesh.core import logs, metrics, options
+from stagemesh.gateway.settings import GatewaySettings
 from stagemesh.stage_service.settings import StageSettings
 
 DEFAULT_GATEWAY_PORT = 50051
 PROMPT_ENCODERS = ("ar", "encoder")  # kinds whose outputs a diffusion or denoise stage draws from
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    port: int = DEFAULT_GATEWAY_PORT
-    max_request_bytes: int = 4 * 1024 * 1024
-    metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
-    stage_unresponsive_s: float = DEFAULT_STAGE_UNRESPONSIVE_S  # silent to health checks this long: cut off
-    max_undelivered_bytes: int = DEFAULT_MAX_UNDELIVERED_BYTES  # results held for clients not reading
-    max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST  # GenerationParams.num_images at most
-    http_port: int | None = None  # the OpenAI-compatible HTTP API; None: off
-    api_key_file: str = ""  # the data plane's API key (gRPC and HTTP); "": open
-
-    def __post_init__(self) -> None:
-        metrics.check_port(self.metrics_port, "[gateway] metrics_port")
-        check_http_port(self.http_port, "[gateway] http_port")
-        if not isinstance(self.api_key_file, str):
-            raise ValueError(f"[gateway] api_key_file: must be a file path (a string), not {self.api_key_file!r}")
-        if self.api_key_file:  # absolute, as the [security] paths: the child may start elsewhere
-            object.__setattr__(self, "api_key_file", str(Path(self.api_key_file).expanduser().absolute()))
-        limit = self.stage_unresponsive_s
-        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= MIN_STAGE_UNRESPONSIVE_S:
-            raise ValueError(
-                f"[gateway] stage_unresponsive_s = {limit!r}: allowed a number of seconds, "
-                f"{MIN_STAGE_UNRESPONSIVE_S:g} or more"
-            )
-        held = self.max_undelivered_bytes
-        if isinstance(held, bool) or not isinstance(held, int) or held <= 0:
-            raise ValueError(f"[gateway] max_undelivered_bytes = {held!r}: allowed a whole number of bytes above 0")
-        images = self.max_images_per_request
-        if isinstance(images, bool) or not isinstance(images, int) or images < 1:
-            raise ValueError(f"[gateway] max_images_per_request = {images!r}: allowed a whole number, 1 or more")
 
 
 @dataclass(frozen=True)
@@ -105,7 +67,7 @@ class SecurityConfig:
 class MeshConfig:
     host: str = "127.0.0.1"
     log_level: str = "info"
-    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    gateway: GatewaySettings = field(default_factory=lambda: GatewaySettings(port=DEFAULT_GATEWAY_PORT))
     cache: CacheConfig = field(default_factory=CacheConfig)
     supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
@@ -121,11 +83,27 @@ class MeshConfig:
 
 
 def _section(cls, values: dict[str, Any], where: str):
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - known)
+    _check_keys(values, [f.name for f in fields(cls)], where)
+    return cls(**values)
+
+
+def _check_keys(values: dict[str, Any], known: list[str], where: str) -> None:
+    unknown = sorted(set(values) - set(known))
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {unknown}; known: {sorted(known)}")
-    return cls(**values)
+
+
+def _gateway(values: dict[str, Any]) -> GatewaySettings:
+    """[gateway]: the gateway's options but those `stagemesh up` sets itself (the host, the stages,
+    the [security] files); a refusal names the key."""
+    _check_keys(values, options.mesh_keys(GatewaySettings), "[gateway]")
+    try:
+        gateway = GatewaySettings(**{"port": DEFAULT_GATEWAY_PORT, **values})
+    except ValueError as exc:
+        raise ValueError(f"[gateway] {exc}") from None
+    if gateway.api_key_file:  # absolute, as the [security] paths: the child may start elsewhere
+        gateway = replace(gateway, api_key_file=str(Path(gateway.api_key_file).expanduser().absolute()))
+    return gateway
 
 
 def load(path: str | Path | None, model: str | Path | None = None) -> MeshConfig:
@@ -136,7 +114,7 @@ def load(path: str | Path | None, model: str | Path | None = None) -> MeshConfig
     model = str(Path(model).expanduser().absolute()) if model is not None else None
     data = tomllib.loads(Path(path).read_text()) if path is not None else {}
     mesh = dict(data.pop("mesh", {}))
-    gateway = _section(GatewayConfig, data.pop("gateway", {}), "[gateway]")
+    gateway = _gateway(data.pop("gateway", {}))
     cache = _section(CacheConfig, data.pop("cache", {}), "[cache]")
     supervision = _section(SupervisionConfig, data.pop("supervision", {}), "[supervision]")
     security = _section(SecurityConfig, data.pop("security", {}), "[security]")

@@ -11,8 +11,8 @@ from dataclasses import replace
 
 from stagemesh.config import MeshConfig, SecurityConfig
 from stagemesh.core import auth, errors, logs, tls
-from stagemesh.stage_service.offload.config import DEFAULT_RUNTIME_CACHE_DIR
-from stagemesh.stage_service.settings import StageSettings
+from stagemesh.gateway.settings import GatewaySettings
+from stagemesh.stage_service.settings import DEFAULT_RUNTIME_CACHE_DIR, StageSettings
 from stagemesh.supervisor import Child, StartFailed, Supervisor, service_argv
 
 log = logs.get_logger("stagemesh.up")
@@ -58,15 +58,18 @@ def _metrics_flags(port: int | None) -> list[str]:
     return ["--metrics-port", str(port)] if port is not None else []
 
 
-def _gateway_flags(config: MeshConfig, gateway: Child) -> list[str]:
-    """The HTTP port and the API key file. A restart keeps the HTTP port the gateway first bound
-    (as it keeps the gRPC port), so clients' addresses stay valid."""
-    flags = ["--api-key-file", config.gateway.api_key_file] if config.gateway.api_key_file else []
-    if config.gateway.http_port is None:
-        return flags
+def _gateway_settings(config: MeshConfig, port: int, stage_addresses: list[str], gateway: Child) -> GatewaySettings:
+    """mesh.toml's [gateway] with the mesh's host, its [security] files and the stages' addresses.
+    A restart keeps the HTTP port the gateway first bound (as it keeps the gRPC port), so clients'
+    addresses stay valid."""
+    http_port = config.gateway.http_port
     bound = gateway.ready.get("http", "")
-    port = bound.rsplit(":", 1)[1] if bound else str(config.gateway.http_port)
-    return [*flags, "--http-port", port]
+    if http_port is not None and bound:
+        http_port = int(bound.rsplit(":", 1)[1])
+    security = {k: v for k, v in vars(config.security).items() if v}
+    return replace(
+        config.gateway, host=config.host, port=port, stage=tuple(stage_addresses), http_port=http_port, **security
+    )
 
 
 def _children(
@@ -102,26 +105,9 @@ def _children(
     ]
     gateway = Child(
         "gateway",
+        # argv is called once `gateway` is assigned
         lambda port: service_argv(
-            "gateway",
-            "--host",
-            config.host,
-            "--port",
-            str(port),
-            "--max-request-bytes",
-            str(config.gateway.max_request_bytes),
-            "--stage-unresponsive-s",
-            str(config.gateway.stage_unresponsive_s),
-            "--max-undelivered-bytes",
-            str(config.gateway.max_undelivered_bytes),
-            "--max-images-per-request",
-            str(config.gateway.max_images_per_request),
-            *[flag for a in stage_addresses for flag in ("--stage", a)],
-            *served,
-            *_security_flags(config.security, "tls_ca"),
-            *_metrics_flags(config.gateway.metrics_port),
-            *_gateway_flags(config, gateway),  # argv is called once `gateway` is assigned
-            *level,
+            "gateway", *_gateway_settings(config, port, stage_addresses, gateway).to_flags(), *level
         ),
         port=config.gateway.port,
     )
@@ -194,7 +180,7 @@ async def up(config: MeshConfig, unset_env: frozenset[str] = frozenset()) -> int
             config.security,
             env_token=bool(os.environ.get(auth.TOKEN_ENV)),
             http=gateway.ready.get("http", ""),
-            api_key_file=config.gateway.api_key_file,
+            api_key_file=config.gateway.api_key_file or "",
         )
         print(text, flush=True)
         return await supervisor.watch(stop)
@@ -230,7 +216,7 @@ def _check_security_files(security: SecurityConfig) -> None:
         auth.load_token(security.token_file, "[security] token_file")
 
 
-def _check_api_key_file(path: str) -> None:
+def _check_api_key_file(path: str | None) -> None:
     if path:
         auth.load_api_key(path, "[gateway] api_key_file")
 

@@ -48,6 +48,7 @@ from stagemesh.stage_service import platform
 from stagemesh.stage_service.models.config import PipelineConfig
 from stagemesh.stage_service.models.runners import DiffusionRunner, WorkItem
 from stagemesh.stage_service.models.weights import ensure_model_dir
+from stagemesh.stage_service.settings import StageSettings
 from stagemesh.stage_service.transport import ipc, protocol
 from stagemesh.stage_service.transport.result_pipe import result_pipe
 from stagemesh.stage_service.worker import async_output
@@ -133,6 +134,18 @@ def _items(batch: int, size: int, steps: int, device: str) -> list[WorkItem]:
     ]
 
 
+def _spec(model_dir: Path, device: str, step_execution: bool = False) -> protocol.WorkerSpec:
+    settings = StageSettings(
+        stage_id=1,
+        kind="diffusion",
+        model_dir=str(model_dir),
+        device=device,
+        step_execution=step_execution,
+        batch_invariant=False,
+    )
+    return protocol.WorkerSpec(settings, rank=0, parent_pid=os.getpid())
+
+
 class Pieces:
     """The worker's pieces around one runner, fed and drained through real queues."""
 
@@ -150,9 +163,7 @@ class Pieces:
         self.runner = DiffusionRunner(model_dir, device)
         self.workers = {
             mode: Worker(
-                protocol.WorkerSpec(
-                    0, 1, "diffusion", str(model_dir), device, os.getpid(), step_execution=mode == "step"
-                ),
+                _spec(model_dir, device, step_execution=mode == "step"),
                 self.runner,
                 device,
                 self.requests,
@@ -169,7 +180,7 @@ class Pieces:
         self.old_consumer = ctx.Process(target=_drain, args=(self.old_results,), daemon=True)
         self.old_consumer.start()
         old = Worker(
-            protocol.WorkerSpec(0, 1, "diffusion", str(model_dir), device, os.getpid()),
+            _spec(model_dir, device),
             self.runner,
             device,
             self.requests,

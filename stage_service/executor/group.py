@@ -19,50 +19,14 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from stagemesh.core.procutil import free_port
 from stagemesh.stage_service.executor.outputs import resolve_future
-from stagemesh.stage_service.offload.config import DloOptions
+from stagemesh.stage_service.settings import StageSettings
 from stagemesh.stage_service.transport import protocol
 
 ProgressFn = Callable[[int, int], None]
-
-
-class StageOptions(Protocol):
-    """What the executor reads of the stage's settings (settings.StageSettings)."""
-
-    @property
-    def stage_id(self) -> int: ...
-    @property
-    def kind(self) -> str: ...
-    @property
-    def device(self) -> str: ...
-    @property
-    def threads(self) -> int: ...
-    @property
-    def step_execution(self) -> bool: ...
-    @property
-    def cuda_graphs(self) -> bool: ...
-    @property
-    def sleep_host_buffer(self) -> str: ...
-    @property
-    def batch_invariant(self) -> bool: ...
-    @property
-    def max_batch_size(self) -> int: ...
-    @property
-    def tensor_parallel_size(self) -> int: ...
-    @property
-    def sp_size(self) -> int: ...
-    @property
-    def cfg_parallel(self) -> bool: ...
-    @property
-    def hang_timeout_s(self) -> float: ...
-    def resolved_model_dir(self) -> Path: ...
-    def worker_processes(self) -> int: ...
-    def dp_group_size(self) -> int: ...
-    def image_parallel_size(self) -> int: ...
 
 
 @dataclass
@@ -128,26 +92,11 @@ class WorkerGroup:
         return [dataclasses.replace(spec, tp_group=address) for spec in self.specs]
 
 
-def build_groups(settings: StageOptions, parent_pid: int) -> list[WorkerGroup]:
+def build_groups(settings: StageSettings, parent_pid: int) -> list[WorkerGroup]:
     """The stage's groups: TP ranks or the ranks that split each image as one group, a DLO
     AllGather group as one wave group, else one group per worker process. Option combinations
     were checked where the settings were built."""
-    base = protocol.WorkerSpec(
-        0,
-        settings.stage_id,
-        settings.kind,
-        str(settings.resolved_model_dir()),
-        settings.device,
-        parent_pid,
-        settings.threads,
-        settings.step_execution,
-        cuda_graphs=settings.cuda_graphs,
-        sleep_host_buffer=settings.sleep_host_buffer,
-        invariant_rows=_invariant_rows(settings),
-        dlo=DloOptions.from_settings(settings),
-        sp_size=settings.sp_size,
-        cfg_size=2 if settings.cfg_parallel else 1,
-    )
+    base = protocol.WorkerSpec(settings, rank=0, parent_pid=parent_pid)
     ranks = range(settings.worker_processes())
     lockstep = "tp" if settings.tensor_parallel_size > 1 else "image" if settings.image_parallel_size() > 1 else ""
     if lockstep:
@@ -249,11 +198,3 @@ def first_answer(call: GroupCall) -> cf.Future:
     call.future.add_done_callback(forward)
     out.add_done_callback(_cancel_if_cancelled(weakref.ref(call.future)))
     return out
-
-
-def _invariant_rows(settings: StageOptions) -> int:
-    """Requests per forward pass under batch_invariant: the stage's largest batch, or one where a
-    DP wave gives each rank one request; 0 without it."""
-    if not settings.batch_invariant:
-        return 0
-    return 1 if settings.dp_group_size() > 1 else settings.max_batch_size

@@ -19,7 +19,6 @@ from stagemesh.stage_service.executor.group import (
     GroupCall,
     PendingCall,
     ProgressFn,
-    StageOptions,
     WorkerGroup,
     WorkerProcess,
     build_groups,
@@ -27,6 +26,7 @@ from stagemesh.stage_service.executor.group import (
 )
 from stagemesh.stage_service.executor.outputs import OutputRegistry, resolve_future
 from stagemesh.stage_service.models.contract import WorkItem
+from stagemesh.stage_service.settings import StageSettings
 from stagemesh.stage_service.transport import ipc, protocol
 
 log = logs.get_logger("stagemesh.executor")
@@ -49,7 +49,7 @@ class BatchItemFailed(errors.StagemeshError):
 
 
 class Executor:
-    def __init__(self, settings: StageOptions, on_death: DeathFn | None = None):
+    def __init__(self, settings: StageSettings, on_death: DeathFn | None = None):
         self.stage_name = f"stage {settings.stage_id} ({settings.kind})"
         self.hang_timeout_s = settings.hang_timeout_s
         self.groups: list[WorkerGroup] = build_groups(settings, os.getpid())

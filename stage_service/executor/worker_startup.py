@@ -26,7 +26,7 @@ def spawn(ctx: Any, spec: protocol.WorkerSpec) -> tuple[mp.Process, Any, Any]:
     process = ctx.Process(
         target=worker_process.main,
         args=(spec, requests, sender),
-        name=f"stagemesh-worker-{spec.stage_id}-{spec.rank}",
+        name=f"stagemesh-worker-{spec.settings.stage_id}-{spec.rank}",
         daemon=True,
     )
     process.start()

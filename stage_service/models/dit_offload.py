@@ -19,8 +19,8 @@ from stagemesh.stage_service.models.weights import (
 from stagemesh.stage_service.offload import quant
 from stagemesh.stage_service.offload.checkpoint import load_or_fallback
 from stagemesh.stage_service.offload.collective import group_shape
-from stagemesh.stage_service.offload.config import DloOptions
 from stagemesh.stage_service.offload.streamer import LayerwiseOffload
+from stagemesh.stage_service.settings import DloOptions
 
 
 def load_host_dit(model_dir: Path, tp: TpGroup | None = None, try_mmap: bool = True):

@@ -33,7 +33,7 @@ from stagemesh.stage_service.models.weights import (
     load_lm,
     read_config,
 )
-from stagemesh.stage_service.offload.config import DloOptions
+from stagemesh.stage_service.settings import DloOptions
 
 # The AR stage's encoding of a negative prompt: the diffusion stage guides away from it in
 # place of the DiT's learned unconditional input.

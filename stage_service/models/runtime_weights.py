@@ -44,8 +44,8 @@ from stagemesh.stage_service.models.weights import (
     read_config,
 )
 from stagemesh.stage_service.offload import quant
-from stagemesh.stage_service.offload.config import DloOptions
 from stagemesh.stage_service.runtime_cache.lookup import MappedEntry, RuntimeCache, content_hash, layout_key
+from stagemesh.stage_service.settings import DloOptions
 
 log = logs.get_logger("stagemesh.offload.runtime_weights")
 

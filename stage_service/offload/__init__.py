@@ -1,7 +1,8 @@
 """Distributed layerwise offload (DLO): stream a model's blocks from host memory.
 
-Names are imported on first use, so reading the options (offload.config) from the CLI or the
-gateway does not import torch. The DiT-specific loader is `stage_service.models.dit_offload`.
+Names are imported on first use, so importing the package does not import torch. Its options
+(DloOptions) are part of the stage's settings (`stage_service.settings`). The DiT-specific loader
+is `stage_service.models.dit_offload`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ _EXPORTS = {
     "Discovery": "plan",
     "OffloadPlan": "plan",
     "discover": "plan",
-    "DloOptions": "config",
     "LayerwiseOffload": "streamer",
     "OffloadStats": "streamer",
     "MmapPlan": "checkpoint",

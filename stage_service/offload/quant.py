@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from stagemesh.stage_service.offload import dequant
-from stagemesh.stage_service.offload.config import STREAM_DTYPES
 from stagemesh.stage_service.offload.layout import BlockLayout, Entry, align_up, byte_view, pack_range
 from stagemesh.stage_service.offload.plan import OffloadPlan, discover, pick_resident
+from stagemesh.stage_service.settings import STREAM_DTYPES
 
 FLOAT8 = torch.float8_e4m3fn
 INT8 = torch.int8

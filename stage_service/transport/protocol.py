@@ -5,9 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# When a worker prepares the level-1 sleep host buffer: by the first level-1 sleep, before it
-# reports ready, or on threads once its model is loaded (worker/sleep.py).
-SLEEP_HOST_BUFFERS = ("first_sleep", "at_start", "background")
+from stagemesh.stage_service.settings import StageSettings
 
 
 @dataclass(frozen=True)
@@ -23,32 +21,19 @@ class DpGroup:
 
 @dataclass(frozen=True)
 class WorkerSpec:
+    """What a worker process starts with: the stage's settings whole (every option it reads is
+    `spec.settings.X`) and what differs from rank to rank or from one start to the next."""
+
+    settings: StageSettings
     rank: int
-    stage_id: int
-    kind: str
-    model_dir: str
-    device: str
     parent_pid: int
-    threads: int = 0
-    # True: outputs are copied and packed on the worker's main thread (the synchronous path).
-    step_execution: bool = False
-    # Denoising steps from captured CUDA graphs (embedded DiT, CUDA, no DLO or TP).
-    cuda_graphs: bool = True
-    # When the level-1 sleep host buffer is prepared: one of SLEEP_HOST_BUFFERS.
-    sleep_host_buffer: str = "first_sleep"
-    # batch_invariant: the number of requests every forward pass runs with, so that a request's
-    # kernels see the shapes they see when it runs alone (models.batch_invariance); 0: off.
-    invariant_rows: int = 0
-    # The stage's offload.config.DloOptions (frozen; typed loosely: transport sits below offload).
-    dlo: Any = None
     # Set when the ranks form one process group; a fresh address for every (re)start of it.
     dp_group: DpGroup | None = None
     # Set when the ranks are the TP ranks of one model.
     tp_group: DpGroup | None = None
-    # Set when the ranks split each image: sp_size ranks per pass, cfg_size (1 or 2) passes.
+    # Set when the ranks split each image (settings.sp_size ranks per pass, two passes with
+    # settings.cfg_parallel).
     image_group: DpGroup | None = None
-    sp_size: int = 1
-    cfg_size: int = 1
     # False: the rank runs every batch with the group's output rank and reports nothing of it.
     output_rank: bool = True
 
@@ -80,12 +65,10 @@ class Control:
 
 
 # worker -> executor
-HEARTBEAT_S = 1.0  # how often a serving worker says it is alive, even in the middle of a batch
-
-
 @dataclass(frozen=True)
 class Heartbeat:
-    """A serving worker is alive (its process runs and its Python threads are scheduled)."""
+    """A serving worker is alive (its process runs and its Python threads are scheduled); sent
+    every settings.HEARTBEAT_S."""
 
 
 @dataclass(frozen=True)

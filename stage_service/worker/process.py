@@ -15,13 +15,13 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from stagemesh.core import logs
 from stagemesh.stage_service import platform
 from stagemesh.stage_service.models.batch_invariance import BATCHED_KINDS, run_items_alone
 from stagemesh.stage_service.models.contract import ItemError, Runner
+from stagemesh.stage_service.settings import HEARTBEAT_S, DloOptions
 from stagemesh.stage_service.transport import ipc, protocol
 from stagemesh.stage_service.worker.async_output import AsyncOutputThread, ResultWriter, new_output_id
 from stagemesh.stage_service.worker.sleep import SleepController
@@ -79,7 +79,7 @@ class _Heartbeat:
         threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
 
     def _beat(self) -> None:
-        while not self._stopped.wait(protocol.HEARTBEAT_S):
+        while not self._stopped.wait(HEARTBEAT_S):
             try:
                 self._writer.put(protocol.Heartbeat())
             except (OSError, ValueError):  # the pipe closed: the worker is exiting
@@ -101,8 +101,9 @@ class Worker:
     def __init__(self, spec: protocol.WorkerSpec, runner: Runner, device: str, requests, results):
         # First, so that nothing else is made when it fails: "at_start" prepares the level-1
         # host buffer here, before the worker reports ready, and compacts the weights through it.
-        self.sleep = SleepController(runner.weight_files(), device, host_buffer=spec.sleep_host_buffer)
-        if spec.sleep_host_buffer == "at_start":
+        settings = spec.settings
+        self.sleep = SleepController(runner.weight_files(), device, host_buffer=settings.sleep_host_buffer)
+        if settings.sleep_host_buffer == "at_start":
             started = time.perf_counter()
             self.sleep.compact(runner.device_holders())  # so the first sleep is like every later one
             log.info(
@@ -121,11 +122,13 @@ class Worker:
         self.packer = ipc.Packer(spec.parent_pid, spec.rank, pool_slots=ipc.WORKER_POOL_SLOTS)
         self.async_output = (
             AsyncOutputThread(device, self.packer, self.writer)
-            if spec.output_rank and not spec.step_execution
+            if spec.output_rank and not settings.step_execution
             else None
         )
         # batch_invariant with a runner that cannot fix its batch shapes: one request at a time.
-        self.items_alone = spec.invariant_rows > 0 and spec.kind in BATCHED_KINDS and not runner.batch_invariant
+        self.items_alone = (
+            settings.invariant_rows() > 0 and settings.kind in BATCHED_KINDS and not runner.batch_invariant
+        )
 
     def serve(self) -> None:
         heartbeat = _Heartbeat(self.writer)
@@ -265,31 +268,33 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
     procutil.watch_parent(spec.parent_pid, lambda: _exit_orphaned(spec))
 
     # A spawned process starts with structlog unconfigured (it would print to stdout).
-    logs.configure(f"stage-{spec.stage_id}-worker-{spec.rank}")
+    settings = spec.settings
+    logs.configure(f"stage-{settings.stage_id}-worker-{spec.rank}")
     # Ctrl-C reaches the whole process group; the service decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # SIGTERM (e.g. to the whole process group): nobody will read our segments any more.
     signal.signal(signal.SIGTERM, lambda *_: _exit_orphaned(spec))
     import torch
 
-    if spec.threads > 0:
-        torch.set_num_threads(spec.threads)
+    if settings.threads > 0:
+        torch.set_num_threads(settings.threads)
+    from stagemesh.stage_service.models.model_dir import resolved_model_dir
     from stagemesh.stage_service.models.runners import build_runner
 
-    device = resolve_device(spec.device, spec.rank)
+    device = resolve_device(settings.device, spec.rank)
     try:
         group = _join_dp_group(spec, device)
         tp = _join_tp_group(spec, device)
         parallel = _join_image_group(spec, device)
         runner = build_runner(
-            spec.kind,
-            Path(spec.model_dir),
+            settings.kind,
+            resolved_model_dir(settings),
             device,
-            dlo=spec.dlo,
+            dlo=DloOptions.from_settings(settings),
             group=group,
             tp=tp,
-            cuda_graphs=spec.cuda_graphs,
-            invariant_rows=spec.invariant_rows,
+            cuda_graphs=settings.cuda_graphs,
+            invariant_rows=settings.invariant_rows(),
             parallel=parallel,
         )
         worker = Worker(spec, runner, device, requests, results)
@@ -358,4 +363,5 @@ def _join_image_group(spec: protocol.WorkerSpec, device: str):
 
     g = spec.image_group
     world = join_group(g.address, spec.rank, g.world_size, device, g.timeout_s)
-    return form_axes(spec.sp_size, spec.cfg_size, spec.rank, world)
+    cfg_size = 2 if spec.settings.cfg_parallel else 1
+    return form_axes(spec.settings.sp_size, cfg_size, spec.rank, world)

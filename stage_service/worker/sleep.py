@@ -44,7 +44,7 @@ import torch
 
 from stagemesh.stage_service import platform
 from stagemesh.stage_service.models.contract import DeviceHolder, WeightFile
-from stagemesh.stage_service.transport.protocol import SLEEP_HOST_BUFFERS
+from stagemesh.stage_service.settings import SLEEP_HOST_BUFFERS
 from stagemesh.stage_service.worker.checkpoint_source import CheckpointSource, Wanted
 from stagemesh.stage_service.worker.host_pages import PIECE_BYTES, WARM_DMA, WARM_DMAS, HostCopy, Ranges, WarmDma
 

@@ -26,18 +26,16 @@ HEADER = "authorization"
 SCHEME = "bearer"
 # Where stagemesh.Client sends its API key (on every call, beside the token on control calls).
 API_KEY_HEADER = "x-api-key"
+TOKEN_FILE_HELP = (
+    f"file holding the bearer token that control calls must carry (default: ${TOKEN_ENV}; "
+    "neither: control calls are open)"
+)
 
 log = logs.get_logger("stagemesh.core.auth")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--token-file",
-        default=None,
-        metavar="PATH",
-        help=f"file holding the bearer token that control calls must carry (default: ${TOKEN_ENV}; "
-        "neither: control calls are open)",
-    )
+    parser.add_argument("--token-file", default=None, metavar="PATH", help=TOKEN_FILE_HELP)
 
 
 def load_token(token_file: str | None, option: str = "--token-file") -> str | None:

@@ -22,6 +22,11 @@ HEALTH_PORT_HELP = (
     "also answer grpc.health.v1 (and nothing else) in plaintext on this port, bound to --host, for "
     "health probes that cannot speak TLS (the kubelet's gRPC probes); 0 picks a free one; unset: none"
 )
+CERT_HELP = "serve TLS with this certificate chain; needs --tls-key (default: plaintext)"
+KEY_HELP = "private key of --tls-cert (default: plaintext)"
+CA_HELP = (
+    "CA bundle that verifies the services this one calls; set it when they serve TLS (default: plaintext channels)"
+)
 
 
 def health_port_argument(text: str) -> int:
@@ -37,22 +42,11 @@ def health_port_argument(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser, *, client: bool = True) -> None:
     """--tls-cert/--tls-key for the listener; --tls-ca for a service that calls other services."""
-    parser.add_argument(
-        "--tls-cert",
-        default=None,
-        metavar="PEM",
-        help="serve TLS with this certificate chain; needs --tls-key (default: plaintext)",
-    )
-    parser.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert (default: plaintext)")
+    parser.add_argument("--tls-cert", default=None, metavar="PEM", help=CERT_HELP)
+    parser.add_argument("--tls-key", default=None, metavar="PEM", help=KEY_HELP)
     parser.add_argument("--health-port", type=health_port_argument, default=None, metavar="PORT", help=HEALTH_PORT_HELP)
     if client:
-        parser.add_argument(
-            "--tls-ca",
-            default=None,
-            metavar="PEM",
-            help="CA bundle that verifies the services this one calls; set it when they "
-            "serve TLS (default: plaintext channels)",
-        )
+        parser.add_argument("--tls-ca", default=None, metavar="PEM", help=CA_HELP)
 
 
 def read_pem(path: str, option: str) -> bytes:

@@ -345,7 +345,7 @@ def test_metrics_are_off_unless_a_port_is_given():
     off = metrics.ServiceMetrics("gateway", "127.0.0.1", None)
     assert not off.enabled and off.interceptors() == [] and off.start() == ""
     args = _parser().parse_args(["gateway", "--stage", "127.0.0.1:1"])
-    assert args.metrics_port is None and mesh_config.GatewayConfig().metrics_port is None
+    assert args.metrics_port is None and mesh_config.MeshConfig().gateway.metrics_port is None
     assert StageSettings().metrics_port is None
 
 

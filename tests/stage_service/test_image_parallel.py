@@ -27,8 +27,7 @@ from stagemesh.stage_service.models.config import DiTConfig
 from stagemesh.stage_service.models.dit import DiT, pad_conds, velocity
 from stagemesh.stage_service.models.parallel import ImageParallel, form_axes, gather_along
 from stagemesh.stage_service.models.runners import WorkItem, build_runner
-from stagemesh.stage_service.offload.config import DloOptions
-from stagemesh.stage_service.settings import StageSettings
+from stagemesh.stage_service.settings import DloOptions, StageSettings
 from tests.support.gloo_ranks import run_ranks
 from tests.support.meshproc import clean_mesh, unary_png, write_config
 
@@ -207,7 +206,7 @@ def test_the_split_ranks_are_the_workers_and_one_group():
     assert groups(cfg_parallel=True, workers=2) == [([0, 1], [0], "image")]
     assert groups(sp_size=2, cfg_parallel=True, enable_dlo=True) == [([0, 1, 2, 3], [0], "image")]
     spec = build_groups(StageSettings(kind="denoise", sp_size=3, cfg_parallel=True), 1)[0].fresh_specs(5)[2]
-    assert (spec.sp_size, spec.cfg_size, spec.image_group.world_size) == (3, 2, 6)
+    assert (spec.settings.sp_size, spec.settings.cfg_parallel, spec.image_group.world_size) == (3, True, 6)
     assert spec.tp_group is None and spec.dp_group is None
 
 

@@ -21,8 +21,7 @@ from stagemesh.core.params import Params
 from stagemesh.core.procutil import free_port
 from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.models.runners import WorkItem, build_runner
-from stagemesh.stage_service.offload.config import DloOptions
-from stagemesh.stage_service.settings import StageSettings
+from stagemesh.stage_service.settings import DloOptions, StageSettings
 from tests.support.meshproc import clean_mesh, unary_png, write_config
 
 TOLERANCE = 1e-6

@@ -16,6 +16,7 @@ import torch
 
 from stagemesh.core.params import Params
 from stagemesh.stage_service.models.contract import RunnerBase, WorkItem
+from stagemesh.stage_service.settings import StageSettings
 from stagemesh.stage_service.transport import ipc, protocol
 from stagemesh.stage_service.transport.result_pipe import result_pipe
 from stagemesh.stage_service.worker import async_output
@@ -94,26 +95,12 @@ def item(seed: int) -> WorkItem:
 class Harness:
     """A real Worker serving real multiprocessing queues on a thread of this process."""
 
-    def __init__(
-        self,
-        runner=None,
-        packer=None,
-        step_execution: bool = False,
-        own_packer: bool = False,
-        invariant_rows: int = 0,
-    ):
+    def __init__(self, runner=None, packer=None, own_packer: bool = False, **options):
+        """`options`: stage settings (step_execution, batch_invariant, ...) the worker reads."""
         self.requests = CTX.Queue()
         self.results, self.sender = result_pipe(CTX)
-        spec = protocol.WorkerSpec(
-            rank=0,
-            stage_id=1,
-            kind="diffusion",
-            model_dir="",
-            device="cpu",
-            parent_pid=os.getpid(),
-            step_execution=step_execution,
-            invariant_rows=invariant_rows,
-        )
+        settings = StageSettings(**{"stage_id": 1, "kind": "diffusion", "batch_invariant": False, **options})
+        spec = protocol.WorkerSpec(settings, rank=0, parent_pid=os.getpid())
         self.runner = runner or StubRunner()
         self.worker = Worker(spec, self.runner, "cpu", self.requests, self.sender)
         self.packer = packer
@@ -121,7 +108,7 @@ class Harness:
             # A plain packer (one-shot segments, no reusable slot pool), so that every segment
             # must be gone once its reader unpacked it; the pooled default has its own test.
             self.worker.packer = ipc.Packer(os.getpid(), 0)
-        if not step_execution and (packer is not None or not own_packer):
+        if not settings.step_execution and (packer is not None or not own_packer):
             self.worker.async_output.close()
             self.worker.async_output = ObservedOutputThread("cpu", packer or self.worker.packer, self.worker.writer)
         self.thread = threading.Thread(target=self.worker.serve, name="worker-main", daemon=True)

@@ -28,7 +28,7 @@ from stagemesh.stage_service.models.diffusers_adapter.loading import (
 from stagemesh.stage_service.models.diffusers_adapter.parallel import for_sampling, runs_unconditional
 from stagemesh.stage_service.models.diffusers_adapter.sampling import DEFAULT_STRENGTH, decode, sample
 from stagemesh.stage_service.models.parallel import ImageParallel
-from stagemesh.stage_service.offload.config import DloOptions
+from stagemesh.stage_service.settings import DloOptions
 
 REQUIRED_INPUTS = ("prompt_embeds", "pooled_prompt_embeds")
 OPTIONAL_INPUTS = ("negative_prompt_embeds", "negative_pooled_prompt_embeds")

@@ -25,7 +25,7 @@ from stagemesh.core import logs
 from stagemesh.stage_service.models.contract import WeightFile
 from stagemesh.stage_service.models.diffusers_adapter.families import Family
 from stagemesh.stage_service.models.diffusers_adapter.folder import CheckpointFolder
-from stagemesh.stage_service.offload.config import DloOptions
+from stagemesh.stage_service.settings import DloOptions
 from stagemesh.weight_store.checkpoint import read_index
 
 log = logs.get_logger("stagemesh.diffusers")

@@ -55,7 +55,7 @@ def test_stages_that_run_requests_alone_batch_anything():
 
 def rows_per_pass(**values) -> list[int]:
     executor = Executor(StageSettings(stage_id=1, kind="diffusion", model_dir="unused", **values))
-    return [spec.invariant_rows for g in executor.groups for spec in g.specs]
+    return [spec.settings.invariant_rows() for g in executor.groups for spec in g.specs]
 
 
 def test_the_option_reaches_every_worker_as_its_rows_per_pass():

@@ -23,8 +23,7 @@ from stagemesh.stage_service.engine.dispatch import Engine, OutputsEvent, Progre
 from stagemesh.stage_service.engine.wave_rules import WAVE_TIMEOUT_ENV, WaveFailed, WaveRequest, run_wave
 from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.models.runners import WorkItem, build_runner
-from stagemesh.stage_service.offload.config import DloOptions
-from stagemesh.stage_service.settings import StageSettings
+from stagemesh.stage_service.settings import DloOptions, StageSettings
 from stagemesh.v1 import gateway_pb2, generation_pb2
 from tests.support.meshproc import segments_of, shm_entries, start_mesh, write_config
 

@@ -162,7 +162,7 @@ def test_8_bit_streaming_stays_close_to_diffusers_own_pipeline(folders, referenc
     """FLUX under DLO with 8-bit weight streaming (dlo_stream_dtype), in process: the Linear
     weights of the streamed blocks are rounded once to 8 bits, so close, not equal."""
     from stagemesh.stage_service.models.runners import WorkItem, build_runner
-    from stagemesh.stage_service.offload import DloOptions
+    from stagemesh.stage_service.settings import DloOptions
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -16,7 +16,7 @@ import torch
 from stagemesh.core.params import Params
 from stagemesh.stage_service.models.parallel import Axis, ImageParallel, form_axes
 from stagemesh.stage_service.models.runners import WorkItem, build_runner
-from stagemesh.stage_service.offload.config import DloOptions
+from stagemesh.stage_service.settings import DloOptions
 from tests.support.gloo_ranks import run_ranks
 
 pytest.importorskip("transformers")

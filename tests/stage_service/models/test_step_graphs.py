@@ -109,7 +109,7 @@ def test_graphs_only_where_they_apply_and_the_flag_reaches_the_worker(tiny_model
     assert not off.cuda_graphs and StageSettings.from_args(parser.parse_args([])).cuda_graphs
     assert not StageSettings.from_args(parser.parse_args(off.to_flags())).cuda_graphs
     executor = Executor(StageSettings(stage_id=1, kind="diffusion", model_dir=str(tiny_model), cuda_graphs=False))
-    assert [spec.cuda_graphs for g in executor.groups for spec in g.specs] == [False]
+    assert [spec.settings.cuda_graphs for g in executor.groups for spec in g.specs] == [False]
 
 
 def test_a_step_that_cannot_be_captured_runs_eagerly_from_then_on(dit_pair, monkeypatch):

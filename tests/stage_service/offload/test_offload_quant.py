@@ -13,8 +13,9 @@ from torch import nn
 
 from stagemesh.stage_service.models.config import DiTConfig
 from stagemesh.stage_service.models.dit import DiT
-from stagemesh.stage_service.offload import DloOptions, LayerwiseOffload, dequant, quant
+from stagemesh.stage_service.offload import LayerwiseOffload, dequant, quant
 from stagemesh.stage_service.offload import streamer as streamer_mod
+from stagemesh.stage_service.settings import DloOptions
 
 FP8 = torch.float8_e4m3fn
 EIGHT_BIT = [torch.float8_e4m3fn, torch.int8]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import pickle
 import re
 from pathlib import Path
 
@@ -17,8 +18,7 @@ from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.models.config import PipelineConfig
 from stagemesh.stage_service.models.runners import WorkItem, build_runner
 from stagemesh.stage_service.models.weights import ensure_model_dir
-from stagemesh.stage_service.offload import DloOptions
-from stagemesh.stage_service.settings import StageSettings
+from stagemesh.stage_service.settings import DloOptions, StageSettings
 
 # ---- options -----------------------------------------------------------------------------
 
@@ -110,9 +110,14 @@ def test_mesh_toml_keys(tmp_path: Path):
 
 
 def test_worker_spec_carries_the_options():
-    [group] = Executor(StageSettings(stage_id=1, kind="diffusion", model_dir="/m", enable_dlo=True)).groups
-    assert group.specs[0].dlo == DloOptions(enable_dlo=True)
-    assert Executor(StageSettings(kind="ar", model_dir="/m")).groups[0].specs[0].dlo == DloOptions()
+    settings = StageSettings(stage_id=1, kind="diffusion", model_dir="/m", enable_dlo=True)
+    [group] = Executor(settings).groups
+    spec = group.specs[0]
+    # A spawned worker gets the settings whole, pickled, and builds its runner's options from them.
+    assert pickle.loads(pickle.dumps(spec)) == spec and spec.settings == settings
+    assert DloOptions.from_settings(spec.settings) == DloOptions(enable_dlo=True)
+    ar = Executor(StageSettings(kind="ar", model_dir="/m")).groups[0].specs[0]
+    assert DloOptions.from_settings(ar.settings) == DloOptions()
 
 
 # ---- runner ------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 from stagemesh.core.params import Params
 from stagemesh.stage_service.models.runners import DiffusionRunner, WorkItem
 from stagemesh.stage_service.models.weights import DIT_PREFIX
-from stagemesh.stage_service.offload.config import DloOptions
+from stagemesh.stage_service.settings import DloOptions
 from stagemesh.stage_service.worker.sleep import SleepController
 
 STAGED = {"enable_dlo": True}

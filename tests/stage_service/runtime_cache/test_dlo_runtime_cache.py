@@ -19,8 +19,7 @@ from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.models.runners import DiffusionRunner, WorkItem, build_runner
 from stagemesh.stage_service.models.runtime_weights import DitWeightCache, LayoutMismatch, final_tensors, swap_storage
 from stagemesh.stage_service.models.weights import load_dit
-from stagemesh.stage_service.offload import DloOptions
-from stagemesh.stage_service.settings import StageSettings
+from stagemesh.stage_service.settings import DloOptions, StageSettings
 from stagemesh.weight_store import locks
 
 TOLERANCE = 1e-6  # TP=2 vs TP=1 rounding, see tests/stage_service/test_tensor_parallel.py

@@ -48,7 +48,7 @@ def results_of(h) -> tuple[list[protocol.Progress], list[dict]]:
 @pytest.mark.parametrize("invariant", [True, False], ids=["batch_invariant", "batched"])
 def test_the_runner_gets_one_request_at_a_time_only_with_batch_invariant(harness_factory, invariant):
     runner = CountingRunner()
-    h = harness_factory(runner=runner, step_execution=True, invariant_rows=4 if invariant else 0)
+    h = harness_factory(runner=runner, step_execution=True, batch_invariant=invariant)
     h.send(protocol.Execute("rpc-1", [item(5), item(6), item(7)]))
     steps, outputs = results_of(h)
     assert runner.batch_sizes == ([1, 1, 1] if invariant else [3])
@@ -57,7 +57,7 @@ def test_the_runner_gets_one_request_at_a_time_only_with_batch_invariant(harness
 
 
 def test_an_item_failing_alone_names_its_place_in_the_batch(harness_factory):
-    h = harness_factory(runner=CountingRunner(bad_seed=8), step_execution=True, invariant_rows=4)
+    h = harness_factory(runner=CountingRunner(bad_seed=8), step_execution=True, batch_invariant=True)
     h.send(protocol.Execute("rpc-2", [item(5), item(8), item(7)]))
     failure = h.next_of(protocol.Failure)
     assert failure.rpc_id == "rpc-2" and failure.item == 1 and "no conditioning" in failure.message
@@ -71,7 +71,7 @@ class InvariantRunner(CountingRunner):
 
 def test_a_runner_that_fixes_its_shapes_gets_the_whole_batch(harness_factory):
     runner = InvariantRunner()
-    h = harness_factory(runner=runner, step_execution=True, invariant_rows=4)
+    h = harness_factory(runner=runner, step_execution=True, batch_invariant=True)
     h.send(protocol.Execute("rpc-3", [item(5), item(6)]))
     _, outputs = results_of(h)
     assert runner.batch_sizes == [2]

@@ -1,86 +1,98 @@
-"""Every option of one stage service: flags of `stagemesh stage`, keys of a [[stages]] table."""
+"""Every option of one stage service: flags of `stagemesh stage`, keys of a [[stages]] table, and
+what each of its worker processes is started with."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
-from stagemesh.core import envflags, logs, metrics, tls
+from stagemesh.core import envflags, logs, metrics, options, tls
+from stagemesh.core.options import option
 from stagemesh.core.params import Limits
-from stagemesh.stage_service.offload.config import HELP as DLO_HELP
-from stagemesh.stage_service.offload.config import DloOptions
-from stagemesh.stage_service.transport.protocol import HEARTBEAT_S, SLEEP_HOST_BUFFERS
+from stagemesh.stage_service.settings.dlo import DloOptions
 
 # encoder / denoise / decode: stages of a diffusers-format folder (docs/MODELS.md)
 KINDS = ("ar", "diffusion", "encoder", "denoise", "decode")
 PRESETS = ("tiny", "flux-sized")
 # The kinds that run a denoising loop, which sequence and CFG parallelism split.
 IMAGE_PARALLEL_KINDS = ("diffusion", "denoise")
+# When a worker prepares the level-1 sleep host buffer: by the first level-1 sleep, before it
+# reports ready, or on threads once its model is loaded (worker/sleep.py).
+SLEEP_HOST_BUFFERS = ("first_sleep", "at_start", "background")
+# How often a serving worker says it is alive, even in the middle of a batch; hang_timeout_s
+# must span two of them.
+HEARTBEAT_S = 1.0
 
 
 @dataclass(frozen=True)
 class StageSettings(DloOptions):
-    """The DLO options (enable_dlo, dp_size, dlo_*, tensor_parallel_size) come from DloOptions,
-    their one definition; the fields below are the stage's own."""
+    """Every option of one stage, written once: each field is a flag of `stagemesh stage` and a
+    key of a [[stages]] table, and the executor hands the object whole to every worker process
+    (plain values: it pickles). The DLO options (enable_dlo, dp_size, dlo_*,
+    tensor_parallel_size) come from DloOptions, their one definition; the fields below are the
+    stage's own."""
 
-    stage_id: int = 0
-    kind: str = "ar"
-    host: str = "127.0.0.1"
-    port: int = 0
-    workers: int = 1
-    device: str = "cpu"
-    threads: int = 0
-    model_dir: str = ""
-    model_preset: str = "tiny"
-    max_batch_size: int = 4
-    step_execution: bool = False
-    cuda_graphs: bool = True
-    batch_invariant: bool = True
-    sp_size: int = 1
-    cfg_parallel: bool = False
-    enable_sleep: bool = True
-    sleep_host_buffer: str = "first_sleep"
-    hang_timeout_s: float = 30.0
-    max_queue: int = 256
-    max_size: int = 1024
-    max_steps: int = 100
-    max_prompt_bytes: int = 2048
-    default_size: int = 256
-    default_steps: int = 8
-    default_guidance: float = 4.0
-    max_guidance: float = 30.0
-    metrics_port: int | None = None
-    ready_file: str | None = None
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_ca: str = ""
-    health_port: int | None = None
-    token_file: str = ""
-
-    _HELP = {
-        "stage_id": "position of this stage in the pipeline (0 = first)",
-        "kind": "what the stage runs: 'ar' (the language model) or 'diffusion' (DiT + decoder); "
+    stage_id: int = option(0, "position of this stage in the pipeline (0 = first)")
+    kind: str = option(
+        "ar",
+        "what the stage runs: 'ar' (the language model) or 'diffusion' (DiT + decoder); "
         "for a diffusers-format model_dir also 'encoder' (text encoders), 'denoise' "
         "(diffusion without the VAE) and 'decode' (the VAE); see MODELS.md",
-        "host": "address to bind (loopback by default)",
-        "port": "port to bind; 0 picks a free one (see --ready-file)",
-        "workers": "worker processes (one per rank / GPU)",
-        "device": "torch device for the workers: 'cpu', 'cuda' (rank i uses cuda:i) or 'cuda:N'",
-        "threads": "torch CPU threads per worker; 0 keeps torch's default",
-        "model_dir": "model folder: the embedded model's (config.json + safetensors) or a diffusers-format "
+        choices=KINDS,
+    )
+    host: str = option("127.0.0.1", "address to bind (loopback by default)")
+    port: int = option(0, "port to bind; 0 picks a free one (see --ready-file)")
+    workers: int = option(1, "worker processes (one per rank / GPU)")
+    device: str = option("cpu", "torch device for the workers: 'cpu', 'cuda' (rank i uses cuda:i) or 'cuda:N'")
+    threads: int = option(0, "torch CPU threads per worker; 0 keeps torch's default")
+    model_dir: str = option(
+        "",
+        "model folder: the embedded model's (config.json + safetensors) or a diffusers-format "
         "checkpoint (model_index.json); default: the embedded model's cache folder",
-        "model_preset": "dimensions used when the folder holds no weights yet: 'tiny' or 'flux-sized'",
-        "max_batch_size": "most compatible requests run together as one batch",
-        "batch_invariant": "a request's output bytes do not depend on the requests it is batched with: a "
+    )
+    model_preset: str = option(
+        "tiny", "dimensions used when the folder holds no weights yet: 'tiny' or 'flux-sized'", choices=PRESETS
+    )
+    max_batch_size: int = option(4, "most compatible requests run together as one batch")
+    step_execution: bool = option(
+        False,
+        "copy and pack outputs on the worker's main thread (synchronous path) instead of "
+        "handing them to the async output thread",
+    )
+    cuda_graphs: bool = option(
+        True,
+        "replay each denoising step of the embedded DiT from a captured CUDA graph (one launch "
+        "per step instead of hundreds; on a CUDA device, without DLO, TP, sp_size or cfg_parallel); "
+        "--no-cuda-graphs launches every kernel from Python",
+    )
+    batch_invariant: bool = option(
+        True,
+        "a request's output bytes do not depend on the requests it is batched with: a "
         "diffusion or denoise stage still forms batches but runs each request's forward passes with the "
         "shapes it has alone; --no-batch-invariant samples a batch as one (faster where kernels are "
         "launch-bound, but the same seed may round differently by one level in a few pixels)",
-        "enable_sleep": "accept SleepStage/WakeUpStage (freeing device memory on demand); "
-        "--no-enable-sleep makes them UNIMPLEMENTED",
-        "sleep_host_buffer": "when each worker prepares the host buffer a level-1 sleep copies the weights into "
+    )
+    sp_size: int = option(
+        1,
+        "sequence-parallel ranks of a denoising stage: that many worker processes split the image "
+        "tokens of every request and attend over them together (Ulysses all-to-all, ring attention where "
+        "the head count does not divide); the embedded DiT and FLUX; see PARALLEL.md",
+    )
+    cfg_parallel: bool = option(
+        False,
+        "run the conditional and the unconditional pass of classifier-free guidance on two "
+        "ranks (twice the worker processes; with sp_size, 2 x sp_size); the embedded DiT and SD3, not "
+        "FLUX (its guidance is distilled); see PARALLEL.md",
+    )
+    enable_sleep: bool = option(
+        True,
+        "accept SleepStage/WakeUpStage (freeing device memory on demand); --no-enable-sleep makes them UNIMPLEMENTED",
+    )
+    sleep_host_buffer: str = option(
+        "first_sleep",
+        "when each worker prepares the host buffer a level-1 sleep copies the weights into "
         "(page-locked, the size of the weights the sleep manages): 'first_sleep' (the first level-1 sleep "
         "also faults its pages in and locks them: seconds per 20 GB), 'at_start' (before the worker "
         "reports ready, moving the weights once through it into one device allocation) or 'background' "
@@ -88,40 +100,35 @@ class StageSettings(DloOptions):
         "prepared ahead, the first sleep copies at link speed and the buffer holds that host memory for "
         "the worker's life, and the checkpoint is also kept mapped and page-locked from the first level-2 "
         "sleep on (its page cache: the weights' size again), so level-2 wakes copy at link speed too",
-        "step_execution": "copy and pack outputs on the worker's main thread (synchronous path) instead of "
-        "handing them to the async output thread",
-        "cuda_graphs": "replay each denoising step of the embedded DiT from a captured CUDA graph (one launch "
-        "per step instead of hundreds; on a CUDA device, without DLO, TP, sp_size or cfg_parallel); "
-        "--no-cuda-graphs launches every kernel from Python",
-        "sp_size": "sequence-parallel ranks of a denoising stage: that many worker processes split the image "
-        "tokens of every request and attend over them together (Ulysses all-to-all, ring attention where "
-        "the head count does not divide); the embedded DiT and FLUX; see PARALLEL.md",
-        "cfg_parallel": "run the conditional and the unconditional pass of classifier-free guidance on two "
-        "ranks (twice the worker processes; with sp_size, 2 x sp_size); the embedded DiT and SD3, not "
-        "FLUX (its guidance is distilled); see PARALLEL.md",
-        "hang_timeout_s": "a worker process silent this long (no heartbeat, which it sends every second even "
+        choices=SLEEP_HOST_BUFFERS,
+    )
+    hang_timeout_s: float = option(
+        30.0,
+        "a worker process silent this long (no heartbeat, which it sends every second even "
         "while a batch runs) is taken as hung (stopped, or stuck outside Python): it is killed, what it "
         "owed fails with UNAVAILABLE, and its group restarts",
-        "max_queue": "requests waiting beyond this are refused with RESOURCE_EXHAUSTED",
-        "max_size": "largest width/height in pixels accepted",
-        "max_steps": "largest num_inference_steps accepted",
-        "max_prompt_bytes": "longest prompt accepted, in UTF-8 bytes",
-        "default_size": "width/height used when a request leaves them unset",
-        "default_steps": "num_inference_steps used when a request leaves it unset",
-        "default_guidance": "guidance_scale used when a request leaves it unset",
-        "max_guidance": "largest guidance_scale accepted",
-        "metrics_port": metrics.PORT_HELP,
-        "ready_file": (
-            "write {'address', 'pid'} (and 'metrics' with a metrics port) as JSON here once the port is bound"
-        ),
-        "tls_cert": "serve TLS with this certificate chain (PEM); needs --tls-key; empty: plaintext",
-        "tls_key": "private key (PEM) of --tls-cert",
-        "tls_ca": "CA bundle (PEM) verifying the cache service when it serves TLS; empty: plaintext channel",
-        "health_port": tls.HEALTH_PORT_HELP,
-        "token_file": "file holding the bearer token that SleepStage/WakeUpStage must carry, also sent to the "
+    )
+    max_queue: int = option(256, "requests waiting beyond this are refused with RESOURCE_EXHAUSTED")
+    max_size: int = option(1024, "largest width/height in pixels accepted")
+    max_steps: int = option(100, "largest num_inference_steps accepted")
+    max_prompt_bytes: int = option(2048, "longest prompt accepted, in UTF-8 bytes")
+    default_size: int = option(256, "width/height used when a request leaves them unset")
+    default_steps: int = option(8, "num_inference_steps used when a request leaves it unset")
+    default_guidance: float = option(4.0, "guidance_scale used when a request leaves it unset")
+    max_guidance: float = option(30.0, "largest guidance_scale accepted")
+    metrics_port: int | None = option(None, metrics.PORT_HELP, type=metrics.port_argument)  # unset: off
+    ready_file: str | None = option(
+        None, "write {'address', 'pid'} (and 'metrics' with a metrics port) as JSON here once the port is bound"
+    )
+    tls_cert: str = option("", "serve TLS with this certificate chain (PEM); needs --tls-key; empty: plaintext")
+    tls_key: str = option("", "private key (PEM) of --tls-cert")
+    tls_ca: str = option("", "CA bundle (PEM) verifying the cache service when it serves TLS; empty: plaintext channel")
+    health_port: int | None = option(None, tls.HEALTH_PORT_HELP, type=tls.health_port_argument)
+    token_file: str = option(
+        "",
+        "file holding the bearer token that SleepStage/WakeUpStage must carry, also sent to the "
         "cache service when publishing; empty: $STAGEMESH_TOKEN, or none",
-        **DLO_HELP,
-    }
+    )
 
     def __post_init__(self) -> None:
         _check_kind(self.kind)  # first: the other checks' advice assumes a known kind
@@ -223,30 +230,18 @@ class StageSettings(DloOptions):
         """dp_size data-parallel ranks are that many processes, with or without a DP group."""
         return max(self.workers, self.dp_size, self.tensor_parallel_size, self.image_parallel_size())
 
+    def invariant_rows(self) -> int:
+        """Requests per forward pass under batch_invariant: the stage's largest batch, or one where a
+        DP wave gives each rank one request; 0 without it."""
+        if not self.batch_invariant:
+            return 0
+        return 1 if self.dp_group_size() > 1 else self.max_batch_size
+
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         dlo = {f.name for f in fields(DloOptions)}
         # The stage's own options first in --help, then the offload ones.
-        for f in sorted(fields(cls), key=lambda f: f.name in dlo):
-            flag = "--" + f.name.replace("_", "-")
-            kwargs: dict[str, Any] = {"default": f.default, "help": cls._HELP[f.name] + f" (default: {f.default!r})"}
-            if f.name == "kind":
-                kwargs["choices"] = KINDS
-            elif f.name == "model_preset":
-                kwargs["choices"] = PRESETS
-            elif f.name == "sleep_host_buffer":
-                kwargs["choices"] = SLEEP_HOST_BUFFERS
-            elif f.name == "metrics_port":
-                kwargs["type"] = metrics.port_argument  # int | None: unset is off
-            elif f.name == "health_port":
-                kwargs["type"] = tls.health_port_argument
-            if f.type in ("bool", bool):
-                kwargs["action"] = argparse.BooleanOptionalAction
-            elif f.type in ("int", int):
-                kwargs["type"] = int
-            elif f.type in ("float", float):
-                kwargs["type"] = float
-            parser.add_argument(flag, **kwargs)
+        options.add_arguments(parser, sorted(fields(cls), key=lambda f: f.name in dlo), show_default=True)
         parser.add_argument(
             "--dlo-no-use-allgather",
             dest="dlo_use_allgather",
@@ -259,50 +254,21 @@ class StageSettings(DloOptions):
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> StageSettings:
         try:
-            return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+            return cls(**options.values(cls, args))
         except ValueError as exc:  # a refused combination: say what to change, no traceback
             print(f"stagemesh stage: error: {envflags.explain(str(exc))}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None  # a usage error, as argparse's own
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> StageSettings:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
+        known = options.mesh_keys(cls)
+        unknown = sorted(set(values) - set(known))
         if unknown:
             raise ValueError(f"unknown stage option(s) {unknown}; known: {sorted(known)}")
         return cls(**values)
 
     def to_flags(self) -> list[str]:
-        out: list[str] = []
-        for f in fields(self):
-            value = getattr(self, f.name)
-            flag = "--" + f.name.replace("_", "-")
-            if isinstance(value, bool):
-                out.append(flag if value else "--no-" + flag[2:])
-            elif value is not None and value != "":
-                out += [flag, str(value)]
-        return out
-
-    def resolved_model_dir(self) -> Path:
-        from stagemesh.stage_service.models.weights import default_model_dir
-
-        return Path(self.model_dir).expanduser() if self.model_dir else default_model_dir()
-
-    def prepare_model_dir(self) -> Path:
-        """Generate the embedded model's weights on first use (deterministic, no download); a
-        diffusers-format folder is only checked for the components this stage loads."""
-        from stagemesh.stage_service.models import diffusers_adapter
-
-        if (
-            diffusers_adapter.is_diffusers_folder(self.resolved_model_dir())
-            or self.kind in diffusers_adapter.FOLDER_ONLY_KINDS
-        ):
-            return diffusers_adapter.check_stage_folder(self.resolved_model_dir(), self.kind).path
-        from stagemesh.stage_service.models.config import PipelineConfig
-        from stagemesh.stage_service.models.weights import ensure_model_dir
-
-        config = PipelineConfig.tiny() if self.model_preset == "tiny" else PipelineConfig.flux_sized()
-        return ensure_model_dir(self.resolved_model_dir(), config)
+        return options.to_flags(self)
 
     def limits(self, runner_limits: dict[str, Any] | None = None) -> Limits:
         runner_limits = runner_limits or {}

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from stagemesh.core.options import option
+
 DEFAULT_RUNTIME_CACHE_DIR = "~/.cache/stagemesh/dlo-runtime-weights"
 # "": blocks stream in the model's own dtype. Kept here (not in quant.py) so reading the options
 # does not import torch.
@@ -50,17 +52,59 @@ def validate(o: Any) -> None:
 
 @dataclass(frozen=True)
 class DloOptions:
-    enable_dlo: bool = False
-    dp_size: int = 1
-    dlo_use_allgather: bool = True
-    dlo_resident_layers: int = 0
-    dlo_enable_runtime_cache: bool = False
-    dlo_runtime_cache_dir: str = DEFAULT_RUNTIME_CACHE_DIR
-    dlo_runtime_cache_lock_timeout: float = 600.0
-    dlo_runtime_cache_service: str = ""
-    tensor_parallel_size: int = 1
-    dlo_checkpoint_mmap: bool = True
-    dlo_stream_dtype: str = ""
+    """The DLO options of a stage: StageSettings inherits them (flags of `stagemesh stage`, keys of
+    a [[stages]] table) and the runners take them alone."""
+
+    enable_dlo: bool = option(
+        False, "stream the DiT's blocks from host memory through two device slots (distributed layerwise offload, DLO)"
+    )
+    dp_size: int = option(
+        1,
+        "data-parallel ranks of the stage: that many worker processes (as workers = N); "
+        "with DLO AllGather on a diffusion stage they form the weight-sharding group and run "
+        "requests in DP waves (see docs/DLO.md)",
+    )
+    dlo_use_allgather: bool = option(
+        True,
+        "DLO: each DP rank keeps 1/dp_size of every block and rebuilds it with "
+        "AllGather; --dlo-no-use-allgather streams complete rank-local blocks",
+    )
+    dlo_resident_layers: int = option(
+        0,
+        "DLO: keep this many leading blocks on the device (needs "
+        "--dlo-no-use-allgather and a model that declares eligible blocks)",
+    )
+    dlo_enable_runtime_cache: bool = option(
+        False,
+        "DLO: share final ordinary-loader weights through the node-local "
+        "runtime-weight cache (needs --dlo-no-use-allgather)",
+    )
+    dlo_runtime_cache_dir: str = option(DEFAULT_RUNTIME_CACHE_DIR, "DLO runtime-weight cache root on a local disk")
+    dlo_runtime_cache_lock_timeout: float = option(
+        600.0, "DLO: seconds to wait for another process publishing the same runtime-cache layout (finite, > 0)"
+    )
+    dlo_runtime_cache_service: str = option(
+        "",
+        "DLO: address of the node's cache service, which holds the "
+        "publication locks; empty (or unreachable): the same lock "
+        "protocol on the directory itself. `stagemesh up` fills it in",
+    )
+    tensor_parallel_size: int = option(
+        1,
+        "tensor-parallel ranks of a diffusion stage: that many worker "
+        "processes form one group and run every batch together; the direct "
+        "mmap plan needs 1",
+    )
+    dlo_checkpoint_mmap: bool = option(
+        True, "DLO: try the direct checkpoint mmap plan first; --no-dlo-checkpoint-mmap always uses the ordinary loader"
+    )
+    dlo_stream_dtype: str = option(
+        "",
+        "DLO: 'float8_e4m3fn' or 'int8' keeps the streamed blocks' Linear weights in that "
+        "8-bit format on the host (per-output-channel bf16 scales, quantised once at load) and rebuilds them on "
+        "the device before each block runs: about half the bytes per step; int8 rounds about a third as far "
+        "from the weights as float8_e4m3fn; '' streams the model's own dtype (see docs/DLO.md)",
+    )
 
     def __post_init__(self) -> None:
         validate(self)
@@ -78,33 +122,3 @@ class DloOptions:
     def forms_dp_group(self) -> bool:
         """The stage's dp_size ranks form one process group and run requests in DP waves."""
         return self.enable_dlo and self.allgather_active
-
-
-HELP = {
-    "enable_dlo": "stream the DiT's blocks from host memory through two device slots "
-    "(distributed layerwise offload, DLO)",
-    "dp_size": "data-parallel ranks of the stage: that many worker processes (as workers = N); "
-    "with DLO AllGather on a diffusion stage they form the weight-sharding group and run "
-    "requests in DP waves (see docs/DLO.md)",
-    "dlo_use_allgather": "DLO: each DP rank keeps 1/dp_size of every block and rebuilds it with "
-    "AllGather; --dlo-no-use-allgather streams complete rank-local blocks",
-    "dlo_resident_layers": "DLO: keep this many leading blocks on the device (needs "
-    "--dlo-no-use-allgather and a model that declares eligible blocks)",
-    "dlo_enable_runtime_cache": "DLO: share final ordinary-loader weights through the node-local "
-    "runtime-weight cache (needs --dlo-no-use-allgather)",
-    "dlo_runtime_cache_dir": "DLO runtime-weight cache root on a local disk",
-    "dlo_runtime_cache_lock_timeout": "DLO: seconds to wait for another process publishing the "
-    "same runtime-cache layout (finite, > 0)",
-    "dlo_runtime_cache_service": "DLO: address of the node's cache service, which holds the "
-    "publication locks; empty (or unreachable): the same lock "
-    "protocol on the directory itself. `stagemesh up` fills it in",
-    "tensor_parallel_size": "tensor-parallel ranks of a diffusion stage: that many worker "
-    "processes form one group and run every batch together; the direct "
-    "mmap plan needs 1",
-    "dlo_checkpoint_mmap": "DLO: try the direct checkpoint mmap plan first; "
-    "--no-dlo-checkpoint-mmap always uses the ordinary loader",
-    "dlo_stream_dtype": "DLO: 'float8_e4m3fn' or 'int8' keeps the streamed blocks' Linear weights in that "
-    "8-bit format on the host (per-output-channel bf16 scales, quantised once at load) and rebuilds them on "
-    "the device before each block runs: about half the bytes per step; int8 rounds about a third as far "
-    "from the weights as float8_e4m3fn; '' streams the model's own dtype (see docs/DLO.md)",
-}
