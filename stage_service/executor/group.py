@@ -252,8 +252,7 @@ def first_answer(call: GroupCall) -> cf.Future:
 
 
 def _invariant_rows(settings: StageOptions) -> int:
-    """Requests per forward pass under batch_invariant: the stage's largest batch, or one where a
-    DP wave gives each rank one request; 0 without it."""
-    if not settings.batch_invariant:
-        return 0
-    return 1 if settings.dp_group_size() > 1 else settings.max_batch_size
+    """Requests per forward pass under batch_invariant: the stage's largest batch; 0 without it.
+    Also for the ranks of a DP wave, though each runs one request: a pass of one row rounds
+    differently from the max_batch_size rows a one-rank stage runs that request with."""
+    return settings.max_batch_size if settings.batch_invariant else 0
