@@ -231,11 +231,10 @@ class StageSettings(DloOptions):
         return max(self.workers, self.dp_size, self.tensor_parallel_size, self.image_parallel_size())
 
     def invariant_rows(self) -> int:
-        """Requests per forward pass under batch_invariant: the stage's largest batch, or one where a
-        DP wave gives each rank one request; 0 without it."""
-        if not self.batch_invariant:
-            return 0
-        return 1 if self.dp_group_size() > 1 else self.max_batch_size
+        """Requests per forward pass under batch_invariant: the stage's largest batch; 0 without it.
+        Also for the ranks of a DP wave, though each runs one request: a pass of one row rounds
+        differently from the max_batch_size rows a one-rank stage runs that request with."""
+        return self.max_batch_size if self.batch_invariant else 0
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,9 @@ from stagemesh.core.params import Params
 from stagemesh.stage_service.engine.dispatch import BatchDispatcher
 from stagemesh.stage_service.engine.request import StageRequest
 from stagemesh.stage_service.executor.multiproc import Executor
+from stagemesh.stage_service.models.runners import DiffusionRunner, WorkItem
 from stagemesh.stage_service.settings import StageSettings
+from stagemesh.stage_service.settings.dlo import DloOptions
 
 
 def request(name: str, cond_rows: int, steps: int = 2) -> StageRequest:
@@ -69,5 +71,25 @@ def test_the_option_reaches_every_worker_as_its_rows_per_pass():
     assert rows_per_pass() == [4]
     assert rows_per_pass(max_batch_size=2, workers=2) == [2, 2]
     assert rows_per_pass(batch_invariant=False) == [0]
-    # A DP wave gives each rank one request: a pass of one is already what the request has alone.
-    assert rows_per_pass(enable_dlo=True, dp_size=2) == [1, 1]
+    # A DP wave gives each rank one request, run with the rows it has on a one-rank stage.
+    assert rows_per_pass(enable_dlo=True, dp_size=2) == [4, 4]
+
+
+def test_a_dp_rank_draws_the_bits_a_one_rank_stage_draws(tiny_model):
+    """A DP rank running its request at one row rounded differently from the max_batch_size rows
+    of a one-rank stage (Linear's bits depend on its row count), which now and then changed a PNG."""
+    [one_rank] = rows_per_pass()
+    [dp_rank, _] = rows_per_pass(enable_dlo=True, dp_size=2)
+    runners = [
+        DiffusionRunner(tiny_model, invariant_rows=one_rank),
+        DiffusionRunner(tiny_model, dlo=DloOptions(enable_dlo=True), invariant_rows=dp_rank),
+    ]
+    cond = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    item = WorkItem("r", Params("p", 32, 32, 2, 4.0, 2, "png"), {"hidden_states": cond})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers run
+    try:
+        images = [runner.run([item])[0]["image"] for runner in runners]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(images[0], images[1])

@@ -51,8 +51,9 @@ def _inputs(seed: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    """seed -> the image a dp_size 1 DLO runner draws for that request alone."""
-    runner = build_runner("diffusion", tiny_model, dlo=DloOptions(enable_dlo=True))
+    """seed -> the image a dp_size 1 DLO stage draws for that request alone (batch_invariant's rows)."""
+    rows = StageSettings(kind="diffusion").max_batch_size
+    runner = build_runner("diffusion", tiny_model, dlo=DloOptions(enable_dlo=True), invariant_rows=rows)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers run
     cache: dict = {}
