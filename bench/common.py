@@ -93,6 +93,14 @@ def add_output(parser: argparse.ArgumentParser, name: str | None, *old_spellings
     )
 
 
+def add_figure_output(parser: argparse.ArgumentParser, default: str) -> None:
+    """`--output PNG`: the figure a plot script draws. A second positional argument, the older
+    form, means the same."""
+    parser.add_argument("--output", default=default, metavar="PNG", help=f"the figure (default: {default})")
+    # the same destination: given, it wins; absent, it leaves --output's value alone
+    parser.add_argument("output", nargs="?", default=argparse.SUPPRESS, metavar="PNG", help="old form of --output")
+
+
 def add_repeats(parser: argparse.ArgumentParser, default: int | None, help: str, *old_spellings: str) -> None:
     """`--repeats N`: how many times the measurement is repeated; its figures are taken over them.
     Where one repeat times several passes, the script's `--iters` says how many."""
@@ -225,6 +233,16 @@ def write_json(path: str | os.PathLike, benchmark: str, data: dict[str, Any]) ->
     payload = {"benchmark": benchmark, "environment": environment(), **data}
     path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     return path
+
+
+def pyplot():
+    """matplotlib's pyplot, drawing to files; imported here, on use, as matplotlib is a bench-only tool."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _raise_interrupt(signum, frame):  # SIGTERM to a benchmark: unwind through the finally blocks
