@@ -82,11 +82,11 @@ def main(argv: list[str] | None = None) -> None:
     unpinned = []
     for _ in range(args.repeats):
         os.sched_setaffinity(0, cpus)
-        unpinned.append(forward.rate(args.iters))
+        unpinned.append(forward.rate(args.iters)[0])
         for cpu in cpus:
             os.sched_setaffinity(0, {cpu})
             time.sleep(0.01)
-            rates[cpu].append(forward.rate(args.iters))
+            rates[cpu].append(forward.rate(args.iters)[0])
     os.sched_setaffinity(0, cpus)
     rows = [
         [cpu, numa_node(cpu), "yes" if local and cpu in local else "no", statistics.median(r), min(r), max(r)]
