@@ -15,24 +15,21 @@ the median of the rounds' own ratios (1 - mode/off). "alone-equal" counts the re
 in the batch is bit-identical to the image the same mode gives the request alone.
 
 The stage's default follows the cost of "on" for the first case at 256x256, batch 4, on the GPU of
-record (on if at most 5 %): python bench/batch_invariance.py --device cuda
-On a CPU: python bench/batch_invariance.py --device cpu --threads 16
+record (on if at most 5 %): python -m bench.batch_invariance --device cuda
+On a CPU: python -m bench.batch_invariance --device cpu --threads 16
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.common import print_table, write_json
+from bench.common import add_model_dir, add_output, add_repeats, print_table, write_json
 from stagemesh.core.params import Params
 from stagemesh.stage_service.models.batch_invariance import padding_key, run_items_alone
 from stagemesh.stage_service.models.config import PipelineConfig
@@ -102,7 +99,7 @@ def measure_case(modes: Modes, batch: list[WorkItem], args: argparse.Namespace) 
     for mode in MODES:
         modes.images_per_s(mode, batch, args.warmup)
     rounds = []
-    for r in range(args.rounds):
+    for r in range(args.repeats):
         order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]  # no mode always goes first
         rounds.append({mode: modes.images_per_s(mode, batch, args.batches) for mode in order})
     return {
@@ -116,7 +113,7 @@ def measure_case(modes: Modes, batch: list[WorkItem], args: argparse.Namespace) 
 
 
 def measure(args: argparse.Namespace) -> dict:
-    model_dir = ensure_model_dir(Path(args.model_dir), PipelineConfig.tiny())
+    model_dir = ensure_model_dir(Path(args.model_dir or default_model_dir()), PipelineConfig.tiny())
     ar = ArRunner(model_dir, args.device)
     runner = DiffusionRunner(model_dir, args.device, cuda_graphs=args.cuda_graphs)
     modes = Modes(runner, args.batch, args.device)
@@ -129,17 +126,17 @@ def measure(args: argparse.Namespace) -> dict:
     return {name: measure_case(modes, batch, args) for name, batch in cases.items()}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--model-dir", default=str(default_model_dir()), help="the embedded model (made if absent)")
+    add_model_dir(parser, "the embedded model, made if absent; default: its cache folder")
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument(
         "--batch", type=int, default=4, help="the stage's max_batch_size; each case has four prompts, so at most 4"
     )
     parser.add_argument("--steps", type=int, default=8, help="the stage's default_steps")
     parser.add_argument("--guidance", type=float, default=4.0, help="the stage's default_guidance")
-    parser.add_argument("--rounds", type=int, default=7)
+    add_repeats(parser, 7, "rounds of every mode; figures are medians over them (default: 7)", "--rounds")
     parser.add_argument("--batches", type=int, default=10, help="batches per mode per round")
     parser.add_argument("--warmup", type=int, default=3, help="batches per mode before the rounds")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -149,8 +146,12 @@ def main() -> None:
         default=True,
         help="denoising steps from captured CUDA graphs (the stage default)",
     )
-    parser.add_argument("--output", default="bench/results/batch_invariance.json")
-    args = parser.parse_args()
+    add_output(parser, "batch_invariance")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 
@@ -182,7 +183,7 @@ def main() -> None:
         "batch": args.batch,
         "steps": args.steps,
         "guidance": args.guidance,
-        "rounds": args.rounds,
+        "rounds": args.repeats,
         "batches": args.batches,
         "threads": torch.get_num_threads(),
         "cuda_graphs": args.cuda_graphs,

@@ -1,8 +1,9 @@
-"""Small helpers shared by the benchmarks: percentiles, a plain-text table, and a JSON result
-file that records where and when the numbers were taken."""
+"""Small helpers shared by the benchmarks: percentiles, a plain-text table, a JSON result file
+that records where and when the numbers were taken, and the options every script spells alike."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import math
@@ -65,6 +66,103 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], floatfmt
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], floatfmt: str = ".3f") -> None:
     print(format_table(headers, rows, floatfmt), flush=True)
+
+
+# the command line ---------------------------------------------------------------------------
+# A shared option has one spelling in every script. A spelling that an older command of record
+# used is kept as an alias with the same destination, so that command still runs.
+
+# What each model build a script can be given with --preset is.
+PRESETS = {
+    "tiny": "the embedded DiT, tiny (a CPU check)",
+    "flux-sized": "the embedded DiT at FLUX.1-dev's size",
+    "flux": "diffusers' FluxTransformer2DModel, FLUX.1-dev's config",
+    "tiny-flux": "diffusers' FluxTransformer2DModel, a small config (a CPU check)",
+}
+# --model dit|flux, an old spelling: the family, as (small, full) presets
+_FAMILIES = {"dit": ("tiny", "flux-sized"), "flux": ("tiny-flux", "flux")}
+
+
+def add_output(parser: argparse.ArgumentParser, name: str | None, *old_spellings: str) -> None:
+    """`--output PATH`: the JSON result file, bench/results/NAME.json by default (with `name`
+    None the script picks it, and `args.output` is None when not given)."""
+    default = None if name is None else str(RESULTS_DIR / f"{name}.json")
+    where = "picked by the script, under bench/results/" if name is None else f"bench/results/{name}.json"
+    parser.add_argument(
+        "--output", *old_spellings, dest="output", default=default, metavar="PATH", help=f"JSON result file ({where})"
+    )
+
+
+def add_figure_output(parser: argparse.ArgumentParser, default: str) -> None:
+    """`--output PNG`: the figure a plot script draws. A second positional argument, the older
+    form, means the same."""
+    parser.add_argument("--output", default=default, metavar="PNG", help=f"the figure (default: {default})")
+    # the same destination: given, it wins; absent, it leaves --output's value alone
+    parser.add_argument("output", nargs="?", default=argparse.SUPPRESS, metavar="PNG", help="old form of --output")
+
+
+def add_repeats(parser: argparse.ArgumentParser, default: int | None, help: str, *old_spellings: str) -> None:
+    """`--repeats N`: how many times the measurement is repeated; its figures are taken over them.
+    Where one repeat times several passes, the script's `--iters` says how many."""
+    parser.add_argument("--repeats", *old_spellings, dest="repeats", type=int, default=default, metavar="N", help=help)
+
+
+def add_model_dir(parser: argparse.ArgumentParser, when_absent: str, *old_spellings: str) -> None:
+    """`--model-dir PATH`: the model folder (`args.model_dir` None when not given), as
+    `stagemesh stage --model-dir` names it; `when_absent` says what the script uses then."""
+    parser.add_argument(
+        "--model-dir",
+        *old_spellings,
+        dest="model_dir",
+        default=None,
+        metavar="PATH",
+        help=f"model folder ({when_absent})",
+    )
+
+
+def add_preset(parser: argparse.ArgumentParser, choices: Sequence[str], default: str, *old_spellings: str) -> None:
+    """`--preset NAME`: which model build (PRESETS says what each is), one of `choices`. Old
+    spellings it can keep: `--tiny` and `--tiny-flux` (the small preset), `--model dit|flux` (the
+    family: the preset of that family of the size already chosen)."""
+    listed = "; ".join(f"{name}: {PRESETS[name]}" for name in choices)
+    parser.add_argument("--preset", choices=choices, default=default, help=f"the model: {listed} (default: {default})")
+    for flag in old_spellings:
+        if flag == "--model":
+            parser.add_argument(
+                flag,
+                choices=sorted(_FAMILIES),
+                dest="preset",
+                default=argparse.SUPPRESS,
+                action=_Family,
+                presets=choices,
+                help="old spelling: the --preset of this family, of the size already chosen",
+            )
+            continue
+        name = flag.removeprefix("--")
+        small = name if name in choices else next(c for c in choices if c.startswith("tiny"))
+        parser.add_argument(
+            flag,
+            dest="preset",
+            action="store_const",
+            const=small,
+            default=argparse.SUPPRESS,
+            help=f"old spelling of --preset {small}",
+        )
+
+
+class _Family(argparse.Action):
+    """`--model dit|flux`: the preset of that family, small or full as the current one is."""
+
+    def __init__(self, *args: Any, presets: Sequence[str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.presets = presets
+
+    def __call__(self, parser, namespace, family, option_string=None):
+        small = getattr(namespace, self.dest).startswith("tiny")
+        preset = _FAMILIES[family][0 if small else 1]
+        if preset not in self.presets:
+            parser.error(f"{option_string} {family}: not a model of this script (--preset {', '.join(self.presets)})")
+        setattr(namespace, self.dest, preset)
 
 
 # environment --------------------------------------------------------------------------------
@@ -135,6 +233,16 @@ def write_json(path: str | os.PathLike, benchmark: str, data: dict[str, Any]) ->
     payload = {"benchmark": benchmark, "environment": environment(), **data}
     path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     return path
+
+
+def pyplot():
+    """matplotlib's pyplot, drawing to files; imported here, on use, as matplotlib is a bench-only tool."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _raise_interrupt(signum, frame):  # SIGTERM to a benchmark: unwind through the finally blocks

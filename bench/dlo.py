@@ -22,12 +22,12 @@ no 8-bit form meets them all).
 Weights are random, identical in every build (bench/dlo_models.py), so outputs are compared to
 the resident model's too. Every case frees its model before the next one starts.
 
-Run on a GPU:   python bench/dlo.py --model flux        (diffusers FluxTransformer2DModel)
-                python bench/dlo.py                     (the FLUX-sized embedded DiT)
-                python bench/dlo.py --model flux --resident-blocks 0 --stream-dtype float8_e4m3fn int8
-Check on a CPU: python bench/dlo.py --model flux --tiny-flux --device cpu
-                python bench/dlo.py --preset tiny --device cpu
-Plot:           python bench/plot_dlo.py bench/results/dlo.json docs/img/dlo.png
+Run on a GPU:   python -m bench.dlo --preset flux        (diffusers FluxTransformer2DModel)
+                python -m bench.dlo                      (the FLUX-sized embedded DiT)
+                python -m bench.dlo --preset flux --resident-blocks 0 --stream-dtype float8_e4m3fn int8
+Check on a CPU: python -m bench.dlo --preset tiny-flux --device cpu
+                python -m bench.dlo --preset tiny --device cpu
+Plot:           python -m bench.plot_dlo bench/results/dlo.json --output docs/img/dlo.png
 """
 
 from __future__ import annotations
@@ -35,16 +35,13 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from bench import dlo_models as models
 from bench import dlo_quant
-from bench.common import RESULTS_DIR, print_table, write_json
+from bench.common import add_output, add_preset, print_table, write_json
 from bench.dlo_timing import (
     h2d_bandwidth,
     link_timeline,
@@ -57,6 +54,7 @@ from stagemesh.stage_service.models.config import PipelineConfig
 from stagemesh.stage_service.offload import discover, quant
 
 LEFTOVER_WARN_BYTES = 256 << 20
+PRESETS = ("flux-sized", "tiny", "flux", "tiny-flux")  # the embedded DiT, diffusers' FLUX transformer
 
 
 # ---- measurement -----------------------------------------------------------------------------
@@ -374,17 +372,9 @@ def _table(rows: list[dict]) -> None:
     )
 
 
-def _parse() -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--model", choices=("dit", "flux"), default="dit", help="the embedded DiT, or diffusers' FluxTransformer2DModel"
-    )
-    parser.add_argument(
-        "--preset", choices=("flux-sized", "tiny"), default="flux-sized", help="--model dit: its dimensions"
-    )
-    parser.add_argument(
-        "--tiny-flux", action="store_true", help="--model flux: a small config (5 blocks), for a CPU check"
-    )
+    add_preset(parser, PRESETS, "flux-sized", "--model", "--tiny-flux")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
         "--sizes",
@@ -406,22 +396,22 @@ def _parse() -> argparse.Namespace:
         help="8-bit forms (float8_e4m3fn, int8) to run every DLO case with too, each reported against "
         "the 8-bit targets (default: the model's dtype only)",
     )
-    parser.add_argument("--json", default=str(RESULTS_DIR / "dlo.json"))
-    return parser.parse_args()
+    add_output(parser, "dlo", "--json")
+    return parser
 
 
 def _bench_model(args) -> models.BenchModel:
-    if args.model == "flux":
+    if args.preset in ("flux", "tiny-flux"):
         # bf16 as on the GPU; float32 for the CPU check (CPU bf16 kernels are slow, not wrong).
         dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-        return models.flux_model(tiny=args.tiny_flux, dtype=dtype)
+        return models.flux_model(tiny=args.preset == "tiny-flux", dtype=dtype)
     config = PipelineConfig.flux_sized() if args.preset == "flux-sized" else models.TINY_DIT
     return models.dit_model(config)
 
 
-def main() -> None:
-    args = _parse()
-    small = args.tiny_flux if args.model == "flux" else args.preset == "tiny"
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    small = args.preset.startswith("tiny")
     args.sizes = args.sizes or ([128, 256] if small else [512, 1024])
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
@@ -449,7 +439,7 @@ def main() -> None:
     _table(rows)
     summary = dlo_quant.report(rows, bandwidth, device.type == "cuda") if args.stream_dtype else None
     path = write_json(
-        args.json,
+        args.output,
         "dlo",
         {
             "model": bm.name,

@@ -8,7 +8,7 @@ host block by block. No build ever holds the model twice.
 - `dit`: the embedded DiT (`PipelineConfig.flux_sized()` or a tiny preset), guidance as a
   cond/uncond batch of 2.
 - `flux`: diffusers' `FluxTransformer2DModel` from its default config with guidance embeddings on
-  (FLUX.1-dev's shape: 11.9 B parameters), unchanged; `tiny_flux` for a CPU check.
+  (FLUX.1-dev's shape: 11.9 B parameters), unchanged; `flux_model(tiny=True)` (the tiny-flux preset) for a CPU check.
 """
 
 from __future__ import annotations

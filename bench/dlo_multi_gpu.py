@@ -18,8 +18,8 @@ Floor of an AllGather step on one rank: max(resident step, streamed bytes / dp /
 with every rank copying + streamed bytes / all-gather bandwidth). Correctness: the AllGather
 output must equal the no-AllGather output bit for bit, and the resident one within bf16 noise.
 
-Run on >= 2 GPUs:  python bench/dlo_multi_gpu.py --model flux
-Check on a CPU:    python bench/dlo_multi_gpu.py --model flux --tiny-flux --device cpu --dp 2
+Run on >= 2 GPUs:  python -m bench.dlo_multi_gpu --preset flux
+Check on a CPU:    python -m bench.dlo_multi_gpu --preset tiny-flux --device cpu --dp 2
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import argparse
 import functools
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,11 +36,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from bench import dlo, dlo_timing
 from bench import dlo_models as models
-from bench.common import RESULTS_DIR, print_table, write_json
+from bench.common import add_output, add_preset, print_table, write_json
 from stagemesh.core.procutil import free_port
 from stagemesh.stage_service.offload.collective import gather_into
 
@@ -267,13 +264,9 @@ def report(rows: list[dict], extra: dict, world: int) -> None:
     )
 
 
-def _parse() -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=("dit", "flux"), default="flux")
-    parser.add_argument(
-        "--preset", choices=("flux-sized", "tiny"), default="flux-sized", help="--model dit: its dimensions"
-    )
-    parser.add_argument("--tiny-flux", action="store_true", help="--model flux: a CPU-sized config")
+    add_preset(parser, dlo.PRESETS, "flux", "--model", "--tiny-flux")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dp", type=int, default=None, help="ranks (default: every visible GPU; 2 on the CPU)")
     parser.add_argument(
@@ -286,9 +279,14 @@ def _parse() -> argparse.Namespace:
         "--wave-size", type=int, default=None, help="image size of the DP-wave requests (default: the largest size)"
     )
     parser.add_argument("--wave-steps", type=int, default=8, help="denoising steps per wave request")
-    parser.add_argument("--json", default=str(RESULTS_DIR / "dlo_multi_gpu.json"))
-    args = parser.parse_args()
-    small = args.tiny_flux if args.model == "flux" else args.preset == "tiny"
+    add_output(parser, "dlo_multi_gpu", "--json")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    small = args.preset.startswith("tiny")
     args.sizes = args.sizes or ([128] if small else [512, 1024])
     args.wave_size = args.wave_size or max(args.sizes)
     if args.dp is None:
@@ -300,8 +298,8 @@ def _parse() -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    args = _parse()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     # NVLink multicast (NVLS) stays off: it is not needed for all-gather of this size.
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     with tempfile.TemporaryDirectory() as out_dir:
@@ -311,10 +309,10 @@ def main() -> None:
     report(rows, extra, args.dp)
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else None
     path = write_json(
-        args.json,
+        args.output,
         "dlo_multi_gpu",
         {
-            "model": args.model if not args.tiny_flux else "tiny-flux",
+            "model": args.preset,
             "dp": args.dp,
             "gpu": gpu,
             "device": args.device,

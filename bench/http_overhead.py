@@ -15,7 +15,7 @@ done" / "http done"): what is left of a latency is the client library and the tr
 p50/p90/p99/mean for both, HTTP - gRPC at p50 and p99, the ratio, the paired per-iteration
 difference, and that split.
 
-    python3 bench/http_overhead.py [--requests 300] [--size 16] [--steps 1] [--output PATH]
+    python -m bench.http_overhead [--requests 300] [--size 16] [--steps 1] [--output PATH]
 
 Target: HTTP adds <= 1 ms at p50.
 """
@@ -28,25 +28,17 @@ import gc
 import http.client
 import json
 import os
-import sys
 import time
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script: `python3 bench/http_overhead.py`
-    sys.path.insert(0, str(REPO))
 
 import grpc
 
-from bench import common
-from bench.mesh_overhead import overhead_args, run_overhead
+from bench import common, meshes
 from stagemesh.core import rpc
 from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
 from tests.support.meshproc import Mesh
 
 TARGET_P50_OVERHEAD_MS = 1.0
 CALL_TIMEOUT_S = 60.0
-DEFAULT_OUTPUT = REPO / "bench" / "results" / "http_overhead.json"
 PROMPT = "a lighthouse at dusk"
 
 
@@ -253,12 +245,16 @@ def report(results: dict) -> None:
     print(f"\ntarget: HTTP adds <= {TARGET_P50_OVERHEAD_MS} ms at p50 -> {verdict} ({o['p50_ms']:.3f} ms)", flush=True)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    return meshes.overhead_parser(__doc__ or "", "http_overhead")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return overhead_args(__doc__ or "", DEFAULT_OUTPUT, argv)
+    return meshes.parse_overhead_args(build_parser(), argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_overhead(parse_args(argv), "http_overhead", measure, report, extra_gateway="http_port = 0")
+    return meshes.run_on_mesh(parse_args(argv), "http_overhead", measure, report, extra_gateway="http_port = 0")
 
 
 if __name__ == "__main__":

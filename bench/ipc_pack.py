@@ -2,7 +2,7 @@
 
 The packer copies a tensor into a new shared-memory segment and the reader copies it out and
 unlinks it: two copies plus segment set-up, so the physical floor is half of memcpy's rate
-(target: >= 0.5 x memcpy). Run: python bench/ipc_pack.py
+(target: >= 0.5 x memcpy). Run: python -m bench.ipc_pack
 """
 
 from __future__ import annotations
@@ -10,15 +10,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.common import print_table, write_json
+from bench.common import add_output, add_repeats, print_table, write_json
 from stagemesh.stage_service.transport import ipc
 
 SIZES = {"1 MB": 1_000_000, "16 MB": 16_000_000, "256 MB": 256_000_000}
@@ -60,11 +56,15 @@ def measure(nbytes: int, repeats: int) -> dict[str, float]:
     return out
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--output", default="bench/results/ipc_pack.json")
-    args = parser.parse_args()
+    add_repeats(parser, 9, "timed runs per figure; figures are medians (default: 9)")
+    add_output(parser, "ipc_pack")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(1)  # the worker's packing thread is one thread; compare like with like
     results, rows = {}, []
     for label, nbytes in SIZES.items():

@@ -6,7 +6,7 @@ the client cancels after its first denoising step; every `--big-every`-th a Gene
 `--big-size` (an image over 1 MB, so it travels through shared memory). Reports p50/p99 latency
 per kind, QPS, and the count of every status code; a request without an outcome is "lost".
 
-    python3 bench/load.py [--clients 32] [--requests 10] [--size 64] [--steps 2] [--address HOST:PORT]
+    python -m bench.load [--clients 32] [--requests 10] [--size 64] [--steps 2] [--address HOST:PORT]
 
 Without --address it starts its own mesh (`stagemesh up`, the tiny model) and stops it after. The
 fd and thread counts of every mesh process before and after the load are reported too.
@@ -18,25 +18,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import os
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script: `python3 bench/load.py`
-    sys.path.insert(0, str(REPO))
-
 import grpc
 
 from bench import common
+from bench.meshes import mesh_processes, mesh_segments, process_resources, start_mesh, stop_mesh
 from stagemesh.core import rpc
 from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
-from tests.support.meshproc import segments_of, shm_entries
+from tests.support.meshproc import write_config
 
-DEFAULT_OUTPUT = REPO / "bench" / "results" / "load.json"
 CALL_TIMEOUT_S = 120.0
 UNARY, CANCEL, BIG = "unary", "cancel", "big"
 
@@ -136,61 +131,8 @@ def summarize(outcomes: list[Outcome], wall_s: float, expected: int) -> dict:
     }
 
 
-# mesh processes, from /proc -----------------------------------------------------------------
-def _cmdline(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
-    except OSError:
-        return []
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            out.append(int(entry))
-    return out
-
-
-def mesh_processes(up_pid: int) -> dict[str, int]:
-    """{"cache": pid, "stage-0": pid, "stage-0/worker": pid, ..., "gateway": pid} below `up`."""
-    found = {}
-    for pid in _children(up_pid):
-        argv = _cmdline(pid)
-        if argv[1:3] != ["-m", "stagemesh"] or len(argv) < 4:
-            continue
-        name = argv[3] if argv[3] != "stage" else f"stage-{argv[argv.index('--stage-id') + 1]}"
-        found[name] = pid
-        workers = [c for c in _children(pid) if any("multiprocessing.spawn" in a for a in _cmdline(c))]
-        for rank, worker in enumerate(sorted(workers)):
-            found[f"{name}/worker-{rank}"] = worker
-    return found
-
-
-def process_resources(pid: int) -> dict[str, int] | None:
-    """Open fds, threads and resident bytes of a live process (None once it is gone)."""
-    try:
-        rss_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
-        return {
-            "fds": len(os.listdir(f"/proc/{pid}/fd")),
-            "threads": len(os.listdir(f"/proc/{pid}/task")),
-            "rss_bytes": rss_pages * os.sysconf("SC_PAGE_SIZE"),
-        }
-    except OSError:
-        return None
-
-
-def mesh_segments(pids) -> list[str]:
-    """/dev/shm segments owned by these processes."""
-    return sorted(segments_of(shm_entries(), pids))
-
-
 # the script ---------------------------------------------------------------------------------
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=32, help="concurrent clients (default: 32)")
     parser.add_argument("--requests", type=int, default=10, help="requests per client (default: 10)")
@@ -200,8 +142,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--big-every", type=int, default=10, help="every Nth request a --big-size image (0: none)")
     parser.add_argument("--big-size", type=int, default=304, help="side of those images (default: 304, 1.1 MB)")
     parser.add_argument("--address", default=None, help="an existing gateway (default: start a mesh)")
-    parser.add_argument("--model-dir", default=None, help="model folder when starting a mesh (default: the cache)")
-    parser.add_argument("--output", default=str(DEFAULT_OUTPUT), help=f"JSON result file (default: {DEFAULT_OUTPUT})")
+    common.add_model_dir(parser, "when starting a mesh; default: the embedded model's cache folder")
+    common.add_output(parser, "load")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.clients < 1 or args.requests < 1:
         parser.error("--clients and --requests must be >= 1")
@@ -269,9 +216,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.address:
         results = measure(args, args.address, None)
     else:
-        from bench.mesh_overhead import start_mesh, stop_mesh
-        from tests.support.meshproc import write_config
-
         common.prepare_mesh_run(args)
         with tempfile.TemporaryDirectory(prefix="stagemesh-load-") as tmp:
             mesh = start_mesh(write_config(Path(tmp) / "mesh.toml", Path(args.model_dir)), Path(tmp) / "mesh.log")

@@ -13,7 +13,7 @@ Both use the same synchronous grpc client (one channel per target, opened once).
 mean for both, gateway - direct at p50 and p99, the ratio, and a breakdown of where each path's
 time goes (the gateway reports its own per-stage latency in GenerationResult.stage_latency_ms).
 
-    python3 bench/mesh_overhead.py [--requests 300] [--size 16] [--steps 1] [--output PATH]
+    python -m bench.mesh_overhead [--requests 300] [--size 16] [--steps 1] [--output PATH]
 
 Target (issue): the gateway hop adds <= 1 ms at p50.
 """
@@ -22,23 +22,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import Callable
-from pathlib import Path
-from typing import TypeVar
-
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script: `python3 bench/mesh_overhead.py`
-    sys.path.insert(0, str(REPO))
 
 import grpc
 
-from bench import common
+from bench import common, meshes
 from stagemesh.core import codec, converters, logs, rpc
 from stagemesh.core.params import Limits
 from stagemesh.gateway.images import encode_png
@@ -49,117 +38,15 @@ from stagemesh.v1 import (
     stage_pb2,
     stage_pb2_grpc,
 )
-from tests.support.meshproc import START_TIMEOUT_S, Mesh, write_config
+from tests.support.meshproc import Mesh
 
 TARGET_P50_OVERHEAD_MS = 1.0
 CALL_TIMEOUT_S = 60.0
-DEFAULT_OUTPUT = REPO / "bench" / "results" / "mesh_overhead.json"
 PROMPT = "a lighthouse at dusk"
 
 
 def _ms(ns: int) -> float:
     return ns / 1e6
-
-
-# the mesh -----------------------------------------------------------------------------------
-def _up_log_events(log_text: str, event: str):
-    """The `up` log's JSON lines with this event name (the children's own lines are skipped by the caller)."""
-    for line in log_text.splitlines():
-        line = line.strip()
-        if not line.startswith("{"):
-            continue
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if entry.get("event") == event and entry.get("child"):
-            yield entry
-
-
-def stage_addresses(log_text: str) -> dict[int, str]:
-    """Stage addresses from the `up` log: JSON lines {"event": "serving", "child": "stage-N", "address": ...}.
-    A restarted child logs again on the same port, so the last line wins."""
-    return {
-        int(e["child"].removeprefix("stage-")): e["address"]
-        for e in _up_log_events(log_text, "serving")
-        if e["child"].startswith("stage-") and e.get("address")
-    }
-
-
-def child_pids(log_text: str) -> dict[str, int]:
-    """{"gateway": pid, "stage-0": pid, ...} from the `up` log's "started" lines (the last one wins)."""
-    return {e["child"]: int(e["pid"]) for e in _up_log_events(log_text, "started") if e.get("pid")}
-
-
-def process_cpu_s(pid: int | None) -> float | None:
-    """user + system CPU seconds of a process, all its threads (None if it cannot be read)."""
-    if pid is None:
-        return None
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def start_mesh(config_path: Path, log_path: Path) -> Mesh:
-    """`python -m stagemesh up --config ...` (as tests.support.meshproc.start_mesh does), but killed if
-    anything, an interrupt included, stops us before the banner names the gateway's address."""
-    with open(log_path, "w") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "stagemesh", "up", "--config", str(config_path)],
-            cwd=REPO,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            stdout=subprocess.PIPE,
-            stderr=log_file,
-            text=True,
-        )
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            line = process.stdout.readline()
-            if not line:
-                break
-            if "gateway serving on" in line:
-                return Mesh(process, line.strip().rsplit(" ", 1)[1], log_path, config_path)
-        raise RuntimeError(f"the mesh did not start; log tail:\n{log_path.read_text(errors='replace')[-4000:]}")
-    except BaseException:
-        stop_mesh(Mesh(process, "", log_path, config_path))  # SIGTERM lets `up` stop the children it started
-        raise
-
-
-def stop_mesh(mesh: Mesh) -> int | None:
-    """SIGTERM, wait; SIGKILL if it will not go. Returns the exit code."""
-    try:
-        return mesh.stop(timeout=60.0)
-    except Exception as exc:  # noqa: BLE001 - timeout or anything else: make sure it is gone
-        print(f"mesh did not stop cleanly ({exc!r}); killing it", file=sys.stderr)
-        mesh.process.kill()
-        return mesh.process.wait()
-
-
-T = TypeVar("T")
-
-
-def measured_on_mesh(config_path: Path, log_path: Path, measure: Callable[[Mesh], T]) -> tuple[T, int | None]:
-    """Start a mesh, run `measure` on it (printing the mesh's log tail if it fails), stop it:
-    what `measure` returned and the exit code of `stagemesh up` (warned about unless 0)."""
-    started = time.monotonic()
-    mesh = start_mesh(config_path, log_path)
-    print(f"mesh up in {time.monotonic() - started:.1f} s", flush=True)
-    try:
-        return measure(mesh), _stopped(mesh)
-    except Exception:
-        print(f"mesh log tail:\n{mesh.logs()[-3000:]}", file=sys.stderr)
-        _stopped(mesh)
-        raise
-
-
-def _stopped(mesh: Mesh) -> int | None:
-    code = stop_mesh(mesh)
-    if code != 0:
-        print(f"warning: `stagemesh up` exited with code {code}", file=sys.stderr)
-    return code
 
 
 # the two paths ------------------------------------------------------------------------------
@@ -324,33 +211,16 @@ def report(results: dict) -> None:
 
 
 # main ---------------------------------------------------------------------------------------
-def overhead_args(doc: str, default_output: Path, argv: list[str] | None = None) -> argparse.Namespace:
-    """The options of a benchmark that times tiny requests two ways on one mesh (this one and
-    bench/http_overhead.py): `doc` its docstring, `default_output` its JSON file."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=300, help="measured iterations per path (default: 300)")
-    parser.add_argument("--warmup", type=int, default=20, help="unmeasured iterations per path first (default: 20)")
-    parser.add_argument("--size", type=int, default=16, help="width and height in pixels (default: 16, the smallest)")
-    parser.add_argument("--steps", type=int, default=1, help="num_inference_steps (default: 1)")
-    parser.add_argument("--seed", type=int, default=1234, help="fixed seed (default: 1234)")
-    parser.add_argument(
-        "--model-dir",
-        default=None,
-        help="model folder for both stages (default: the embedded model's cache folder, generated on first use)",
-    )
-    parser.add_argument("--output", default=str(default_output), help=f"JSON result file (default: {default_output})")
-    args = parser.parse_args(argv)
-    if args.requests < 1 or args.warmup < 0:
-        parser.error("--requests must be >= 1 and --warmup >= 0")
-    return args
+def build_parser() -> argparse.ArgumentParser:
+    return meshes.overhead_parser(__doc__ or "", "mesh_overhead")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return overhead_args(__doc__ or "", DEFAULT_OUTPUT, argv)
+    return meshes.parse_overhead_args(build_parser(), argv)
 
 
 def measure(args: argparse.Namespace, mesh: Mesh) -> dict:
-    stages = stage_addresses(mesh.logs())
+    stages = meshes.stage_addresses(mesh.logs())
     if sorted(stages) != [0, 1]:
         raise RuntimeError(f"expected stage 0 and stage 1 in the mesh log, found {stages}")
     params = generation_pb2.GenerationParams(
@@ -389,15 +259,15 @@ def _sample_paths(args: argparse.Namespace, mesh: Mesh, gateway: GatewayPath, di
     direct.cpu_ns.clear()
     gc.collect()
     loadavg_before = list(os.getloadavg())
-    gateway_pid = child_pids(mesh.logs()).get("gateway")
-    gateway_cpu_before = process_cpu_s(gateway_pid)
+    gateway_pid = meshes.child_pids(mesh.logs()).get("gateway")
+    gateway_cpu_before = meshes.process_cpu_s(gateway_pid)
 
     samples: dict[str, list[int]] = {"gateway": [], "direct": []}
     print(f"measuring {args.requests} iterations per path ...", flush=True)
     for i in range(args.requests):
         for path in (gateway, direct) if i % 2 == 0 else (direct, gateway):
             samples[path.name].append(path.run()[0])
-    gateway_cpu_after = process_cpu_s(gateway_pid)
+    gateway_cpu_after = meshes.process_cpu_s(gateway_pid)
     # The gateway process's CPU over the measured loop (it only works on the gateway path).
     gateway_cpu_ms = (
         None
@@ -465,30 +335,8 @@ def _summary(
     }
 
 
-def run_overhead(
-    args: argparse.Namespace,
-    name: str,
-    measure_on: Callable[[argparse.Namespace, Mesh], dict],
-    report_of: Callable[[dict], None],
-    extra_gateway: str = "",
-) -> int:
-    """Start a mesh of the embedded model, `measure_on(args, mesh)`, stop it, then `report_of`
-    the results and write them as benchmark `name`."""
-    common.prepare_mesh_run(args)
-    with tempfile.TemporaryDirectory(prefix="stagemesh-bench-") as tmp:
-        root = Path(tmp)
-        config = write_config(root / "mesh.toml", Path(args.model_dir), extra_gateway=extra_gateway)
-        print(f"starting the mesh (model dir {args.model_dir}) ...", flush=True)
-        results, code = measured_on_mesh(config, root / "mesh.log", lambda mesh: measure_on(args, mesh))
-    results["mesh"]["exit_code"] = code
-    report_of(results)
-    path = common.write_json(args.output, name, results)
-    print(f"wrote {path}")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
-    return run_overhead(parse_args(argv), "mesh_overhead", measure, report)
+    return meshes.run_on_mesh(parse_args(argv), "mesh_overhead", measure, report)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ N one-image requests sent one after the other, through a real mesh of the embedd
 
 Starts `stagemesh up` in a temp dir with the stages' defaults (as `stagemesh up` runs them: torch's
 own thread count, max_batch_size 4, batch_invariant on, unless flags say otherwise), then
-alternates, `--rounds` times,
+alternates, `--repeats` times (rounds),
 
   (a) one request:  GenerateUnary(num_images=N, seed=S)          -> N images;
   (b) N requests:   GenerateUnary(num_images=1, seed=S+i), i < N, one after the other.
@@ -15,7 +15,7 @@ gateway's per-stage latency of every image, and, after the mesh has stopped, the
 stage's forward pass alone at batch 1 and batch N (DiffusionRunner.run in this process) - the
 ceiling batching can reach on this machine.
 
-    python bench/num_images.py [--images 4] [--size 256] [--steps 8] [--rounds 10]
+    python -m bench.num_images [--images 4] [--size 256] [--steps 8] [--repeats 10]
 
 Target (issue): (a) >= 3x the throughput of (b).
 """
@@ -24,27 +24,21 @@ from __future__ import annotations
 
 import argparse
 import io
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script: `python bench/num_images.py`
-    sys.path.insert(0, str(REPO))
 
 import grpc
 import numpy as np
 from PIL import Image
 
 from bench import common
-from bench.mesh_overhead import measured_on_mesh
+from bench.meshes import measured_on_mesh
 from stagemesh.core import rpc
 from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
 
 TARGET_RATIO = 3.0
 CALL_TIMEOUT_S = 600.0
-DEFAULT_OUTPUT = REPO / "bench" / "results" / "num_images.json"
 PROMPT = "a lighthouse at dusk"
 
 
@@ -125,8 +119,8 @@ def measure(args: argparse.Namespace, address: str) -> dict:
             client.one_request()
             client.sequential()
         rounds = []
-        print(f"measuring {args.rounds} rounds ...", flush=True)
-        for i in range(args.rounds):
+        print(f"measuring {args.repeats} rounds ...", flush=True)
+        for i in range(args.repeats):
             order = ("one", "sequential") if i % 2 == 0 else ("sequential", "one")
             row = {}
             for name in order:
@@ -199,7 +193,7 @@ def summarize(args: argparse.Namespace, run: dict, forward: dict) -> dict:
             "max_batch_size": args.max_batch_size,
             "batch_invariant": args.batch_invariant,
             "threads": args.threads or "torch default",
-            "rounds": args.rounds,
+            "rounds": args.repeats,
             "warmup": args.warmup,
             "order": "alternating",
         },
@@ -274,12 +268,12 @@ def report(results: dict) -> None:
     )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=4, help="num_images of the one request (default: 4)")
     parser.add_argument("--size", type=int, default=256, help="width and height (default: 256, the default size)")
     parser.add_argument("--steps", type=int, default=8, help="num_inference_steps (default: 8, the default)")
-    parser.add_argument("--rounds", type=int, default=10, help="measured rounds of both paths (default: 10)")
+    common.add_repeats(parser, 10, "measured rounds of both paths (default: 10)", "--rounds")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured rounds first (default: 2)")
     parser.add_argument("--seed", type=int, default=1234, help="seed of image 0 (default: 1234)")
     parser.add_argument("--max-batch-size", type=int, default=4, help="the stages' max_batch_size (default: 4)")
@@ -293,11 +287,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "max_batch_size rows, so a one-image request costs a full batch)",
     )
     parser.add_argument("--forward-repeats", type=int, default=5, help="runs of the in-process forward (default: 5)")
-    parser.add_argument("--model-dir", default=None, help="model folder (default: the embedded model's cache folder)")
-    parser.add_argument("--output", default=str(DEFAULT_OUTPUT), help=f"JSON result file (default: {DEFAULT_OUTPUT})")
+    common.add_model_dir(parser, "default: the embedded model's cache folder")
+    common.add_output(parser, "num_images")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.images < 2 or args.rounds < 1 or args.warmup < 0:
-        parser.error("--images must be >= 2, --rounds >= 1 and --warmup >= 0")
+    if args.images < 2 or args.repeats < 1 or args.warmup < 0:
+        parser.error("--images must be >= 2, --repeats >= 1 and --warmup >= 0")
     return args
 
 

@@ -23,8 +23,8 @@ match (1024px, Ulysses-N, without compile, as here); its latency includes the te
 the VAE, which split nothing, so its speed-up of the transformer alone is higher.
 
 Run on N GPUs:  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-                python bench/parallel_dit.py --ranks 1 2 4
-Check on a CPU: python bench/parallel_dit.py --device cpu --tiny --sizes 64 128 --ranks 1 2 3 \\
+                python -m bench.parallel_dit --ranks 1 2 4
+Check on a CPU: python -m bench.parallel_dit --device cpu --preset tiny-flux --sizes 64 128 --ranks 1 2 3 \\
                 --steps 3 --warmup 1
 """
 
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,10 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from bench import dlo_models as models
-from bench.common import RESULTS_DIR, print_table, usable_cpus, write_json
+from bench.common import add_output, add_preset, print_table, usable_cpus, write_json
 from stagemesh.core.procutil import free_port
 
 TARGETS = {(2048, 2): 1.8, (2048, 4): 3.2}
@@ -96,7 +93,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_d
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **kwargs)
     try:
-        bm = models.flux_model(tiny=args.tiny)
+        bm = models.flux_model(tiny=args.preset == "tiny-flux")
         model = models.build_resident(bm, device)
         family = _family(model, rank, world)
         rows = {}
@@ -198,17 +195,21 @@ def _target(row: dict) -> str:
     return f">= {row['target']:.1f}x" if row["target"] is not None else ""
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--tiny", action="store_true", help="the tiny FLUX transformer (a CPU check)")
+    add_preset(parser, ("flux", "tiny-flux"), "flux", "--tiny")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048], help="image sides in pixels")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="sp_size values to run")
     parser.add_argument("--steps", type=int, default=28, help="timed denoising steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--text-tokens", type=int, default=512, help="T5 tokens (FLUX.1-dev: 512)")
-    parser.add_argument("--out", default=str(RESULTS_DIR / "parallel_dit.json"))
-    args = parser.parse_args(argv)
+    add_output(parser, "parallel_dit", "--out")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if 1 not in args.ranks:
         args.ranks = [1, *args.ranks]  # the speed-up is against one rank
     for key, value in NO_MULTICAST.items():
@@ -217,12 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         results = {world: _run_world(world, args, out_dir) for world in args.ranks}
         rows = _report(results, args, out_dir)
     _print(rows, args.steps)
-    model = "tiny-flux" if args.tiny else "flux"
     path = write_json(
-        args.out,
+        args.output,
         "parallel_dit",
         {
-            "model": model,
+            "model": args.preset,
             "device": args.device,
             "steps": args.steps,
             "text_tokens": args.text_tokens,

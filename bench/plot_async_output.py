@@ -1,21 +1,28 @@
 """Plot QPS vs resolution from bench/async_output.py's JSON (needs matplotlib, a bench-only tool).
 
-Run: python bench/plot_async_output.py bench/results/async_output.json docs/img/async_output_qps.png
+Run: python -m bench.plot_async_output bench/results/async_output.json --output docs/img/async_output_qps.png
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
+from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+from bench.common import add_figure_output, pyplot
 
 
-def main(source: str, target: str) -> None:
-    data = json.loads(open(source).read())
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("source", help="bench/async_output.py's JSON result")
+    add_figure_output(parser, "docs/img/async_output_qps.png")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    plt = pyplot()
+    data = json.loads(Path(args.source).read_text())
     points = data["points"]
     batches = sorted({p["batch"] for p in points})
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 3.6), squeeze=False)
@@ -40,8 +47,8 @@ def main(source: str, target: str) -> None:
     env = data["environment"]
     fig.suptitle(f"async output, {env.get('gpu') or 'cpu'}, commit {env.get('commit')}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(target, dpi=110)
+    fig.savefig(args.output, dpi=110)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main()

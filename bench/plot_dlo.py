@@ -1,19 +1,16 @@
 """Bar chart of bench/dlo.py's JSON: step time per image size for the resident model, the
 transfer floor, diffusers group offloading and stagemesh DLO (needs matplotlib, a bench-only tool).
 
-Run: python bench/plot_dlo.py bench/results/dlo.json docs/img/dlo.png
+Run: python -m bench.plot_dlo bench/results/dlo.json --output docs/img/dlo_flux.png
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+from bench.common import add_figure_output, pyplot
 
 
 def _series(rows: list[dict]) -> list[tuple[str, dict[int, dict]]]:
@@ -40,8 +37,17 @@ def _series(rows: list[dict]) -> list[tuple[str, dict[int, dict]]]:
     return out
 
 
-def main(source: str, target: str) -> None:
-    data = json.loads(Path(source).read_text())
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("source", help="bench/dlo.py's JSON result")
+    add_figure_output(parser, "docs/img/dlo_flux.png")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    plt = pyplot()
+    data = json.loads(Path(args.source).read_text())
     series = _series(data["rows"])
     sizes = sorted({r["size"] for r in data["rows"]})
     width = 0.8 / len(series)
@@ -73,8 +79,8 @@ def main(source: str, target: str) -> None:
         fontsize=8,
     )
     fig.tight_layout()
-    fig.savefig(target, dpi=110)
+    fig.savefig(args.output, dpi=110)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main()

@@ -22,10 +22,10 @@ with guidance embeddings, 11.9 B parameters) with random, non-zero weights gener
 device tensor by tensor (bench/dlo_models.py), FLUX.1's VAE layout, and small text encoders of
 the widths the transformer expects; bf16, written once with save_pretrained (about 24 GB).
 
-Run on a GPU:  python bench/real_pipeline.py --device cuda
+Run on a GPU:  python -m bench.real_pipeline --device cuda
 8-bit fidelity:
-  python bench/real_pipeline.py --device cuda --repeats 1 --warmup 0 --cases mesh-dlo,mesh-dlo-fp8,mesh-dlo-int8
-CPU smoke:     python bench/real_pipeline.py --tiny --device cpu --steps 2 --size 32
+  python -m bench.real_pipeline --device cuda --repeats 1 --warmup 0 --cases mesh-dlo,mesh-dlo-fp8,mesh-dlo-int8
+CPU smoke:     python -m bench.real_pipeline --preset tiny-flux --device cpu --steps 2 --size 32
 """
 
 from __future__ import annotations
@@ -38,8 +38,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 import torch
@@ -262,30 +260,32 @@ def report(results: dict, args) -> dict:
     return {"ratios": ratios, "targets": targets, "same_png": same, "eight_bit_fidelity": fidelity}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument(
-        "--tiny", action="store_true", help="a tiny FLUX-style pipeline (float32): a CPU check of the script"
-    )
-    p.add_argument(
+    # flux: FLUX.1-dev's transformer in a pipeline, bf16; tiny-flux: a tiny FLUX-style pipeline, float32
+    common.add_preset(p, ("flux", "tiny-flux"), "flux", "--tiny")
+    common.add_model_dir(
+        p,
+        "the checkpoint, written there when it holds none; default: a temporary folder, removed afterwards",
         "--folder",
-        type=Path,
-        default=None,
-        help="checkpoint folder; written there when it holds none (default: a temporary folder, removed afterwards)",
     )
     p.add_argument("--size", type=int, default=1024, help="width and height (default: 1024)")
     p.add_argument("--steps", type=int, default=28, help="denoising steps (default: 28)")
-    p.add_argument("--repeats", type=int, default=3, help="timed images per case (default: 3)")
+    common.add_repeats(p, 3, "timed images per case (default: 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed images per case after the first (default: 1)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
-    p.add_argument(
-        "--out", type=Path, default=None, help="JSON result (default: bench/results/real_pipeline[-tiny].json)"
-    )
+    common.add_output(p, None, "--out")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
+    args.tiny = args.preset == "tiny-flux"
     args.dtype = torch.float32 if args.tiny else torch.bfloat16
     unknown = sorted(set(args.cases.split(",")) - set(CASES))
     if unknown:
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)  # as the mesh's stages get (see _mesh_config)
     with tempfile.TemporaryDirectory(prefix="real-pipeline-") as tmp:
         work = Path(tmp)
-        folder = write_folder(args.folder or work / "flux", args.tiny, device)
+        folder = write_folder(Path(args.model_dir) if args.model_dir else work / "flux", args.tiny, device)
         results = {}
         for case in args.cases.split(","):
             print(f"-- {case}", flush=True)
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             # Each case as it ends: a run cut short still reports what it measured.
             print(f"{case}: p50 {results[case]['latency_ms']['p50']:.1f} ms", flush=True)
         summary = report(results, args)
-    out = args.out or common.RESULTS_DIR / ("real_pipeline-tiny.json" if args.tiny else "real_pipeline.json")
+    out = args.output or common.RESULTS_DIR / ("real_pipeline-tiny.json" if args.tiny else "real_pipeline.json")
     settings = {k: (str(v) if isinstance(v, (Path, torch.dtype)) else v) for k, v in vars(args).items()}
     common.write_json(out, "real_pipeline", {"settings": settings, "results": results, **summary})
     print(f"wrote {out}", flush=True)

@@ -10,8 +10,8 @@ eligible for the cache). In cache mode both share a fresh cache dir: engine 1 lo
     throughput run, and each worker's peak RSS (VmHWM).
 Targets (issue 5): PSS cache/private <= 0.6, throughput cache/private >= 0.9.
 
-Run on a GPU:   python bench/runtime_cache.py                 (FLUX-sized DiT, bf16)
-Check on a CPU: python bench/runtime_cache.py --preset tiny --device cpu --size 64 --steps 2 --requests 8
+Run on a GPU:   python -m bench.runtime_cache                 (FLUX-sized DiT, bf16)
+Check on a CPU: python -m bench.runtime_cache --preset tiny --device cpu --size 64 --steps 2 --requests 8
 """
 
 from __future__ import annotations
@@ -30,9 +30,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.common import RESULTS_DIR, print_table, usable_cpus, write_json
+from bench.common import add_model_dir, add_output, add_preset, print_table, usable_cpus, write_json
 from stagemesh.core.params import Params
 from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.models.config import PipelineConfig
@@ -316,19 +314,17 @@ def report(results: dict[str, dict[str, Any]], ratio: dict[str, float]) -> None:
     )
 
 
-def parse_args() -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="flux-sized")
+    add_preset(parser, sorted(PRESETS), "flux-sized")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--size", type=int, default=512, help="image width and height")
     parser.add_argument("--steps", type=int, default=4, help="denoising steps per request")
     parser.add_argument("--requests", type=int, default=16, help="timed requests per mode")
-    parser.add_argument(
-        "--model-dir",
-        type=Path,
-        default=None,
-        help="weights folder, generated if absent or outdated (default: a temp "
-        "dir, removed at the end; FLUX-sized takes ~75 s and 24 GB)",
+    add_model_dir(
+        parser,
+        "weights, generated if absent or outdated; default: a temp dir, removed at the end "
+        "(FLUX-sized takes ~75 s and 24 GB)",
     )
     parser.add_argument(
         "--tmp-dir",
@@ -344,23 +340,27 @@ def parse_args() -> argparse.Namespace:
         help="torch threads per worker (default: half the CPUs on cpu, torch's default on a GPU)",
     )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per start or request")
-    parser.add_argument("--output", default=str(RESULTS_DIR / "runtime_cache.json"))
-    args = parser.parse_args()
+    add_output(parser, "runtime_cache")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
     if args.threads is None:
         # Two CPU engines share the cores; oversubscribing them would measure contention.
         args.threads = max(1, usable_cpus() // ENGINES) if args.device == "cpu" else 0
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     config = PRESETS[args.preset]()
     if args.size % config.dit.pixel_multiple:
         raise SystemExit(f"--size must be a multiple of {config.dit.pixel_multiple}")
     work_dir = Path(tempfile.mkdtemp(prefix="stagemesh-runtime-cache-", dir=args.tmp_dir))
     try:
         started = time.perf_counter()
-        model_dir = ensure_model_dir(args.model_dir or work_dir / "model", config)
+        model_dir = ensure_model_dir(Path(args.model_dir) if args.model_dir else work_dir / "model", config)
         print(
             f"model ({args.preset}, {config.dtype}) at {model_dir} ({time.perf_counter() - started:.1f} s)", flush=True
         )

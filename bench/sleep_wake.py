@@ -10,7 +10,7 @@ One run measures, in order:
      was 5.6 s per 20 GB). Before the floor, one such buffer is faulted in and freed untimed:
      a virtual machine's hypervisor backs guest memory on its first touch (seconds per 20 GB
      in a fresh VM, paid once per boot by whatever touches it first), which would otherwise
-     fall on whichever of the two runs first. Then --lazy-cycles level-2 wakes from a
+     fall on whichever of the two runs first. Then --lazy-repeats level-2 wakes from a
      page-cache-hot checkpoint, each locking the checkpoint's pieces as it copies;
   3. the buffer prepared ahead ("at_start"), once per warm-up DMA variant (--warm-variants)
      with the weights left in the loader's allocations, then once as the worker prepares it:
@@ -19,7 +19,7 @@ One run measures, in order:
      preparation time (fault-in, locking, warm-up DMA, compaction), the host memory held, then
      the first level-1 sleep (its copy and release timed apart) and wake. The worker's variant
      is kept for the cycles;
-  4. --warmup + --cycles sleep/wake cycles alternating level 2 and level 1 on it: level 2 with
+  4. --warmup + --repeats sleep/wake cycles alternating level 2 and level 1 on it: level 2 with
      the checkpoint held mapped and locked across cycles (the first level-2 sleep starts the
      locking; the warm-up cycles include that first wake), with RSS and device memory in use
      after every wake;
@@ -34,7 +34,7 @@ warm-up variants and the lazy level-2 wake are reported beside them ("info"). Pr
 for each, writes JSON, exits 1 when one is missed. On the CPU (--device cpu --gib 0.05
 --dim 1024) it checks the code path only.
 
-Run on a GPU: python bench/sleep_wake.py --gib 20
+Run on a GPU: python -m bench.sleep_wake --gib 20
 """
 
 from __future__ import annotations
@@ -54,9 +54,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.common import print_table, write_json
+from bench.common import add_output, add_repeats, print_table, write_json
 from stagemesh.stage_service import platform
 from stagemesh.stage_service.models.contract import WeightFile
 from stagemesh.stage_service.worker import host_pages
@@ -270,7 +268,7 @@ class Run:
         wake_s = timed(self.device, controller.wake)
         self.same_weights()
         wakes = []
-        for _ in range(self.args.lazy_cycles):
+        for _ in range(self.args.lazy_repeats):
             controller.sleep(2)
             wakes.append((timed(self.device, controller.wake), controller.fill_stats()))
             controller.settle()
@@ -346,7 +344,7 @@ class Run:
 
     def cycles(self, controller: SleepController) -> list:
         rows, samples = [], []
-        for n in range(self.args.warmup + self.args.cycles):
+        for n in range(self.args.warmup + self.args.repeats):
             level = 2 - n % 2
             sleep_s = timed(self.device, lambda lv=level: controller.sleep(lv))
             wake_s = timed(self.device, controller.wake)
@@ -492,14 +490,21 @@ def print_results(run: Run, rows: list, cycle_rows: list) -> None:
     )
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=20.0, help="weights to hold, GiB of bf16")
     parser.add_argument("--dim", type=int, default=8192, help="each weight is dim x dim (8192: 128 MiB, FLUX-like)")
     parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--cycles", type=int, default=20, help="measured sleep/wake cycles (levels 2 and 1 in turn)")
+    add_repeats(parser, 20, "measured sleep/wake cycles, levels 2 and 1 in turn (default: 20)", "--cycles")
     parser.add_argument("--warmup", type=int, default=2, help="cycles before them, not counted")
-    parser.add_argument("--lazy-cycles", type=int, default=3, help="level-2 wakes measured in first_sleep mode")
+    parser.add_argument(
+        "--lazy-repeats",
+        "--lazy-cycles",
+        dest="lazy_repeats",
+        type=int,
+        default=3,
+        help="level-2 wakes measured in first_sleep mode",
+    )
     parser.add_argument(
         "--warm-variants",
         nargs="+",
@@ -511,8 +516,12 @@ def main() -> None:
     parser.add_argument("--piece-mib", type=int, default=host_pages.PIECE_BYTES >> 20, help="unit of locking")
     parser.add_argument("--lock-threads", type=int, default=host_pages.LOCK_THREADS, help="threads locking pieces")
     parser.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temp dir)")
-    parser.add_argument("--output", default="bench/results/sleep_wake.json")
-    args = parser.parse_args()
+    add_output(parser, "sleep_wake")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     host_pages.LOCK_THREADS = args.lock_threads  # a study of the driver's concurrency, not a setting
     started = time.perf_counter()
     run = Run(args)

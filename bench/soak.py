@@ -31,8 +31,8 @@ also lists incidents (faults, control calls, unexpected status codes, with their
 slowest served calls; the mesh log is kept (`--log`). Exit code 1 when recovery failed or
 something leaked.
 
-    python3 bench/soak.py [--minutes 30] [--seed 0] [--output bench/results/soak.json]
-    python3 bench/soak.py --minutes 3 --stop-every-s 10 --kill-service-every-s 25 --control-every-s 4
+    python -m bench.soak [--minutes 30] [--seed 0] [--output bench/results/soak.json]
+    python -m bench.soak --minutes 3 --stop-every-s 10 --kill-service-every-s 25 --control-every-s 4
 """
 
 from __future__ import annotations
@@ -43,20 +43,14 @@ import collections
 import heapq
 import random
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script: `python3 bench/soak.py`
-    sys.path.insert(0, str(REPO))
-
 import grpc
 
 from bench import common
-from bench.load import _cmdline
-from bench.mesh_overhead import start_mesh, stop_mesh
+from bench.meshes import cmdline, start_mesh, stop_mesh
 from bench.soak_checks import describe, list_stages, log_counts, memory_snapshot, recover, rss_growth
 from bench.soak_faults import CALL_TIMEOUT_S, ChaosControl, ChaosGenerate, Processes, ProcessFaults, Tally
 from bench.soak_report import failures, report
@@ -64,7 +58,6 @@ from stagemesh.core import rpc
 from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2
 from tests.support.meshproc import Mesh, alive, descendants, segments_of, shm_entries, write_config
 
-DEFAULT_OUTPUT = REPO / "bench" / "results" / "soak.json"
 DEFAULT_LOG = Path(tempfile.gettempdir()) / "stagemesh-soak-mesh.log"
 RETRY_PAUSE_S = 0.05
 SAMPLE_EVERY_S = 60.0
@@ -230,7 +223,7 @@ class Soak:
 
 
 # the script ---------------------------------------------------------------------------------
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -258,9 +251,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--kill-service-every-s", type=float, default=180.0, help="service SIGKILL period, 0: none (default: 180)")
     add("--recovery-s", type=float, default=120.0, help="most time the recovery phase may take (default: 120)")
     add("--seed", type=int, default=0, help="seed of the control mix and the chaos (default: 0)")
-    add("--model-dir", default=None, help="model folder (default: the embedded model's cache)")
-    add("--output", default=str(DEFAULT_OUTPUT), help=f"JSON result file (default: {DEFAULT_OUTPUT})")
     add("--log", default=str(DEFAULT_LOG), help=f"the mesh's log, kept (default: {DEFAULT_LOG})")
+    common.add_model_dir(parser, "default: the embedded model's cache folder")
+    common.add_output(parser, "soak")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.minutes <= 0 or args.clients < 1 or args.chaos_clients < 0:
         parser.error("--minutes must be > 0, --clients >= 1 and --chaos-clients >= 0")
@@ -339,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         results["stop"] = {
             "exit_code": code,
             "segments_left": sorted(segments_of(shm_entries() - shm_before, pids)),
-            "processes_left": sorted(p for p in pids if alive(p) and "stagemesh" in " ".join(_cmdline(p))),
+            "processes_left": sorted(p for p in pids if alive(p) and "stagemesh" in " ".join(cmdline(p))),
         }
     results["failures"] = failures(results)
     report(results)

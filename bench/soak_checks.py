@@ -10,7 +10,7 @@ import time
 
 import grpc
 
-from bench.load import mesh_processes, mesh_segments, process_resources
+from bench.meshes import mesh_processes, mesh_segments, process_resources
 from bench.soak_faults import CALL_TIMEOUT_S, Processes, control_outcome, finish
 from stagemesh.core import rpc
 from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.load import mesh_processes
+from bench.meshes import mesh_processes
 from stagemesh.core import rpc
 from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2
 

@@ -2,7 +2,7 @@
 for a large tensor result and never grant flow-control window. Samples the gateway's RSS while
 they hold their calls, then checks that a normal Generate is still answered.
 
-    PYTHONPATH=. python bench/stalled_clients.py --clients 100 --hold-s 60
+    python -m bench.stalled_clients --clients 100 --hold-s 60
 
 Prints a table and writes bench/results/stalled_clients.json.
 """
@@ -19,7 +19,6 @@ from stagemesh.v1 import gateway_pb2, generation_pb2
 from tests.support.meshproc import Mesh, descendants, start_mesh, write_config
 from tests.support.stalled_h2 import StalledClients
 
-DEFAULT_OUTPUT = common.RESULTS_DIR / "stalled_clients.json"
 GENERATE_PATH = "/stagemesh.v1.GatewayService/Generate"
 SAMPLE_EVERY_S = 0.5
 
@@ -88,21 +87,21 @@ def hold_stalled(mesh: Mesh, clients: int, size: int, steps: int, hold_s: float)
     }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=100, help="stalled connections (default: 100)")
     parser.add_argument("--size", type=int, default=512, help="width and height of each result (default: 512)")
     parser.add_argument("--steps", type=int, default=1, help="num_inference_steps (default: 1)")
     parser.add_argument("--hold-s", type=float, default=60.0, help="how long the clients stall (default: 60)")
     parser.add_argument("--gateway-toml", default="", help="extra [gateway] lines for the mesh (default: none)")
-    parser.add_argument("--model-dir", default=None, help="model folder (default: the embedded model's cache folder)")
     parser.add_argument("--label", default="", help="recorded with the result, e.g. before/after")
-    parser.add_argument("--output", default=str(DEFAULT_OUTPUT), help=f"JSON result file (default: {DEFAULT_OUTPUT})")
-    return parser.parse_args(argv)
+    common.add_model_dir(parser, "default: the embedded model's cache folder")
+    common.add_output(parser, "stalled_clients")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     common.prepare_mesh_run(args)
     with tempfile.TemporaryDirectory(prefix="stalled-clients-") as tmp:
         root = Path(tmp)

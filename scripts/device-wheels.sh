@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Downloads, into .whl/ (git-ignored), the wheels a bare GPU machine (Python 3.12, its own torch)
-# needs to run the tests in tests/gpu and the benchmarks in bench/. Install them there with:
+# needs to run the tests in tests/gpu and the benchmarks (python -m bench.NAME). Install them there with:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
            --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
-# transformers and tokenizers as here (the machine's own are older) for bench/real_pipeline.py.
+# transformers and tokenizers as here (the machine's own are older) for python -m bench.real_pipeline.
 # The generated stubs need grpcio/protobuf at least as new as the generator (grpcio-tools 1.85.1).
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${PLATFORMS[@]}" -d .whl \

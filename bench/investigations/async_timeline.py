@@ -17,7 +17,7 @@ back. Per batch:
 
 The two modes run in alternating rounds on the same two stages (the host's launch speed
 drifts). Medians over all batches after the first round. Run on a GPU:
-  python bench/investigations/async_timeline.py --sizes 256 --batches 4
+  python -m bench.investigations.async_timeline --sizes 256 --batches 4
 """
 
 from __future__ import annotations
@@ -26,16 +26,13 @@ import argparse
 import asyncio
 import contextlib
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench.async_output import add_serving_args, serving_options, start_paths
-from bench.common import print_table, write_json
+from bench.common import add_output, add_repeats, print_table, write_json
+from bench.serving import add_serving_args, serving_options, start_paths
 from stagemesh.stage_service.models.config import PipelineConfig
 from stagemesh.stage_service.models.weights import ensure_model_dir
 from stagemesh.stage_service.transport import protocol
@@ -140,7 +137,7 @@ async def measure_point(model_dir: Path, args, size: int, batch: int) -> list[di
         modes = [
             (path, Timeline(path.executor), [], []) for path in await start_paths(up, model_dir, args, size, batch)
         ]
-        for _ in range(args.rounds):
+        for _ in range(args.repeats):
             for path, timeline, marks, rates in modes:
                 first = len(timeline)
                 rates.append((await path.rate(args.requests))[0])
@@ -151,15 +148,19 @@ async def measure_point(model_dir: Path, args, size: int, batch: int) -> list[di
     return out
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serving_args(parser, sizes=[256], batches=[4])
     parser.add_argument(
         "--requests", type=int, default=192, help="requests per round and mode (several times the requests in flight)"
     )
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--output", default="bench/results/async_timeline.json")
-    args = parser.parse_args()
+    add_repeats(parser, 4, "rounds of both modes in turn (default: 4)", "--rounds")
+    add_output(parser, "async_timeline")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     model_dir = ensure_model_dir(Path(tempfile.mkdtemp()) / "tiny", PipelineConfig.tiny())
     rows = []

@@ -24,26 +24,22 @@ Linears that share an input in the block (q/k/v, proj_mlp) share it here; it is 
 `--tokens-scale N` divides the token counts (not the modulation's 1), `--width-scale N` every
 feature width (a CPU check; _scaled_mm wants widths that are multiples of 16).
 
-Run on a GPU: python bench/investigations/fp8_matmul.py
-CPU check:    python bench/investigations/fp8_matmul.py --device cpu --tokens-scale 64 --width-scale 16
+Run on a GPU: python -m bench.investigations.fp8_matmul
+CPU check:    python -m bench.investigations.fp8_matmul --device cpu --tokens-scale 64 --width-scale 16
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench.common import print_table, write_json
+from bench.common import add_output, add_repeats, print_table, write_json
 from stagemesh.stage_service.offload import dequant
 from stagemesh.stage_service.offload.quant import FLOAT8, FP8_MAX, quantize_rows
 
@@ -247,15 +243,20 @@ def table_rows(block: str, report: dict) -> list[list[object]]:
     return rows
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tokens-scale", type=int, default=1, help="divide the token counts by this")
     parser.add_argument("--width-scale", type=int, default=1, help="divide the feature widths by this")
-    parser.add_argument("--repeats", type=int, help="timed runs per figure (default 20; 2 on the CPU)")
+    add_repeats(parser, None, "timed runs per figure; figures are medians (default 20; 2 on the CPU)")
     parser.add_argument("--warmup", type=int, help="untimed runs first (default 5; 1 on the CPU)")
-    parser.add_argument("--json", default="bench/results/fp8_matmul.json")
-    args = parser.parse_args()
+    add_output(parser, "fp8_matmul", "--json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if DIM % (16 * args.width_scale):
         parser.error(f"--width-scale must leave {DIM} a multiple of 16")
     device = torch.device(args.device)
@@ -275,7 +276,7 @@ def main() -> None:
     print_table(HEADERS, rows, floatfmt=".4g")
     data = {"tokens_scale": args.tokens_scale, "width_scale": args.width_scale, "support": asdict(support)}
     data |= {"rebuild_kernel": kernel, "blocks": reports}
-    print(f"wrote {write_json(args.json, 'fp8_matmul', data)}")
+    print(f"wrote {write_json(args.output, 'fp8_matmul', data)}")
 
 
 if __name__ == "__main__":

@@ -5,23 +5,19 @@ staging buffers the copies land in, and the rebuild stream's priority. For each:
 step (bench/dlo_timing.step_time), the link's idle time per step, and, apart, one step's worth of
 rebuilds alone on an idle device.
 
-Run on a GPU: python bench/investigations/fp8_rebuild.py
-CPU check:    python bench/investigations/fp8_rebuild.py --device cpu --tiny --size 64 --steps 1 --warmup 1
+Run on a GPU: python -m bench.investigations.fp8_rebuild
+CPU check:    python -m bench.investigations.fp8_rebuild --device cpu --preset tiny-flux --size 64 --steps 1 --warmup 1
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
-
 from bench import dlo_models as models
-from bench.common import print_table, write_json
+from bench.common import add_output, add_preset, print_table, write_json
 from bench.dlo_timing import h2d_bandwidth, link_timeline, step_time, sync
 from stagemesh.stage_service import platform
 from stagemesh.stage_service.offload import dequant, quant
@@ -59,18 +55,24 @@ def rebuild_alone(engine, kernel: str, device: torch.device) -> float:
     return time.perf_counter() - started
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--tiny", action="store_true")
+    add_preset(parser, ("flux", "tiny-flux"), "flux", "--tiny")
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--text-tokens", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--json", default="bench/results/fp8_rebuild.json")
-    args = parser.parse_args()
+    add_output(parser, "fp8_rebuild", "--json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     device = torch.device(args.device)
-    bm = models.flux_model(tiny=args.tiny, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    bm = models.flux_model(
+        tiny=args.preset == "tiny-flux", dtype=torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
     model, engine = models.build_offloaded(bm, device, 0, stream_dtype=quant.FLOAT8)
     streamed = engine.stats().h2d_bytes_per_iteration
     bandwidth = h2d_bandwidth(min(streamed, 4 << 30), device)
@@ -94,7 +96,7 @@ def main() -> None:
         rows,
         floatfmt=".2f",
     )
-    print(f"wrote {write_json(args.json, 'fp8_rebuild', {'floor_s': floor, 'variants': report})}")
+    print(f"wrote {write_json(args.output, 'fp8_rebuild', {'floor_s': floor, 'variants': report})}")
 
 
 if __name__ == "__main__":

@@ -11,23 +11,20 @@ once / `--chunk-mb` pieces):
   - the process's anonymous and private-dirty memory before and after (a pin that copies the
     pages of a private mapping would show here as new private memory, losing the sharing).
 
-Run on a GPU:  python bench/investigations/host_register.py --gb 24 --dir /tmp
+Run on a GPU:  python -m bench.investigations.host_register --gb 24 --dir /tmp
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench.common import RESULTS_DIR, print_table, write_json
+from bench.common import add_output, print_table, write_json
 from stagemesh.stage_service.platform import REGISTER_READ_ONLY, clear_cuda_error
 
 GIB = 1 << 30
@@ -102,13 +99,18 @@ def variant(path: Path, shared: bool, flags: int, chunk: int, device: torch.devi
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gb", type=float, default=24.0, help="file size in GB (GiB multiples of 256 MiB)")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the file is written")
     parser.add_argument("--chunk-mb", type=int, default=256, help="piece size of the chunked variants")
-    parser.add_argument("--json", default=str(RESULTS_DIR / "host_register.json"))
-    args = parser.parse_args()
+    add_output(parser, "host_register", "--json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device: cudaHostRegister is what is measured")
     device = torch.device("cuda", torch.cuda.current_device())
@@ -156,7 +158,7 @@ def main() -> None:
         ],
     )
     path_out = write_json(
-        args.json, "host_register", {"file_bytes": int(args.gb * GIB), "pinned_h2d_bytes_per_s": peer, "rows": rows}
+        args.output, "host_register", {"file_bytes": int(args.gb * GIB), "pinned_h2d_bytes_per_s": peer, "rows": rows}
     )
     print(f"pinned H2D {peer / 1e9:.1f} GB/s; wrote {path_out}")
 

@@ -7,7 +7,7 @@ multi-socket host that speed depends on where the thread runs (its distance to t
 root, its cache). This pins the launching thread to each allowed core in turn and measures the
 forward rate there, in several interleaved passes, next to the GPU's local cores as the kernel
 reports them (/sys/bus/pci/devices/<gpu>/local_cpulist). Run on a GPU:
-  python bench/investigations/launch_affinity.py
+  python -m bench.investigations.launch_affinity
 """
 
 from __future__ import annotations
@@ -15,17 +15,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench.async_output import Forward
-from bench.common import print_table, write_json
+from bench.common import add_output, add_repeats, print_table, write_json
+from bench.serving import Forward
 from stagemesh.stage_service.models.config import PipelineConfig
 from stagemesh.stage_service.models.weights import ensure_model_dir
 
@@ -61,16 +58,20 @@ def numa_node(cpu: int) -> int | None:
     return None
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--iters", type=int, default=8, help="forward passes per core and pass")
-    parser.add_argument("--passes", type=int, default=3)
-    parser.add_argument("--output", default="bench/results/launch_affinity.json")
-    args = parser.parse_args()
+    parser.add_argument("--iters", type=int, default=8, help="forward passes per core and repeat")
+    add_repeats(parser, 3, "interleaved passes over the cores (default: 3)", "--passes")
+    add_output(parser, "launch_affinity")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     model_dir = ensure_model_dir(Path(tempfile.mkdtemp()) / "tiny", PipelineConfig.tiny())
     cpus = sorted(os.sched_getaffinity(0))
@@ -79,13 +80,13 @@ def main() -> None:
     forward = Forward(model_dir, args.device, args.size, args.batch, args.steps, cuda_graphs=False)
     rates: dict[int, list[float]] = {c: [] for c in cpus}
     unpinned = []
-    for _ in range(args.passes):
+    for _ in range(args.repeats):
         os.sched_setaffinity(0, cpus)
-        unpinned.append(forward.rate(args.iters))
+        unpinned.append(forward.rate(args.iters)[0])
         for cpu in cpus:
             os.sched_setaffinity(0, {cpu})
             time.sleep(0.01)
-            rates[cpu].append(forward.rate(args.iters))
+            rates[cpu].append(forward.rate(args.iters)[0])
     os.sched_setaffinity(0, cpus)
     rows = [
         [cpu, numa_node(cpu), "yes" if local and cpu in local else "no", statistics.median(r), min(r), max(r)]

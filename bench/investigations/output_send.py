@@ -16,7 +16,7 @@ per batch — process CPU time, so a queue's feeder thread counts too — for on
 Batches go out one every `--interval-ms`, as forward passes end (the sleeps are not CPU). A
 reader process unpacks every message and keeps the last `--held` batches alive, as a stage whose
 consumers lag does; slots whose outputs are still held cannot be reused, so a pool smaller than
-what is held falls back to one-shot segments. Run: python bench/investigations/output_send.py
+what is held falls back to one-shot segments. Run: python -m bench.investigations.output_send
 """
 
 from __future__ import annotations
@@ -24,15 +24,11 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench.common import print_table, write_json
+from bench.common import add_output, print_table, write_json
 from stagemesh.stage_service.transport import ipc, protocol
 from stagemesh.stage_service.transport.result_pipe import result_pipe
 
@@ -86,7 +82,7 @@ def measure(args, ctx, path: str, slots: int) -> float:
     return seconds
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
@@ -95,8 +91,12 @@ def main() -> None:
     parser.add_argument(
         "--interval-ms", type=float, default=10.0, help="time between batches (a forward pass of 4 × 256² takes ~30 ms)"
     )
-    parser.add_argument("--output", default="bench/results/output_send.json")
-    args = parser.parse_args()
+    add_output(parser, "output_send")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")
     cases = [

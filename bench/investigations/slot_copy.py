@@ -13,7 +13,7 @@ back (or idles) while a second thread copies the four slices into four mappings,
 
 from a pinned source (what the output path copies from) and a pageable one, and the torch copy
 once more with `torch.set_num_threads(1)`. Reports the median wall and CPU time of the four
-copies. Run on a GPU: python bench/investigations/slot_copy.py
+copies. Run on a GPU: python -m bench.investigations.slot_copy
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import mmap
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -29,10 +28,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench.async_output import Forward
-from bench.common import print_table, write_json
+from bench.common import add_output, add_repeats, print_table, write_json
+from bench.serving import Forward
 from stagemesh.stage_service import platform
 from stagemesh.stage_service.models.config import PipelineConfig
 from stagemesh.stage_service.models.weights import ensure_model_dir
@@ -97,14 +94,18 @@ def measure(forward: Forward | None, copy, pinned: bool, args) -> dict:
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--output", default="bench/results/slot_copy.json")
-    args = parser.parse_args()
+    add_repeats(parser, 30, "copies of the slices per case; figures are medians (default: 30)")
+    add_output(parser, "slot_copy")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     model_dir = ensure_model_dir(Path(tempfile.mkdtemp()) / "tiny", PipelineConfig.tiny())
     # The eager forward: a launching thread that never blocks, as without step graphs.

@@ -6,7 +6,7 @@ second batch of it, the benchmark reads the caching allocator: bytes allocated (
 graph buffers and pools included) and reserved, and the peak of each batch. The graphs'
 cost is the difference between the two runners after the same shapes; the first batch's
 extra time is the capture (warm-up runs plus one recorded step). Random conditioning, seeds
-per request. Run on a GPU: python bench/investigations/step_graphs_memory.py
+per request. Run on a GPU: python -m bench.investigations.step_graphs_memory
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench.common import print_table, write_json
+from bench.common import add_output, print_table, write_json
 from stagemesh.core.params import Params
 from stagemesh.stage_service.models.config import PipelineConfig
 from stagemesh.stage_service.models.runners import DiffusionRunner, WorkItem
@@ -78,7 +76,7 @@ def serve_shapes(model_dir: Path, shapes: list[tuple[int, int]], steps: int, gra
     return rows
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--shapes",
@@ -88,8 +86,12 @@ def main() -> None:
         "graphs for, then the first again, which finds its graph kept)",
     )
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--output", default="bench/results/step_graphs_memory.json")
-    args = parser.parse_args()
+    add_output(parser, "step_graphs_memory")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("step_graphs_memory needs a CUDA device (graphs are captured only there)")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]

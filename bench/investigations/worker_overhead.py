@@ -24,7 +24,7 @@ adding one thing, and reports requests/s (device synchronized, async outputs dra
 Messages go to the worker's real result pipe (or a multiprocessing queue) that another process
 drains. The host's launch speed drifts by tens of percent between measurements minutes apart,
 so the variants run in short interleaved rounds and each is reported as the median over rounds of its rate over the
-bare forward rate of the same round. Run on a GPU: python bench/investigations/worker_overhead.py
+bare forward rate of the same round. Run on a GPU: python -m bench.investigations.worker_overhead
 """
 
 from __future__ import annotations
@@ -40,9 +40,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench.common import print_table, write_json
+from bench.common import add_output, add_repeats, print_table, write_json
 from stagemesh.core.params import Params
 from stagemesh.stage_service import platform
 from stagemesh.stage_service.models.config import PipelineConfig
@@ -259,22 +257,26 @@ class Pieces:
                 worker.async_output.drain()
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--iters", type=int, default=12, help="batches per variant and round")
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved passes over the variants")
+    parser.add_argument("--iters", type=int, default=12, help="batches per variant and repeat")
+    add_repeats(parser, 7, "interleaved passes over the variants (default: 7)", "--rounds")
     parser.add_argument(
         "--switch-interval-ms",
         type=float,
         default=None,
         help="sys.setswitchinterval for this process (default: Python's 5 ms)",
     )
-    parser.add_argument("--output", default="bench/results/worker_overhead.json")
-    args = parser.parse_args()
+    add_output(parser, "worker_overhead")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
 
@@ -288,7 +290,7 @@ def main() -> None:
                 for fn in variants.values():  # first use of each path (allocations, pools)
                     pieces.rate(fn, batch, 2)
                 rates: dict[str, list[float]] = {name: [] for name in variants}
-                for _ in range(args.rounds):  # interleaved, so drift hits every variant alike
+                for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
                     for name, fn in variants.items():
                         rates[name].append(pieces.rate(fn, batch, args.iters))
                 for name, values in rates.items():

@@ -12,16 +12,8 @@ import time
 
 import pytest
 
-from bench.load import (
-    BIG,
-    CANCEL,
-    UNARY,
-    Mix,
-    mesh_processes,
-    mesh_segments,
-    process_resources,
-    run_load,
-)
+from bench.load import BIG, CANCEL, UNARY, Mix, run_load
+from bench.meshes import mesh_processes, mesh_segments, process_resources
 from stagemesh.stage_service.transport.ipc import WORKER_POOL_SLOTS
 from tests.e2e.test_lifecycle import generate
 
