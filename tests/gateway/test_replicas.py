@@ -37,10 +37,10 @@ class Replicated:
         self.gateway = gateway_pb2_grpc.GatewayServiceStub(self.channel)
 
     def describe(self, replica: str) -> stage_pb2.DescribeStageResponse:
-        """What one replica says of itself, asked directly (over TLS, as the gateway does)."""
+        """What one replica says of itself, asked directly (over TLS, with the token, as the gateway does)."""
         with tls.channel(replica, self.ca, rpc.channel_options()) as channel:
             return stage_pb2_grpc.StageServiceStub(channel).DescribeStage(
-                stage_pb2.DescribeStageRequest(), timeout=RPC_TIMEOUT_S
+                stage_pb2.DescribeStageRequest(), timeout=RPC_TIMEOUT_S, metadata=CONTROL
             )
 
     def generate(self) -> gateway_pb2.GenerateUnaryResponse:
