@@ -109,11 +109,13 @@ class ControlPlane:
         self._admission.sleeping = {s.stage_id: s.sleep_level for s in self._stages if s.sleep_level}
         self._admission.paused = bool(self._admission.sleeping) and self.has_ar_stage
 
-    def _validate(self, stage_ids: list[int], level: int | None = None) -> list[errors.FieldViolation]:
+    def _validate(
+        self, stage_ids: list[int], level: int | None = None, *, need_stage: bool = False
+    ) -> list[errors.FieldViolation]:
         violations = []
         valid = f"allowed: stage ids 0 to {len(self._stages) - 1}"
-        if not stage_ids:
-            # An empty list would answer SUCCESS having done nothing; `stagemesh sleep --all` names every stage.
+        if need_stage and not stage_ids:
+            # An empty Sleep would answer SUCCESS having done nothing; `stagemesh sleep --all` names every stage.
             violations.append(errors.FieldViolation("stage_ids", f"name at least one stage; {valid}"))
         unknown = sorted({i for i in stage_ids if not 0 <= i < len(self._stages)})
         if unknown:
@@ -131,7 +133,7 @@ class ControlPlane:
 
     async def _sleep(self, stage_ids: list[int], level: int | None, timeout: float | None) -> ControlResult:
         level = DEFAULT_SLEEP_LEVEL if level is None else level
-        violations = self._validate(stage_ids, level)
+        violations = self._validate(stage_ids, level, need_stage=True)
         if violations:
             raise errors.InvalidArgument(violations)  # refused before admission is touched
         targets = [self._stages[i] for i in dict.fromkeys(stage_ids)]
@@ -159,7 +161,7 @@ class ControlPlane:
         async with self._lock:
             asleep = await self._asleep([self._stages[i] for i in dict.fromkeys(stage_ids)])
             targets = [self._stages[i] for i in asleep]
-            if not targets:
+            if not targets:  # also when no stage is named: none of them sleeps
                 return ControlResult(control_pb2.CONTROL_STATUS_SKIPPED, [], NOT_SLEEPING_REASON)
             sleeping = self._admission.sleeping
             replies = await asyncio.gather(*(s.wake(timeout, asleep[s.stage_id]) for s in targets))
