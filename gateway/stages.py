@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -244,11 +244,16 @@ class StageClient:
     def mark_responsive(self) -> None:
         self.unresponsive = None
 
-    async def _each_replica(self, method: str, request, **kwargs) -> list[tuple[str, Any]]:
-        """Call `method` (with the token) on every replica at once: (address, reply or
-        ReplicaFailure) per replica; the reply's type is the one `method` returns."""
+    async def _each_replica(
+        self, method: str, request, only: Collection[str] | None = None, **kwargs
+    ) -> list[tuple[str, Any]]:
+        """Call `method` (with the token) on every replica at once, or on those of them whose
+        address is in `only`: (address, reply or ReplicaFailure) per replica; the reply's type is
+        the one `method` returns."""
         stubs = await self._replica_stubs()
         multiple = len(stubs) > 1 or self._dns is not None
+        if only is not None:
+            stubs = {a: stub for a, stub in stubs.items() if a in only}
 
         async def one(address: str, stub):
             try:
@@ -299,21 +304,35 @@ class StageClient:
         self.supports_init_image = reply.supports_init_image
         return reply
 
-    async def sleep(self, level: int, timeout: float | None) -> list[ReplicaAcks]:
+    async def awake_replicas(self, timeout: float) -> list[str]:
+        """The addresses of the replicas that answer ready, able to sleep and awake (replicas that
+        do not answer, or still load, are left out)."""
+        results = await self._each_replica("DescribeStage", stage_pb2.DescribeStageRequest(), timeout=timeout)
+        return [
+            address
+            for address, r in results
+            if not isinstance(r, ReplicaFailure) and r.ready and r.supports_sleep and not r.sleep_level
+        ]
+
+    async def sleep(self, level: int, timeout: float | None, only: Collection[str] | None = None) -> list[ReplicaAcks]:
+        """Put every replica to sleep, or those whose address is in `only`."""
         request = stage_pb2.SleepStageRequest(level=level)
-        return await self._control("SleepStage", request, level, timeout)
+        return await self._control("SleepStage", request, level, timeout, only)
 
     async def wake(self, timeout: float | None, level: int = 0) -> list[ReplicaAcks]:
         """`level`: the level the stage sleeps at, for the ACK of a replica that does not answer."""
         return await self._control("WakeUpStage", stage_pb2.WakeUpStageRequest(), level, timeout)
 
-    async def _control(self, method: str, request, level: int, timeout: float | None) -> list[ReplicaAcks]:
-        """Every replica's ACKs, in replica order. When no replica answers, the call fails with the
-        first replica's status (as a single replica's would); otherwise a replica that failed gets
-        one ERROR ACK (rank NO_WORKER_RANK) and its workers' error messages name its address."""
-        results = await self._each_replica(method, request, timeout=timeout)
+    async def _control(
+        self, method: str, request, level: int, timeout: float | None, only: Collection[str] | None = None
+    ) -> list[ReplicaAcks]:
+        """Every replica's ACKs (or those of the replicas in `only`), in replica order. When no
+        replica answers, the call fails with the first replica's status (as a single replica's
+        would); otherwise a replica that failed gets one ERROR ACK (rank NO_WORKER_RANK) and its
+        workers' error messages name its address."""
+        results = await self._each_replica(method, request, only, timeout=timeout)
         self._first_error_if_none_answered(results)
-        named = len(results) > 1 or self._dns is not None
+        named = self.replica_count > 1 or self._dns is not None
         out = []
         for address, result in results:
             if isinstance(result, ReplicaFailure):
