@@ -16,9 +16,11 @@ from stagemesh.v1 import cache_pb2, cache_pb2_grpc
 from stagemesh.weight_store import locks
 from stagemesh.weight_store.store import CacheStore, EntryInfo, StoreStats, default_root
 
-SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
-# The cache mutations need the bearer token when one is configured; ListEntries and GetStats stay open.
-CONTROL_METHODS = auth.control_methods(SERVICE_NAME, ("Evict", "PublishSession"))
+_SERVICE = cache_pb2.DESCRIPTOR.services_by_name["CacheService"]
+SERVICE_NAME = _SERVICE.full_name
+# With a token, every CacheService call needs it: the reads too, which name the cache root's path
+# and the keys of the models a node serves. The stages' workers send it when they publish.
+PROTECTED_METHODS = auth.every_method(_SERVICE)
 
 log = logs.get_logger("stagemesh.cache_service.server")
 
@@ -51,8 +53,8 @@ def stats_to_proto(stats: StoreStats) -> cache_pb2.GetStatsResponse:
 
 
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
-    """Evict and PublishSession mutate the cache: the auth interceptor (CONTROL_METHODS) checks
-    the bearer token before either reaches this class."""
+    """With a token, the auth interceptor (PROTECTED_METHODS) checks it before any call reaches
+    this class."""
 
     def __init__(self, store: CacheStore, *, max_bytes: int | None = None):
         self.store = store
@@ -169,7 +171,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "nobody maps are evicted down to it (default: no budget)",
     )
     tls.add_arguments(parser, client=False)  # the cache service calls no other service
-    auth.add_arguments(parser)
+    auth.add_arguments(parser, "all cache calls")  # health and reflection stay open
     metrics.add_argument(parser)
     parser.add_argument(
         "--ready-file",
@@ -202,7 +204,7 @@ async def serve(args: argparse.Namespace) -> None:
     token = auth.load_token(getattr(args, "token_file", None))
     service_metrics = metrics.ServiceMetrics("cache", args.host, getattr(args, "metrics_port", None))
     # Metrics first: they also count the calls the auth interceptor refuses.
-    interceptors = [*service_metrics.interceptors(), *auth.interceptors(token, CONTROL_METHODS)]
+    interceptors = [*service_metrics.interceptors(), *auth.interceptors(token, PROTECTED_METHODS)]
     host = ServiceHost(
         args.host,
         args.port,

@@ -15,7 +15,7 @@ from stagemesh.gateway.metrics import gateway_readings
 from stagemesh.gateway.pipeline import DenoisingStep, Pipeline, StageStarted
 from stagemesh.gateway.settings import GatewaySettings
 from stagemesh.gateway.stages import StageClient
-from stagemesh.gateway.watch import StageWatch
+from stagemesh.gateway.watch import SleepWatch, StageWatch
 from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
@@ -133,6 +133,7 @@ async def serve_gateway(settings: GatewaySettings) -> None:
         await pipeline.wait_until_ready()
         control.restore()
         watching.append(asyncio.ensure_future(StageWatch(stages, settings.stage_unresponsive_s).run()))
+        watching.append(asyncio.ensure_future(SleepWatch(stages, control).run()))
 
     async def close() -> None:
         for task in watching:

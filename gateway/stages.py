@@ -4,6 +4,7 @@ Data-plane calls (Execute) go over one channel per stage whose replicas gRPC's r
 balances. Control calls (SleepStage, WakeUpStage, DescribeStage) must reach every replica, so
 they go concurrently over one channel per replica address; a `dns:` target is resolved at call
 time to find the replicas behind the name (by the DNS server it names, as gRPC's resolver does).
+With a token, every call but the health check carries it: a stage refuses the others without it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,12 +148,12 @@ class StageClient:
     supports_negative_prompt: bool = False
     supports_init_image: bool = False
     tls_ca: str | None = None  # CA bundle verifying the stage's certificate; None: plaintext
-    token: str | None = field(default=None, repr=False)  # sent on SleepStage/WakeUpStage
+    token: str | None = field(default=None, repr=False)  # sent on every call but health checks
 
     def __post_init__(self) -> None:
         self._dns = dns_target(self.addresses[0]) if len(self.addresses) == 1 else None
         self._channel = self._open(channel_target(self.addresses))
-        self._control_metadata = auth.bearer_metadata(self.token)
+        self._auth_metadata = auth.bearer_metadata(self.token)
         # Why the stage is cut off (see gateway.watch); None while it answers.
         self.unresponsive: str | None = None
         # Calls in flight (Execute and control) -> the reason they were cut off ("" while they run).
@@ -243,17 +244,22 @@ class StageClient:
     def mark_responsive(self) -> None:
         self.unresponsive = None
 
-    async def _each_replica(self, method: str, request, **kwargs) -> list[tuple[str, Any]]:
-        """Call `method` on every replica at once: (address, reply or ReplicaFailure) per replica;
-        the reply's type is the one `method` returns."""
+    async def _each_replica(
+        self, method: str, request, only: Collection[str] | None = None, **kwargs
+    ) -> list[tuple[str, Any]]:
+        """Call `method` (with the token) on every replica at once, or on those of them whose
+        address is in `only`: (address, reply or ReplicaFailure) per replica; the reply's type is
+        the one `method` returns."""
         stubs = await self._replica_stubs()
         multiple = len(stubs) > 1 or self._dns is not None
+        if only is not None:
+            stubs = {a: stub for a, stub in stubs.items() if a in only}
 
         async def one(address: str, stub):
             try:
                 if self.unresponsive:
                     raise errors.Unavailable(self.unresponsive)
-                call = getattr(stub, method)(request, **kwargs)
+                call = getattr(stub, method)(request, metadata=self._auth_metadata, **kwargs)
                 with self._cut_off_as_unavailable(call):
                     return await call
             except grpc.aio.AioRpcError as exc:
@@ -298,21 +304,35 @@ class StageClient:
         self.supports_init_image = reply.supports_init_image
         return reply
 
-    async def sleep(self, level: int, timeout: float | None) -> list[ReplicaAcks]:
+    async def awake_replicas(self, timeout: float) -> list[str]:
+        """The addresses of the replicas that answer ready, able to sleep and awake (replicas that
+        do not answer, or still load, are left out)."""
+        results = await self._each_replica("DescribeStage", stage_pb2.DescribeStageRequest(), timeout=timeout)
+        return [
+            address
+            for address, r in results
+            if not isinstance(r, ReplicaFailure) and r.ready and r.supports_sleep and not r.sleep_level
+        ]
+
+    async def sleep(self, level: int, timeout: float | None, only: Collection[str] | None = None) -> list[ReplicaAcks]:
+        """Put every replica to sleep, or those whose address is in `only`."""
         request = stage_pb2.SleepStageRequest(level=level)
-        return await self._control("SleepStage", request, level, timeout)
+        return await self._control("SleepStage", request, level, timeout, only)
 
     async def wake(self, timeout: float | None, level: int = 0) -> list[ReplicaAcks]:
         """`level`: the level the stage sleeps at, for the ACK of a replica that does not answer."""
         return await self._control("WakeUpStage", stage_pb2.WakeUpStageRequest(), level, timeout)
 
-    async def _control(self, method: str, request, level: int, timeout: float | None) -> list[ReplicaAcks]:
-        """Every replica's ACKs, in replica order. When no replica answers, the call fails with the
-        first replica's status (as a single replica's would); otherwise a replica that failed gets
-        one ERROR ACK (rank NO_WORKER_RANK) and its workers' error messages name its address."""
-        results = await self._each_replica(method, request, timeout=timeout, metadata=self._control_metadata)
+    async def _control(
+        self, method: str, request, level: int, timeout: float | None, only: Collection[str] | None = None
+    ) -> list[ReplicaAcks]:
+        """Every replica's ACKs (or those of the replicas in `only`), in replica order. When no
+        replica answers, the call fails with the first replica's status (as a single replica's
+        would); otherwise a replica that failed gets one ERROR ACK (rank NO_WORKER_RANK) and its
+        workers' error messages name its address."""
+        results = await self._each_replica(method, request, only, timeout=timeout)
         self._first_error_if_none_answered(results)
-        named = len(results) > 1 or self._dns is not None
+        named = self.replica_count > 1 or self._dns is not None
         out = []
         for address, result in results:
             if isinstance(result, ReplicaFailure):
@@ -343,7 +363,8 @@ class StageClient:
         if self.unresponsive:
             raise errors.Unavailable(self.unresponsive)
         request = stage_pb2.ExecuteRequest(request_id=request_id, params=params, inputs=inputs)
-        call = self._stub.Execute(request, timeout=timeout, metadata=rpc.outgoing_metadata(request_id, images))
+        metadata = (*rpc.outgoing_metadata(request_id, images), *self._auth_metadata)
+        call = self._stub.Execute(request, timeout=timeout, metadata=metadata)
         try:
             with self._cut_off_as_unavailable(call):
                 async for response in call:

@@ -1,8 +1,15 @@
-"""The gateway's watch on its stages: a stage process that is stopped (SIGSTOP) or wedged keeps
-its port open and accepts connections, so calls to it would wait for their whole deadline. Every
-second each stage replica is asked a health Check with a short timeout; a stage none of whose
-replicas has answered for `unresponsive_s` is cut off: its calls in flight end UNAVAILABLE and new
-ones are refused at once, until one of its replicas answers again."""
+"""The gateway's watches on its stages.
+
+StageWatch: a stage process that is stopped (SIGSTOP) or wedged keeps its port open and accepts
+connections, so calls to it would wait for their whole deadline. Every second each stage replica
+is asked a health Check with a short timeout; a stage none of whose replicas has answered for
+`unresponsive_s` is cut off: its calls in flight end UNAVAILABLE and new ones are refused at once,
+until one of its replicas answers again.
+
+SleepWatch: every second the replicas of each stage the operator put to sleep (and has not woken
+since) are asked whether they sleep; one that came back awake (restarted) is put back to sleep
+(ControlPlane.keep_asleep).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ import asyncio
 import time
 
 from stagemesh.core import logs
+from stagemesh.gateway.control import ControlPlane
 from stagemesh.gateway.stages import StageClient
 
 log = logs.get_logger("stagemesh.gateway")
@@ -48,3 +56,16 @@ class StageWatch:
             )
             cut = stage.mark_unresponsive(reason)
             log.error("stage unresponsive; failing its calls", stage_id=stage.stage_id, calls_cut=cut)
+
+
+class SleepWatch:
+    def __init__(self, stages: list[StageClient], control: ControlPlane):
+        self._stages = stages
+        self._control = control
+
+    async def run(self) -> None:
+        """Keep the sleeping stages asleep each CHECK_INTERVAL_S until cancelled."""
+        while True:
+            round_started = time.monotonic()
+            await asyncio.gather(*(self._control.keep_asleep(stage) for stage in self._stages))
+            await asyncio.sleep(max(0.0, round_started + CHECK_INTERVAL_S - time.monotonic()))

@@ -30,8 +30,11 @@ from stagemesh.weight_store.checkpoint import CheckpointError
 
 log = logs.get_logger("stagemesh.stage")
 
-SERVICE_NAME = stage_pb2.DESCRIPTOR.services_by_name["StageService"].full_name
-CONTROL_METHODS = auth.control_methods(SERVICE_NAME, ("SleepStage", "WakeUpStage"))
+_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["StageService"]
+SERVICE_NAME = _SERVICE.full_name
+# With a token, every StageService call needs it, Execute and DescribeStage as much as SleepStage
+# and WakeUpStage: only the gateway calls a stage, and it sends the token on each call.
+PROTECTED_METHODS = auth.every_method(_SERVICE)
 
 
 def _acks_proto(stage_id: int, acks: list[Ack]) -> list[control_pb2.WorkerAck]:
@@ -120,7 +123,7 @@ async def serve_stage(settings: StageSettings) -> None:
         settings.host,
         settings.port,
         [SERVICE_NAME],
-        interceptors=[*metrics.interceptors(), *auth.interceptors(token, CONTROL_METHODS)],
+        interceptors=[*metrics.interceptors(), *auth.interceptors(token, PROTECTED_METHODS)],
         credentials=tls.server_credentials(settings.tls_cert, settings.tls_key),
         health_port=settings.health_port,
     )

@@ -126,8 +126,8 @@ class StageSettings(DloOptions):
     health_port: int | None = option(None, tls.HEALTH_PORT_HELP, type=tls.health_port_argument)
     token_file: str = option(
         "",
-        "file holding the bearer token that SleepStage/WakeUpStage must carry, also sent to the "
-        "cache service when publishing; empty: $STAGEMESH_TOKEN, or none",
+        "file holding the bearer token that every StageService call must carry (health and reflection stay "
+        "open), also sent to the cache service when publishing; empty: $STAGEMESH_TOKEN, or none",
     )
 
     def __post_init__(self) -> None:

@@ -1,4 +1,5 @@
-"""Bearer-token auth for control calls (Sleep, WakeUp, Pause, Resume, cache mutations), and the
+"""Bearer-token auth for control calls (Sleep, WakeUp, Pause, Resume), for every call to a stage
+or a cache service (the gateway and the stages send the mesh's token on theirs), and the
 gateway's optional API key for its data plane (Generate, GenerateUnary, ListStages, HTTP).
 
 The token comes from a file (`--token-file`, `[security] token_file`) or $STAGEMESH_TOKEN, the
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
 
 from stagemesh.core import errors, logs, rpc
 
@@ -26,16 +28,24 @@ HEADER = "authorization"
 SCHEME = "bearer"
 # Where stagemesh.Client sends its API key (on every call, beside the token on control calls).
 API_KEY_HEADER = "x-api-key"
-TOKEN_FILE_HELP = (
-    f"file holding the bearer token that control calls must carry (default: ${TOKEN_ENV}; "
-    "neither: control calls are open)"
-)
+
+
+def token_file_help(protects: str) -> str:
+    """The help of a service's --token-file; `protects`: the calls the token guards."""
+    return (
+        f"file holding the bearer token that {protects} must carry (default: ${TOKEN_ENV}; "
+        f"neither: {protects} are open)"
+    )
+
+
+TOKEN_FILE_HELP = token_file_help("control calls")
 
 log = logs.get_logger("stagemesh.core.auth")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--token-file", default=None, metavar="PATH", help=TOKEN_FILE_HELP)
+def add_arguments(parser: argparse.ArgumentParser, protects: str = "control calls") -> None:
+    """`protects`: the calls the token guards, as the flag's help names them."""
+    parser.add_argument("--token-file", default=None, metavar="PATH", help=token_file_help(protects))
 
 
 def load_token(token_file: str | None, option: str = "--token-file") -> str | None:
@@ -123,6 +133,11 @@ def check_api_key(metadata: Iterable[tuple[str, str | bytes]] | None, api_key: s
 def control_methods(service_name: str, names: Iterable[str]) -> frozenset[str]:
     """Full gRPC method paths (`/package.Service/Method`) of a service's protected methods."""
     return frozenset(f"/{service_name}/{name}" for name in names)
+
+
+def every_method(service: ServiceDescriptor) -> frozenset[str]:
+    """Full gRPC method paths of every method of `service` (health and reflection are other services)."""
+    return control_methods(service.full_name, (method.name for method in service.methods))
 
 
 class SecretInterceptor(grpc.aio.ServerInterceptor):

@@ -255,11 +255,12 @@ def test_a_cache_service_configured_by_variables_alone(tmp_path):
         assert "metrics" in info  # STAGEMESH_METRICS_PORT=0: an endpoint on a free port
         with grpc.insecure_channel(info["address"]) as channel:
             stub = cache_pb2_grpc.CacheServiceStub(channel)
-            stats = stub.GetStats(cache_pb2.GetStatsRequest(), timeout=RPC_TIMEOUT_S, wait_for_ready=True)
-            assert stats.root == str(tmp_path / "root")
-            with pytest.raises(grpc.RpcError) as refused:  # the token file from STAGEMESH_TOKEN_FILE guards Evict
-                stub.Evict(cache_pb2.EvictRequest(), timeout=RPC_TIMEOUT_S)
+            with pytest.raises(grpc.RpcError) as refused:  # the token file from STAGEMESH_TOKEN_FILE guards it
+                stub.GetStats(cache_pb2.GetStatsRequest(), timeout=RPC_TIMEOUT_S, wait_for_ready=True)
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            metadata = auth.bearer_metadata(token.read_text())
+            stats = stub.GetStats(cache_pb2.GetStatsRequest(), timeout=RPC_TIMEOUT_S, metadata=metadata)
+            assert stats.root == str(tmp_path / "root")
 
 
 @pytest.mark.mesh

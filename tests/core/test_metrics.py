@@ -297,7 +297,9 @@ def test_standalone_cache_service_metrics_flag_and_ready_file(tmp_path):
         assert address.startswith("127.0.0.1:") and address != info["address"]
         with grpc.insecure_channel(info["address"]) as channel:
             stub = cache_pb2_grpc.CacheServiceStub(channel)
-            stub.ListEntries(cache_pb2.ListEntriesRequest(), timeout=RPC_TIMEOUT_S)
+            stub.ListEntries(
+                cache_pb2.ListEntriesRequest(), timeout=RPC_TIMEOUT_S, metadata=auth.bearer_metadata(TOKEN)
+            )
             with pytest.raises(grpc.RpcError) as anonymous:
                 stub.Evict(cache_pb2.EvictRequest(budget_bytes=0), timeout=RPC_TIMEOUT_S)
             assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -19,11 +19,21 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from stagemesh import cli, config, launcher
 from stagemesh.core import auth, errors, rpc, tls
 from stagemesh.stage_service.transport import ipc
-from stagemesh.v1 import cache_pb2, cache_pb2_grpc, gateway_pb2, generation_pb2, stage_pb2, stage_pb2_grpc
+from stagemesh.v1 import (
+    cache_pb2,
+    cache_pb2_grpc,
+    gateway_pb2,
+    generation_pb2,
+    stage_pb2,
+    stage_pb2_grpc,
+    tensor_pb2,
+)
 from tests.support.meshproc import Mesh, descendants, segments_of, shm_entries, start_mesh, write_config
 
 TOKEN = "s3cret-" + "x" * 25
@@ -188,35 +198,79 @@ def test_cli_control_commands_take_a_ca_and_a_token_file(secure_mesh, pki, monke
     assert "--tls-ca: cannot read" in capsys.readouterr().err
 
 
+def open_services(channel: grpc.Channel) -> set[str]:
+    """What a caller without the token still gets: health SERVING and the services reflection lists."""
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(iter([request]), timeout=30)
+    return {s.name for reply in replies for s in reply.list_services_response.service}
+
+
+def execute(stub: stage_pb2_grpc.StageServiceStub, inputs=None, **kwargs) -> dict[str, tensor_pb2.Tensor]:
+    """One stage's Execute of SMALL with `inputs` (what the stage before produced), as the gateway
+    sends it: the stage's outputs."""
+    request = stage_pb2.ExecuteRequest(request_id="direct", params=SMALL, inputs=inputs or {})
+    [outputs] = [r.outputs.outputs for r in stub.Execute(request, timeout=60, **kwargs) if r.HasField("outputs")]
+    return dict(outputs)
+
+
 @pytest.mark.mesh
-def test_stage_control_rpcs_need_the_token(secure_mesh, pki):
-    with secure_channel(secure_mesh.child_addresses()["stage-1"], pki) as channel:
+@pytest.mark.parametrize("stage_id", [0, 1])
+def test_every_stage_call_needs_the_token(secure_mesh, pki, stage_id):
+    good = auth.bearer_metadata(TOKEN)
+    addresses = secure_mesh.child_addresses()
+    inputs = None
+    if stage_id == 1:  # stage 1 draws from stage 0's outputs
+        with secure_channel(addresses["stage-0"], pki) as channel:
+            inputs = execute(stage_pb2_grpc.StageServiceStub(channel), metadata=good)
+    with secure_channel(addresses[f"stage-{stage_id}"], pki) as channel:
         stub = stage_pb2_grpc.StageServiceStub(channel)
-        assert stub.DescribeStage(stage_pb2.DescribeStageRequest(), timeout=30).kind == "diffusion"
-        assert (
-            code_of(lambda: stub.SleepStage(stage_pb2.SleepStageRequest(level=1), timeout=30))[0]
-            == grpc.StatusCode.UNAUTHENTICATED
-        )
-        assert (
-            code_of(
-                lambda: stub.WakeUpStage(
-                    stage_pb2.WakeUpStageRequest(), timeout=30, metadata=auth.bearer_metadata("nope")
-                )
-            )[0]
-            == grpc.StatusCode.UNAUTHENTICATED
-        )
+        assert "stagemesh.v1.StageService" in open_services(channel)
+        calls = {
+            "Execute": lambda **kw: execute(stub, inputs, **kw),
+            "DescribeStage": lambda **kw: stub.DescribeStage(stage_pb2.DescribeStageRequest(), timeout=30, **kw),
+            "SleepStage": lambda **kw: stub.SleepStage(stage_pb2.SleepStageRequest(level=1), timeout=30, **kw),
+            "WakeUpStage": lambda **kw: stub.WakeUpStage(stage_pb2.WakeUpStageRequest(), timeout=30, **kw),
+        }
+        for name, call in calls.items():
+            assert code_of(call) == MISSING, name
+            wrong = code_of(lambda call=call: call(metadata=auth.bearer_metadata("nope")))
+            assert wrong == (grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token"), name
+        described = stub.DescribeStage(stage_pb2.DescribeStageRequest(), timeout=30, metadata=good)
+        outputs = execute(stub, inputs, metadata=good)
+    assert (described.kind, described.ready, described.sleep_level) == (["ar", "diffusion"][stage_id], True, 0)
+    assert ["hidden_states", "image"][stage_id] in outputs, outputs.keys()  # served
+    with secure_channel(secure_mesh.address, pki) as channel:  # the gateway sends the token on all its calls
+        reply = secure_mesh.gateway(channel).GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=SMALL), timeout=60)
+    assert reply.result.png.startswith(b"\x89PNG")
 
 
 @pytest.mark.mesh
-def test_cache_mutations_need_the_token(secure_mesh, pki):
+def test_every_cache_call_needs_the_token(secure_mesh, pki, tmp_path):
+    good = auth.bearer_metadata(TOKEN)
     with secure_channel(secure_mesh.child_addresses()["cache"], pki) as channel:
         stub = cache_pb2_grpc.CacheServiceStub(channel)
-        entries = stub.ListEntries(cache_pb2.ListEntriesRequest(), timeout=30).entries  # reads stay open
+        assert "stagemesh.v1.CacheService" in open_services(channel)
         evict = cache_pb2.EvictRequest(budget_bytes=1 << 40)
-        assert code_of(lambda: stub.Evict(evict, timeout=30)) == MISSING
-        assert stub.Evict(evict, timeout=30, metadata=auth.bearer_metadata(TOKEN)).evicted_keys == []
+        refusals = {
+            "ListEntries": code_of(lambda: stub.ListEntries(cache_pb2.ListEntriesRequest(), timeout=30)),
+            "GetStats": code_of(lambda: stub.GetStats(cache_pb2.GetStatsRequest(), timeout=30)),
+            "Evict": code_of(lambda: stub.Evict(evict, timeout=30)),
+        }
+        assert refusals == dict.fromkeys(refusals, MISSING)  # and no word of the cache root
+        wrong = code_of(
+            lambda: stub.GetStats(cache_pb2.GetStatsRequest(), timeout=30, metadata=auth.bearer_metadata("x"))
+        )
+        assert wrong == (grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token")
         session = stub.PublishSession(iter([cache_pb2.PublishSessionRequest(key="a" * 64)]), timeout=30)
         assert code_of(lambda: next(session))[0] == grpc.StatusCode.UNAUTHENTICATED
+
+        entries = stub.ListEntries(cache_pb2.ListEntriesRequest(), timeout=30, metadata=good).entries
+        stats = stub.GetStats(cache_pb2.GetStatsRequest(), timeout=30, metadata=good)
+        assert stub.Evict(evict, timeout=30, metadata=good).evicted_keys == []
+    assert stats.root == str(Path(secure_mesh.config_path).parent / "cache-root")
+    assert stats.entry_count == len(entries)
     # The stage's worker published with the token over TLS, through the service, not the local fallback.
     assert any(e.valid and e.tensor_count > 1 for e in entries), entries
     assert "lock via cache service" in secure_mesh.logs()

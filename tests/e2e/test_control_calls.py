@@ -1,7 +1,8 @@
 """Control calls at their edges, through a real mesh (`stagemesh up`) and the real CLI: an empty
-stage list is refused, `--all` names every stage, a stage put to sleep behind the gateway's back
-is woken, a replica that does not answer is named first in its ACK, and a stage's internal error
-reaches the caller in words, without another request's id or an exception class."""
+stage list is refused by Sleep and skipped by WakeUp, `--all` names every stage, a stage put to
+sleep behind the gateway's back is woken, one woken behind its back is put to sleep again, a
+replica that does not answer is named first in its ACK, and a stage's internal error reaches the
+caller in words, without another request's id or an exception class."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from grpc_status import rpc_status
 from stagemesh import cli
 from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2, stage_pb2, stage_pb2_grpc
 from tests.support.meshproc import spawn_service, start_mesh, write_config
+from tests.support.sleep_mesh import stage_calls
 
 pytestmark = pytest.mark.mesh
 
@@ -60,15 +62,27 @@ def _violations(exc: grpc.RpcError) -> dict[str, str]:
     return {v.field: v.description for v in bad.field_violations}
 
 
-@pytest.mark.parametrize("method", ["Sleep", "WakeUp"])
-def test_an_empty_stage_list_is_invalid_argument_naming_stage_ids(gateway, method):
-    request = gateway_pb2.SleepRequest() if method == "Sleep" else gateway_pb2.WakeUpRequest()
+def test_sleep_with_an_empty_stage_list_is_invalid_argument_naming_stage_ids(gateway):
     with pytest.raises(grpc.RpcError) as info:
-        getattr(gateway, method)(request, timeout=RPC_TIMEOUT_S)
+        gateway.Sleep(gateway_pb2.SleepRequest(), timeout=RPC_TIMEOUT_S)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert "stage ids 0 to 1" in _violations(info.value)["stage_ids"]
     assert _sleep_levels(gateway) == [0, 0]
     assert not gateway.ListStages(gateway_pb2.ListStagesRequest(), timeout=RPC_TIMEOUT_S).generation_paused
+
+
+def test_wakeup_with_an_empty_stage_list_is_skipped_and_calls_no_stage(gateway, control_mesh):
+    """As for stages that are awake: no stage is named, so none of them sleeps."""
+    assert gateway.Sleep(gateway_pb2.SleepRequest(stage_ids=[1], level=1), timeout=RPC_TIMEOUT_S).status == SUCCESS
+    calls = stage_calls(control_mesh, "WakeUpStage")
+    reply = gateway.WakeUp(gateway_pb2.WakeUpRequest(), timeout=RPC_TIMEOUT_S)
+    assert (reply.status, reply.reason, list(reply.acks)) == (
+        control_pb2.CONTROL_STATUS_SKIPPED,
+        "target stages are not sleeping",
+        [],
+    )
+    assert stage_calls(control_mesh, "WakeUpStage") == calls
+    assert _sleep_levels(gateway) == [0, 1]  # stage 1 still asleep
 
 
 def test_cli_sleep_and_wakeup_all_reach_every_stage(gateway, control_mesh, capsys):
@@ -103,6 +117,31 @@ def test_wakeup_wakes_a_stage_put_to_sleep_by_its_own_sleep_stage(gateway, contr
         assert reply.status == SUCCESS, reply
         assert [(a.stage_id, a.level) for a in reply.acks] == [(1, 1)]
         assert stage.DescribeStage(stage_pb2.DescribeStageRequest(), timeout=RPC_TIMEOUT_S).sleep_level == 0
+    assert gateway.GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=SMALL), timeout=RPC_TIMEOUT_S).result.png
+
+
+def test_a_stage_woken_behind_the_gateways_back_is_put_back_to_sleep(gateway, control_mesh):
+    """The operator's Sleep holds until the gateway's WakeUp: the gateway's watch sees the stage
+    awake and puts it to sleep again at the level asked for, within seconds."""
+    assert gateway.Sleep(gateway_pb2.SleepRequest(stage_ids=[1], level=1), timeout=RPC_TIMEOUT_S).status == SUCCESS
+    with grpc.insecure_channel(control_mesh.child_addresses()["stage-1"]) as channel:
+        stage = stage_pb2_grpc.StageServiceStub(channel)
+        woken = stage.WakeUpStage(stage_pb2.WakeUpStageRequest(), timeout=RPC_TIMEOUT_S)
+        assert [a.status for a in woken.acks] == [control_pb2.ACK_STATUS_SUCCESS]
+        woken_at = time.monotonic()
+        while stage.DescribeStage(stage_pb2.DescribeStageRequest(), timeout=RPC_TIMEOUT_S).sleep_level != 1:
+            assert time.monotonic() - woken_at < 10.0, "stage 1 was not put back to sleep"
+            time.sleep(0.1)
+    assert _sleep_levels(gateway) == [0, 1]
+    with pytest.raises(grpc.RpcError) as refused:
+        gateway.GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=SMALL), timeout=RPC_TIMEOUT_S)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "stage 1" in refused.value.details()
+    assert "replicas awake while their stage sleeps" in control_mesh.logs()
+    reply = gateway.WakeUp(gateway_pb2.WakeUpRequest(stage_ids=[1]), timeout=RPC_TIMEOUT_S)
+    assert reply.status == SUCCESS and [(a.stage_id, a.level) for a in reply.acks] == [(1, 1)]
+    time.sleep(2.0)  # two rounds of the watch: a WakeUp through the gateway is not undone
+    assert _sleep_levels(gateway) == [0, 0]
+    gateway.ResumeGeneration(gateway_pb2.ResumeGenerationRequest(), timeout=RPC_TIMEOUT_S)
     assert gateway.GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=SMALL), timeout=RPC_TIMEOUT_S).result.png
 
 

@@ -1,12 +1,14 @@
 """Faults over a real `stagemesh up`: a worker of the AR stage killed (health NOT_SERVING then
-SERVING), the AR stage service killed (UNAVAILABLE at once), the cache service killed while
-clients generate, the gateway killed while clients keep calling. test_lifecycle.py covers the
+SERVING), the AR stage service killed (UNAVAILABLE at once), the diffusion stage service killed
+while asleep (back asleep after its restart), the cache service killed while clients generate,
+the gateway killed while clients keep calling. test_lifecycle.py covers the
 diffusion stage's kills and the clean stop; test_api_errors.py covers cancel and deadline.
 
 The tests kill processes of their own module mesh, never of the shared session one."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -119,6 +121,68 @@ def test_killed_ar_stage_service_fails_calls_at_once_then_serves_behind_the_same
     assert child_pid(mesh, "stage", 0) not in (None, stage0)
     assert child_pid(mesh, "gateway") == gateway
     assert restarts_logged(mesh, "stage-0") == 1
+
+
+def stage_sleep_events(mesh: Mesh, service: str) -> list[dict]:
+    """The "stage asleep" lines `service` logged: one per SleepStage it answered."""
+    events = []
+    for line in mesh.logs().splitlines():
+        if '"stage asleep"' in line:
+            entry = json.loads(line)
+            if entry.get("event") == "stage asleep" and entry.get("service") == service:
+                events.append(entry)
+    return events
+
+
+def test_stage_killed_while_asleep_comes_back_asleep_at_its_level(fault_mesh):
+    """The operator's Sleep holds across a restart: the restarted stage loads its weights awake,
+    the gateway's watch puts it back to sleep at level 1, and ListStages, the stage itself and
+    admission agree; WakeUp then brings it back."""
+    mesh = fault_mesh
+    generate_until_ok(mesh)
+    with mesh.channel() as channel:
+        gateway = mesh.gateway(channel)
+        slept = gateway.Sleep(gateway_pb2.SleepRequest(stage_ids=[1], level=1), timeout=RECOVERY_S)
+        assert slept.status == control_pb2.CONTROL_STATUS_SUCCESS, slept
+        sleeps_before = len(stage_sleep_events(mesh, "stage-1"))
+        stage1 = child_pid(mesh, "stage", 1)
+        mesh.seen.update([stage1, *descendants(stage1)])
+
+        os.kill(stage1, signal.SIGKILL)
+        wait_until(lambda: child_pid(mesh, "stage", 1) not in (None, stage1), RECOVERY_S, "stage 1 restarted")
+
+        def listed() -> tuple[int, int] | None:
+            stage = gateway.ListStages(gateway_pb2.ListStagesRequest(), timeout=10).stages[1]
+            return (stage.state, stage.sleep_level) if stage.state == gateway_pb2.STAGE_STATE_SLEEPING else None
+
+        assert wait_until(listed, RECOVERY_S, "ListStages shows stage 1 asleep") == (
+            gateway_pb2.STAGE_STATE_SLEEPING,
+            1,
+        )
+        with grpc.insecure_channel(mesh.child_addresses()["stage-1"]) as stage_channel:
+            described = stage_pb2_grpc.StageServiceStub(stage_channel).DescribeStage(
+                stage_pb2.DescribeStageRequest(), timeout=10
+            )
+        # The restarted stage slept once more, freeing what its load took.
+        [resleep] = stage_sleep_events(mesh, "stage-1")[sleeps_before:]
+        with pytest.raises(grpc.RpcError) as refused:
+            generate(mesh, timeout=10.0)
+
+        woken = gateway.WakeUp(gateway_pb2.WakeUpRequest(stage_ids=[1]), timeout=RECOVERY_S)
+        assert woken.status == control_pb2.CONTROL_STATUS_SUCCESS, woken
+        assert [(a.stage_id, a.level) for a in woken.acks] == [(1, 1)]
+        gateway.ResumeGeneration(gateway_pb2.ResumeGenerationRequest(), timeout=10)
+        states = [
+            (s.state, s.sleep_level) for s in gateway.ListStages(gateway_pb2.ListStagesRequest(), timeout=10).stages
+        ]
+    assert (described.ready, described.sleep_level) == (True, 1)
+    assert resleep["freed_bytes"] > 0, resleep
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, refused.value.details()
+    assert "stage 1 is asleep (level 1)" in refused.value.details()
+    assert states == [(gateway_pb2.STAGE_STATE_SERVING, 0)] * 2
+    result = generate(mesh)
+    assert (result.width, result.height) == (SMALL.width, SMALL.height)
+    assert restarts_logged(mesh, "stage-1") == 1
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """Sleep and wake through a real mesh (`stagemesh up`) with the generated stubs: the rows of the
 reference behaviour table (vLLM-Omni /v1/omni/sleep and /wakeup, section 6.2) for a mesh whose
 stages can sleep — sleep with the default level, empty ids, the sleeping set updated; wake,
-skipped when not sleeping, partial, empty, removing only the requested ids, round trip — then
-sleep under a stream of generates, and a clean stop (of the mesh these modules share, at the end of
-the session: tests/e2e/conftest.py). The same rows through the CLI and grpcurl, and a mesh without
+skipped when not sleeping or naming no stage, partial, removing only the requested ids, round
+trip — then sleep under a stream of generates, and a clean stop (of the mesh these modules share,
+at the end of the session: tests/e2e/conftest.py). The same rows through the CLI and grpcurl, and a mesh without
 sleep support, are in tests/e2e/test_sleep_wake_clients.py.
 """
 
@@ -142,11 +142,11 @@ def test_wake_when_not_sleeping_is_skipped_and_calls_no_stage(stub, sleepy):
     assert stage_calls(sleepy, "WakeUpStage") == calls + 1
 
 
-def test_wake_with_no_stage_ids_is_refused_and_wakes_nothing(stub, sleepy):
+def test_wake_with_no_stage_ids_is_skipped_and_wakes_nothing(stub, sleepy):
     put_to_sleep(stub, [1], level=1)
     calls = stage_calls(sleepy, "WakeUpStage")
-    error = refused(lambda: wake_up(stub, []))
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "stage_ids" in field_violations(error)
+    reply = wake_up(stub, [])
+    assert (reply.status, reply.reason, list(reply.acks)) == (SKIPPED, NOT_SLEEPING, [])
     assert stage_calls(sleepy, "WakeUpStage") == calls
     assert states(stub)[1] == (SLEEPING, 1)
 

@@ -1,4 +1,5 @@
-"""Control calls reach every replica of a stage.
+"""Control calls reach every replica of a stage, and a replica restarted while its stage sleeps
+is put back to sleep alone.
 
 A mesh of standalone services, as deployed across machines: stage 0 (ar), two replicas of stage 1
 (diffusion), a gateway started with `--stage A --stage B1,B2`. Stages serve TLS and every service
@@ -8,7 +9,11 @@ shares one bearer token, so the gateway's per-replica control channels must carr
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import signal
+import time
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -31,23 +36,50 @@ RPC_TIMEOUT_S = 60.0
 
 
 class Replicated:
-    def __init__(self, gateway: Service, address: str, replicas: dict[str, Service], ca: str):
+    def __init__(
+        self,
+        gateway: Service,
+        address: str,
+        replicas: dict[str, Service],
+        ca: str,
+        respawn: Callable[[str], Service],
+    ):
         self.gateway_service, self.address, self.replicas, self.ca = gateway, address, replicas, ca
+        self.respawn = respawn  # address -> the replica started again on its port
         self.channel = grpc.insecure_channel(address, options=rpc.channel_options())
         self.gateway = gateway_pb2_grpc.GatewayServiceStub(self.channel)
 
     def describe(self, replica: str) -> stage_pb2.DescribeStageResponse:
-        """What one replica says of itself, asked directly (over TLS, as the gateway does)."""
+        """What one replica says of itself, asked directly (over TLS, with the token, as the gateway does)."""
         with tls.channel(replica, self.ca, rpc.channel_options()) as channel:
             return stage_pb2_grpc.StageServiceStub(channel).DescribeStage(
-                stage_pb2.DescribeStageRequest(), timeout=RPC_TIMEOUT_S
+                stage_pb2.DescribeStageRequest(), timeout=RPC_TIMEOUT_S, metadata=CONTROL
             )
+
+    def describe_if_up(self, replica: str) -> stage_pb2.DescribeStageResponse | None:
+        """As describe, None while the replica does not answer (it is starting)."""
+        try:
+            return self.describe(replica)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            return None
 
     def generate(self) -> gateway_pb2.GenerateUnaryResponse:
         return self.gateway.GenerateUnary(gateway_pb2.GenerateUnaryRequest(params=SMALL), timeout=RPC_TIMEOUT_S)
 
     def stage(self, stage_id: int) -> gateway_pb2.StageInfo:
         return self.gateway.ListStages(gateway_pb2.ListStagesRequest(), timeout=RPC_TIMEOUT_S).stages[stage_id]
+
+
+def sleep_calls(replica: Service) -> int:
+    """The SleepStage calls a replica answered, from its log (a restarted one's log continues it)."""
+    calls = 0
+    for line in replica.logs().splitlines():
+        if "SleepStage" in line and line.startswith("{"):
+            entry = json.loads(line)
+            calls += entry.get("event") == "rpc done" and entry.get("method") == "SleepStage"
+    return calls
 
 
 def _wait_serving(channel: grpc.Channel) -> None:
@@ -66,7 +98,7 @@ def replicated(tmp_path_factory, model_dir):
     env = {**os.environ, auth.TOKEN_ENV: TOKEN}
     serve_tls = ["--tls-cert", str(pki["cert"]), "--tls-key", str(pki["key"])]
 
-    def stage(name: str, stage_id: int, kind: str) -> Service:
+    def stage(name: str, stage_id: int, kind: str, port: int = 0) -> Service:
         return spawn_service(
             name,
             [
@@ -85,6 +117,7 @@ def replicated(tmp_path_factory, model_dir):
             ],
             root,
             env,
+            port,
         )
 
     stages = {
@@ -107,13 +140,21 @@ def replicated(tmp_path_factory, model_dir):
         root,
         env,
     )
-    mesh = Replicated(gateway, gateway.wait_bound(), {addresses[n]: stages[n] for n in ("b1", "b2")}, str(pki["ca"]))
+    names = {addresses[n]: stages[n].log_path.stem for n in ("b1", "b2")}
+
+    def respawn(address: str) -> Service:
+        replica = stage(names[address], 1, "diffusion", int(address.rsplit(":", 1)[1]))
+        assert replica.wait_bound() == address
+        return replica
+
+    replicas = {addresses[n]: stages[n] for n in ("b1", "b2")}
+    mesh = Replicated(gateway, gateway.wait_bound(), replicas, str(pki["ca"]), respawn)
     try:
         _wait_serving(mesh.channel)
         yield mesh
     finally:
         mesh.channel.close()
-        codes = {s.log_path.stem: s.stop() for s in (gateway, *stages.values())}
+        codes = {s.log_path.stem: s.stop() for s in (gateway, stages["a"], *mesh.replicas.values())}
         assert set(codes.values()) == {0}, (codes, gateway.logs()[-3000:])
 
 
@@ -144,6 +185,40 @@ def test_sleep_and_wake_reach_every_replica(replicated):
     assert [replicated.describe(a).sleep_level for a in replicated.replicas] == [0, 0]
     assert replicated.stage(1).state == gateway_pb2.STAGE_STATE_SERVING
     # The pipeline has an AR stage: it stays paused after WakeUp until ResumeGeneration.
+    replicated.gateway.ResumeGeneration(gateway_pb2.ResumeGenerationRequest(), metadata=CONTROL, timeout=RPC_TIMEOUT_S)
+    assert replicated.generate().result.png.startswith(b"\x89PNG")
+
+
+@pytest.mark.mesh
+def test_a_replica_restarted_while_its_stage_sleeps_is_put_back_to_sleep_alone(replicated):
+    """The gateway's watch sleeps the restarted replica again at the level asked for, and calls
+    only that one; until WakeUp the stage stays asleep for ListStages and admission alike."""
+    kept, restarted = list(replicated.replicas)
+    reply = replicated.gateway.Sleep(
+        gateway_pb2.SleepRequest(stage_ids=[1], level=1), metadata=CONTROL, timeout=RPC_TIMEOUT_S
+    )
+    assert reply.status == SUCCESS, reply
+    kept_sleeps = sleep_calls(replicated.replicas[kept])
+    killed = replicated.replicas[restarted].process
+    killed.send_signal(signal.SIGKILL)
+    assert killed.wait(RPC_TIMEOUT_S) == -signal.SIGKILL
+    replicated.replicas[restarted] = replicated.respawn(restarted)
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while (described := replicated.describe_if_up(restarted)) is None or described.sleep_level != 1:
+        assert time.monotonic() < deadline, f"the restarted replica is not asleep: {described}"
+        time.sleep(0.2)
+    assert described.ready
+    assert sleep_calls(replicated.replicas[kept]) == kept_sleeps  # the sleeping replica was left alone
+    assert replicated.describe(kept).sleep_level == 1
+    stage = replicated.stage(1)
+    assert (stage.state, stage.sleep_level, stage.replicas) == (gateway_pb2.STAGE_STATE_SLEEPING, 1, 2)
+    with pytest.raises(grpc.RpcError) as refused:
+        replicated.generate()
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "stage 1" in refused.value.details()
+
+    reply = replicated.gateway.WakeUp(gateway_pb2.WakeUpRequest(stage_ids=[1]), metadata=CONTROL, timeout=RPC_TIMEOUT_S)
+    assert reply.status == SUCCESS and [a.level for a in reply.acks] == [1, 1], reply
     replicated.gateway.ResumeGeneration(gateway_pb2.ResumeGenerationRequest(), metadata=CONTROL, timeout=RPC_TIMEOUT_S)
     assert replicated.generate().result.png.startswith(b"\x89PNG")
 

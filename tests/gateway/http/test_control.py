@@ -1,6 +1,6 @@
 """The control routes (/v1/omni/sleep, wakeup, pause, resume) through a real mesh: the same
-semantics as the gRPC calls, behind the same bearer token. Every test leaves the mesh awake with
-generation open."""
+semantics as the gRPC calls (a wakeup naming no stage is SKIPPED, a sleep naming none refused),
+behind the same bearer token. Every test leaves the mesh awake with generation open."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tests.gateway.http.conftest import API_KEY, TOKEN, bearer
+from tests.support.sleep_mesh import stage_calls
 
 pytestmark = pytest.mark.mesh
 
@@ -63,6 +64,19 @@ def test_curl_sleeps_and_wakes_a_stage(base_url, client, control):
     assert control.post("/v1/omni/resume").json() == {"status": "SUCCESS", "generation_paused": False}
     assert client.post("/v1/images/generations", json=SMALL).status_code == 200
     assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("body", [{"stage_ids": []}, {}], ids=["empty", "absent"])
+def test_wakeup_naming_no_stage_is_skipped_and_calls_no_stage(http_mesh, client, control, body):
+    assert control.post("/v1/omni/sleep", json={"stage_ids": [1], "level": 1}).json()["status"] == "SUCCESS"
+    calls = stage_calls(http_mesh, "WakeUpStage")
+    reply = control.post("/v1/omni/wakeup", json=body)
+    assert (reply.status_code, reply.json()) == (
+        200,
+        {"status": "SKIPPED", "reason": "target stages are not sleeping", "acks": []},
+    )
+    assert stage_calls(http_mesh, "WakeUpStage") == calls
+    assert [s["state"] for s in client.get("/health").json()["stages"]] == ["serving", "sleeping"]
 
 
 @pytest.mark.parametrize(
