@@ -401,6 +401,14 @@ class StageClient:
             return errors.Unavailable(f"{name} is unavailable: {exc.details()}")
         if code == grpc.StatusCode.CANCELLED:
             return errors.Cancelled(f"{name}: {exc.details()}")
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            # The stage refused the gateway's own credential: not the caller's fault, and a 401
+            # would send them after a key they do not need. The operator's fix is named instead.
+            log.error("stage refused the gateway's credential", stage_id=self.stage_id, replica=replica)
+            return errors.Unavailable(
+                f"{name} refused the gateway's credential ({exc.details()}): the gateway needs the "
+                "mesh's token (--token-file)"
+            )
         if code == grpc.StatusCode.INTERNAL:
             # A stage's bug: its own words may name exception classes or the other requests of its
             # batch. The caller learns which stage failed; the details stay in the logs.
