@@ -26,17 +26,6 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # gRPC's server pushback (gRFC A6): a retrying client waits this many milliseconds before its next attempt.
 RETRY_PUSHBACK_HEADER = "grpc-retry-pushback-ms"
 
-_STATUS_BY_ERROR: dict[type[errors.StagemeshError], grpc.StatusCode] = {
-    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
-    errors.Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
-    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
-    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    errors.Cancelled: grpc.StatusCode.CANCELLED,
-    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-}
-
 log = logs.get_logger("stagemesh.core.rpc")
 
 
@@ -57,7 +46,7 @@ def status_for(exc: errors.StagemeshError) -> tuple[grpc.StatusCode, str, tuple]
     """
     if isinstance(exc, errors.UpstreamError):
         return exc.code, str(exc), exc.trailing_metadata
-    code = next((c for t, c in _STATUS_BY_ERROR.items() if isinstance(exc, t)), grpc.StatusCode.INTERNAL)
+    code = grpc.StatusCode[errors.status_name(exc)]
     details: list[Message] = []
     pushback: tuple[tuple[str, str], ...] = ()
     if isinstance(exc, errors.InvalidArgument):
