@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
-from stagemesh.core import errors, logs
+from stagemesh.core import errors, logs, tracing
 from stagemesh.core.params import MAX_REQUEST_ID_CHARS
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -149,6 +149,8 @@ def servicer_method(func: Callable) -> Callable:
         async def stream_wrapper(self, request, context):
             request_id = request_id_of(context, getattr(request, "request_id", ""))
             echo = echoed_request_id(request_id)
+            if tracing.ON:
+                tracing.annotate_current(request_id=request_id)
             with logs.bound_request(request_id):
                 started = time.perf_counter()
                 try:
@@ -169,6 +171,8 @@ def servicer_method(func: Callable) -> Callable:
     async def unary_wrapper(self, request, context):
         request_id = request_id_of(context, getattr(request, "request_id", ""))
         echo = echoed_request_id(request_id)
+        if tracing.ON:
+            tracing.annotate_current(request_id=request_id)
         with logs.bound_request(request_id):
             started = time.perf_counter()
             try:
@@ -299,8 +303,9 @@ class ServiceHost:
         health_port: int | None = None,
     ):
         # credentials: TLS for the port (stagemesh.core.tls); None serves plaintext.
-        # Innermost, so the other interceptors (metrics) see its refusals like any other status.
-        interceptors = [*interceptors, DecodeErrorInterceptor()]
+        # Tracing outermost, so its spans also show what the others refuse; the decode check
+        # innermost, so the others (metrics) see its refusals like any other status.
+        interceptors = [*tracing.server_interceptors(), *interceptors, DecodeErrorInterceptor()]
         self.server = grpc.aio.server(
             options=[*channel_options(max_receive_bytes), *_NO_SILENT_CANCELLATION],
             interceptors=interceptors,
