@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stagemesh.core import auth, converters, errors, logs, rpc, tls
+from stagemesh.core import auth, converters, errors, logs, rpc, tls, tracing
 from stagemesh.core.acks import WorkerAck
 from stagemesh.core.params import Limits
 from stagemesh.gateway import dns
@@ -248,6 +248,8 @@ class StageClient:
         the reply's type is the one `method` returns."""
         stubs = await self._replica_stubs()
         multiple = len(stubs) > 1 or self._dns is not None
+        if tracing.ON:  # the stages' spans join the trace of the call that asks
+            kwargs["metadata"] = (*kwargs.get("metadata", ()), *tracing.outgoing())
 
         async def one(address: str, stub):
             try:
@@ -337,13 +339,18 @@ class StageClient:
         timeout: float,
         on_started=None,
         images: int = 1,
+        trace_parent: Any = None,
     ) -> AsyncIterator[stage_pb2.ExecuteResponse]:
         """Stream one request through the stage; `on_started` is awaited once the stage answered.
-        `images`: how many requests of this id are sent at once (the images of one Generate)."""
+        `images`: how many requests of this id are sent at once (the images of one Generate).
+        `trace_parent`: the span the stage's spans belong under (None: tracing is off)."""
         if self.unresponsive:
             raise errors.Unavailable(self.unresponsive)
         request = stage_pb2.ExecuteRequest(request_id=request_id, params=params, inputs=inputs)
-        call = self._stub.Execute(request, timeout=timeout, metadata=rpc.outgoing_metadata(request_id, images))
+        metadata = rpc.outgoing_metadata(request_id, images)
+        if trace_parent is not None:
+            metadata = (*metadata, *tracing.outgoing(trace_parent))
+        call = self._stub.Execute(request, timeout=timeout, metadata=metadata)
         try:
             with self._cut_off_as_unavailable(call):
                 async for response in call:
