@@ -22,6 +22,7 @@ import asyncio
 import importlib
 import inspect
 import os
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,9 @@ POLLED_METHODS = frozenset({"stagemesh.v1.StageService/DescribeStage"})
 # Only the mesh's own services are traced: health checks and reflection are polled and say nothing.
 TRACED_PREFIX = "stagemesh."
 TRACER_NAME = "stagemesh"
+# How long a stopping service waits for its last spans to be exported: a collector that cannot be
+# reached would hold the stop for the exporter's whole retry timeout.
+FLUSH_ON_STOP_S = 5.0
 
 ON = False
 _provider: Any = None
@@ -94,7 +98,8 @@ def configure(default_service_name: str) -> bool:
     resource = Resource.create()  # OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: default_service_name}))
-    provider = TracerProvider(resource=resource)  # OTEL_TRACES_SAMPLER and its argument
+    # OTEL_TRACES_SAMPLER and its argument; flushed by shutdown() at the stop, bounded, not at exit.
+    provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     for name in names:
         provider.add_span_processor(BatchSpanProcessor(_exporter(name)))  # OTEL_BSP_*
     trace.set_tracer_provider(provider)
@@ -127,12 +132,17 @@ def _exporter(name: str) -> Any:
     return exporter.OTLPSpanExporter()
 
 
-def shutdown() -> None:
-    """Export what is still buffered; the service is stopping."""
+def shutdown(timeout_s: float = FLUSH_ON_STOP_S) -> None:
+    """Export what is still buffered, waiting at most `timeout_s`: the service is stopping."""
     global ON
-    if _provider is not None:
-        ON = False
-        _provider.shutdown()
+    if _provider is None or not ON:
+        return
+    ON = False
+    flush = threading.Thread(target=_provider.shutdown, name="trace-flush", daemon=True)
+    flush.start()
+    flush.join(timeout_s)
+    if flush.is_alive():
+        log.warning("spans not exported before the stop", waited_s=timeout_s)
 
 
 # spans ----------------------------------------------------------------------------------------
