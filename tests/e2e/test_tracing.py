@@ -251,23 +251,40 @@ def test_a_refused_request_has_a_span_saying_why(traced, collector):
 
 
 @pytest.mark.mesh
-def test_polls_make_no_traces(traced, collector):
-    """The gateway's DescribeStage polls while stages load and probes' /health start no trace; a
-    ListStages does, with the stages' answers in it."""
+def test_control_calls_are_traced_and_polls_are_not(traced, collector):
+    """A ListStages and a Sleep carry their trace to the stages (DescribeStage, SleepStage under
+    them); the gateway's DescribeStage polls while stages load and probes' /health start none."""
     assert not [s for s in collector.spans() if s.name.endswith("/DescribeStage") and not s.parent_id]
     assert httpx.get(f"http://{traced.http_address}/health", timeout=RPC_TIMEOUT_S).status_code == 200
-    trace_id, caller_span, traceparent = _caller()
+    calls = {}
     with traced.channel() as channel:
-        traced.gateway(channel).ListStages(
-            gateway_pb2.ListStagesRequest(), timeout=RPC_TIMEOUT_S, metadata=(("traceparent", traceparent),)
-        )
-    spans = collector.wait_for(lambda spans: len([s for s in spans if s.trace_id == trace_id]) == 3)
-    listed = [s for s in spans if s.trace_id == trace_id]
-    root = _only(listed, name="stagemesh.v1.GatewayService/ListStages")
-    assert root.parent_id == caller_span
-    described = [s for s in listed if s.name == "stagemesh.v1.StageService/DescribeStage"]
-    assert sorted(s.service for s in described) == ["stagemesh-stage-0", "stagemesh-stage-1"]
-    assert all(s.parent_id == root.span_id for s in described)
+        gateway = traced.gateway(channel)
+        for name, call, request, stage_method in (
+            ("ListStages", gateway.ListStages, gateway_pb2.ListStagesRequest(), "DescribeStage"),
+            ("Sleep", gateway.Sleep, gateway_pb2.SleepRequest(stage_ids=[1], level=1), "SleepStage"),
+            ("WakeUp", gateway.WakeUp, gateway_pb2.WakeUpRequest(stage_ids=[1]), "WakeUpStage"),
+        ):
+            trace_id, caller_span, traceparent = _caller()
+            call(request, timeout=RPC_TIMEOUT_S, metadata=(("traceparent", traceparent),))
+            calls[name] = (trace_id, caller_span, stage_method)
+        gateway.ResumeGeneration(gateway_pb2.ResumeGenerationRequest(), timeout=RPC_TIMEOUT_S)
+    for name, (trace_id, caller_span, stage_method) in calls.items():
+        stages = ["stagemesh-stage-0", "stagemesh-stage-1"] if name == "ListStages" else ["stagemesh-stage-1"]
+        method, top = f"stagemesh.v1.StageService/{stage_method}", f"stagemesh.v1.GatewayService/{name}"
+        count = len(stages)
+
+        def arrived(spans, trace_id=trace_id, method=method, top=top, count=count) -> bool:
+            names = [s.name for s in spans if s.trace_id == trace_id]
+            return names.count(method) == count and top in names
+
+        spans = [s for s in collector.wait_for(arrived) if s.trace_id == trace_id]
+        root = _only(spans, name=top)
+        assert root.parent_id == caller_span and not root.failed
+        assert sorted(s.service for s in spans if s.name == method) == stages, name
+        # WakeUp also asks the stages whether they sleep (DescribeStage): all under the call.
+        below = [s for s in spans if s is not root]
+        assert all(s.parent_id == root.span_id and s.kind == KIND_SERVER for s in below), name
+        assert all(s.name.startswith("stagemesh.v1.StageService/") for s in below), name
     assert not [s for s in collector.spans() if s.attributes.get("url.path") == "/health"]
 
 
