@@ -32,6 +32,8 @@ LEFT = "CANCELLED: the caller went away or its deadline passed"
 
 
 class RequestSpans:
+    """The spans of one request still open, each ended as the request moves on."""
+
     def __init__(self, waiting: int) -> None:
         self.parent = tracing.current_context()  # the Execute call's server span, current in run()
         self._queue: Span | None = None
