@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -103,10 +104,24 @@ def configure(default_service_name: str) -> bool:
     for name in names:
         provider.add_span_processor(BatchSpanProcessor(_exporter(name)))  # OTEL_BSP_*
     trace.set_tracer_provider(provider)
+    _forward_sdk_logs()
     _provider, _tracer = provider, provider.get_tracer(TRACER_NAME)
     ON = True
     log.info("tracing on", exporters=names, service_name=resource.attributes.get(SERVICE_NAME))
     return True
+
+
+class _ToServiceLog(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        log.log(record.levelno, record.getMessage(), logger=record.name)
+
+
+def _forward_sdk_logs() -> None:
+    """The SDK reports failed exports through the logging module: as the service's own JSON lines,
+    one event a line like every other (Python's last-resort handler would print plain text)."""
+    sdk_log = logging.getLogger("opentelemetry")
+    sdk_log.addHandler(_ToServiceLog())
+    sdk_log.propagate = False
 
 
 def _exporter(name: str) -> Any:
