@@ -24,7 +24,7 @@ COPY cache_service ./cache_service
 COPY stagemesh ./stagemesh
 RUN python3 -m venv /opt/stagemesh \
     && /opt/stagemesh/bin/pip install --upgrade pip \
-    && /opt/stagemesh/bin/pip install ".[stage]" \
+    && /opt/stagemesh/bin/pip install ".[stage,tracing]" \
     && rm -rf /src
 
 # The uid the Kubernetes manifests run as (runAsUser 10001): the cache root must be its own.

@@ -10,7 +10,7 @@ import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
-from stagemesh.core import codec, converters, errors, logs
+from stagemesh.core import codec, converters, errors, logs, tracing
 from stagemesh.core.events import DenoisingStep, StageStarted
 from stagemesh.core.params import INIT_IMAGE_INPUT, OUTPUT_TENSOR, Limits, Params
 from stagemesh.gateway.control import Admission, AdmissionTicket
@@ -30,6 +30,7 @@ INLINE_ENCODE_PIXELS = 64 * 64
 # Stages that denoise: their progress is reported as denoising steps, and they guide.
 DENOISING_KINDS = ("diffusion", "denoise")
 _SEEDS = 2**64  # a seed is a uint64: image i's seed + i wraps around
+EXECUTE_METHOD = "stagemesh.v1.StageService/Execute"
 
 
 class _AllStarted:
@@ -98,6 +99,10 @@ class Pipeline:
         GenerationResult per image as each is ready. One admission ticket covers the request; if
         one image fails, the others are cancelled and the error is raised."""
         deadline = time.monotonic() + (time_remaining if time_remaining is not None else NO_DEADLINE_S)
+        if tracing.ON:
+            tracing.annotate_current(
+                images=params.num_images, width=params.width, height=params.height, steps=params.num_inference_steps
+            )
         start_image = await self._start_image(params)  # a bad image is refused before admission
         ticket = self.admission.enter()  # FAILED_PRECONDITION while paused or a stage sleeps
         try:
@@ -147,6 +152,7 @@ class Pipeline:
         params = dataclasses.replace(request, seed=(request.seed + index) % _SEEDS, num_images=1)
         inputs: dict = {}
         latency: dict[str, float] = {}
+        arrived_ns = 0  # when the previous stage's outputs reached the gateway (traced only)
         for position, stage in enumerate(self.stages):
             yield StageStarted(stage.stage_id, stage.kind)
             started = time.perf_counter()
@@ -158,19 +164,28 @@ class Pipeline:
             # Admission ends once the first stage has every image (a Sleep waits for that).
             first = on_started if position == 0 else None
             wire = self._wire_params(stage, params)
-            async for response in stage.execute(request_id, wire, inputs, remaining, first, request.num_images):
-                if response.HasField("progress"):
-                    if stage.kind in DENOISING_KINDS:  # denoising steps, not encoder items
-                        yield DenoisingStep(stage.stage_id, response.progress.step, response.progress.total, index)
-                else:
-                    inputs = dict(response.outputs.outputs)
+            if tracing.ON and position > 0:
+                _relay_span(self.stages[position - 1], stage, inputs, arrived_ns, index)
+            attributes = _call_attributes(stage, request_id, index) if tracing.ON else None
+            with tracing.span(EXECUTE_METHOD, kind="client", attributes=attributes) as call:
+                async for response in stage.execute(
+                    request_id, wire, inputs, remaining, first, request.num_images, call
+                ):
+                    if response.HasField("progress"):
+                        if stage.kind in DENOISING_KINDS:  # denoising steps, not encoder items
+                            yield DenoisingStep(stage.stage_id, response.progress.step, response.progress.total, index)
+                    else:
+                        inputs = dict(response.outputs.outputs)
+                        arrived_ns = time.time_ns() if call is not None else 0
             latency[str(stage.stage_id)] = (time.perf_counter() - started) * 1e3
         if "image" not in inputs:
             raise errors.StagemeshError(f"the last stage returned no image (outputs: {sorted(inputs)})")
-        if params.width * params.height <= INLINE_ENCODE_PIXELS:
-            yield self._result(request_id, params, index, inputs["image"], latency)
-        else:
-            yield await asyncio.to_thread(self._result, request_id, params, index, inputs["image"], latency)
+        with tracing.span("encode image", attributes={"stagemesh.output_format": params.output_format}):
+            if params.width * params.height <= INLINE_ENCODE_PIXELS:
+                result = self._result(request_id, params, index, inputs["image"], latency)
+            else:
+                result = await asyncio.to_thread(self._result, request_id, params, index, inputs["image"], latency)
+        yield result
 
     @staticmethod
     def _result(request_id: str, params: Params, index: int, image_proto, latency) -> generation_pb2.GenerationResult:
@@ -216,6 +231,35 @@ class Pipeline:
             return info
 
         return list(await asyncio.gather(*(one(s) for s in self.stages)))
+
+
+def _call_attributes(stage: StageClient, request_id: str, index: int) -> dict[str, object]:
+    service, _, method = EXECUTE_METHOD.partition("/")
+    return {
+        "rpc.system": "grpc",
+        "rpc.service": service,
+        "rpc.method": method,
+        "server.address": ",".join(stage.addresses),
+        "stagemesh.stage.id": stage.stage_id,
+        "stagemesh.stage.kind": stage.kind,
+        "stagemesh.request_id": request_id,
+        "stagemesh.image.index": index,
+    }
+
+
+def _relay_span(source: StageClient, target: StageClient, inputs: dict, arrived_ns: int, index: int) -> None:
+    """The gateway's hand-over of one stage's outputs to the next: from their arrival to the next
+    call. The bytes then travel in that call (its span, and the stage's `decode inputs`)."""
+    tensors = {name: t for name, t in inputs.items() if isinstance(t, tensor_pb2.Tensor)}
+    attributes = {
+        "stagemesh.relay.from_stage": source.stage_id,
+        "stagemesh.relay.to_stage": target.stage_id,
+        "stagemesh.relay.tensors": sorted(tensors),
+        "stagemesh.relay.bytes": sum(len(t.data) for t in tensors.values()),
+        "stagemesh.image.index": index,
+    }
+    name = f"relay stage {source.stage_id} -> stage {target.stage_id}"
+    tracing.end_span(tracing.start_span(name, attributes=attributes, start_ns=arrived_ns or None))
 
 
 async def _one(stream: AsyncGenerator[object, None]) -> AsyncIterator[tuple[int, object]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from stagemesh.core import auth, converters, errors, logs, serve, tls
+from stagemesh.core import auth, converters, errors, logs, serve, tls, tracing
 from stagemesh.core.metrics import ServiceMetrics
 from stagemesh.core.params import check_request_id
 from stagemesh.core.rpc import ServiceHost, servicer_method
@@ -94,6 +94,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 async def serve_gateway(settings: GatewaySettings) -> None:
     if not settings.stage:
         raise errors.InvalidArgument.field("--stage", "give at least one stage ADDRESS")
+    tracing.configure("stagemesh-gateway")  # before the server: its interceptors follow it
     token = auth.load_token(settings.token_file)
     api_key = auth.load_api_key(settings.api_key_file)
     credentials = tls.server_credentials(settings.tls_cert, settings.tls_key)

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stagemesh.core import auth, converters, errors, logs, rpc, tls
+from stagemesh.core import auth, converters, errors, logs, rpc, tls, tracing
 from stagemesh.core.acks import WorkerAck
 from stagemesh.core.params import Limits
 from stagemesh.gateway import dns
@@ -254,12 +254,15 @@ class StageClient:
         multiple = len(stubs) > 1 or self._dns is not None
         if only is not None:
             stubs = {a: stub for a, stub in stubs.items() if a in only}
+        metadata = (*kwargs.pop("metadata", ()), *self._auth_metadata)
+        if tracing.ON:  # the stages' spans join the trace of the call that asks
+            metadata = (*metadata, *tracing.outgoing())
 
         async def one(address: str, stub):
             try:
                 if self.unresponsive:
                     raise errors.Unavailable(self.unresponsive)
-                call = getattr(stub, method)(request, metadata=self._auth_metadata, **kwargs)
+                call = getattr(stub, method)(request, metadata=metadata, **kwargs)
                 with self._cut_off_as_unavailable(call):
                     return await call
             except grpc.aio.AioRpcError as exc:
@@ -357,13 +360,17 @@ class StageClient:
         timeout: float,
         on_started=None,
         images: int = 1,
+        trace_parent: Any = None,
     ) -> AsyncIterator[stage_pb2.ExecuteResponse]:
         """Stream one request through the stage; `on_started` is awaited once the stage answered.
-        `images`: how many requests of this id are sent at once (the images of one Generate)."""
+        `images`: how many requests of this id are sent at once (the images of one Generate).
+        `trace_parent`: the span the stage's spans belong under (None: tracing is off)."""
         if self.unresponsive:
             raise errors.Unavailable(self.unresponsive)
         request = stage_pb2.ExecuteRequest(request_id=request_id, params=params, inputs=inputs)
         metadata = (*rpc.outgoing_metadata(request_id, images), *self._auth_metadata)
+        if trace_parent is not None:
+            metadata = (*metadata, *tracing.outgoing(trace_parent))
         call = self._stub.Execute(request, timeout=timeout, metadata=metadata)
         try:
             with self._cut_off_as_unavailable(call):

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from stagemesh.core import auth, converters, logs, rpc, serve, tls
+from stagemesh.core import auth, converters, logs, rpc, serve, tls, tracing
 from stagemesh.core.acks import WorkerAck
 from stagemesh.core.metrics import ServiceMetrics
 from stagemesh.core.params import Limits
@@ -62,14 +62,16 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         check_inputs(request.inputs, self.input_specs)
         image = init_image(request.inputs, self.limits.supports_init_image)
         params = converters.params_from_proto(request.params, self.limits, image)
-        inputs = {name: tensors.from_proto(t, f"inputs[{name}]") for name, t in request.inputs.items()}
+        with tracing.span("decode inputs"):
+            inputs = {name: tensors.from_proto(t, f"inputs[{name}]") for name, t in request.inputs.items()}
         explicit_steps = request.params.HasField("num_inference_steps")
         images = rpc.images_hint(context)
         async for event in self._engine.run(request_id, params, inputs, explicit_steps, images):
             if isinstance(event, ProgressEvent):
                 yield stage_pb2.ExecuteResponse(progress=stage_pb2.StageProgress(step=event.step, total=event.total))
             elif isinstance(event, OutputsEvent):
-                outputs = await asyncio.to_thread(_encode_outputs, event.outputs)
+                with tracing.span("encode outputs"):
+                    outputs = await asyncio.to_thread(_encode_outputs, event.outputs)
                 yield stage_pb2.ExecuteResponse(outputs=stage_pb2.StageOutputs(outputs=outputs))
 
     @servicer_method
@@ -116,6 +118,7 @@ def _export_cache_security(token: str | None, tls_ca: str) -> None:
 
 
 async def serve_stage(settings: StageSettings) -> None:
+    tracing.configure(f"stagemesh-stage-{settings.stage_id}")  # before the server: its interceptors follow it
     token = auth.load_token(settings.token_file or None)
     metrics = ServiceMetrics(f"stage-{settings.stage_id}", settings.host, settings.metrics_port)
     # Metrics first: they also count the calls the auth interceptor refuses.

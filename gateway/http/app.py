@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import time
 from dataclasses import dataclass
 
@@ -42,7 +43,7 @@ class HttpSettings:
 
 def create_app(pipeline: Pipeline, control: ControlPlane, settings: HttpSettings) -> FastAPI:
     """`app.state.stopping`: set by the listener when the gateway's stop grace has passed."""
-    app = FastAPI(title="stagemesh", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="stagemesh", docs_url=None, redoc_url=None, openapi_url=None, **_without_own_spans())
     app.state.stopping = stopping = asyncio.Event()
     app.add_middleware(RequestContext, max_request_bytes=settings.max_request_bytes)
     _add_error_handlers(app)
@@ -109,6 +110,14 @@ def create_app(pipeline: Pipeline, control: ControlPlane, settings: HttpSettings
 
     playground.add_routes(app)
     return app
+
+
+def _without_own_spans() -> dict:
+    """FastAPI 0.16x makes a span of each request itself once a tracer provider is set; the
+    gateway's middleware makes the request's span (middleware.py), which FastAPI's would double."""
+    if "telemetry" in inspect.signature(FastAPI).parameters:
+        return {"telemetry": {"tracing": False}}
+    return {}
 
 
 def _stage_json(stage: gateway_pb2.StageInfo) -> dict:

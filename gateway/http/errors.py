@@ -16,7 +16,7 @@ import grpc
 from fastapi.responses import JSONResponse
 from google.rpc import error_details_pb2, status_pb2
 
-from stagemesh.core import errors, rpc
+from stagemesh.core import errors, rpc, tracing
 from stagemesh.gateway.http.openai_schema import http_param
 
 HTTP_STATUS = {
@@ -52,8 +52,16 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 def error_response(status: int, body: dict[str, Any]) -> JSONResponse:
+    if tracing.ON:  # the request's span says why it failed, as a gRPC call's does
+        tracing.fail_current(error_text(status, body))
     headers = {"www-authenticate": "Bearer"} if status == 401 else None
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def error_text(status: int, body: dict[str, Any]) -> str:
+    """`CODE: message` of an error body (the gRPC status name where there is one)."""
+    error = body["error"]
+    return f"{(error.get('code') or f'HTTP {status}').upper()}: {error['message']}"
 
 
 def invalid(violations: Sequence[errors.FieldViolation]) -> tuple[int, dict[str, Any]]:

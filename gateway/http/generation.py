@@ -12,7 +12,7 @@ from typing import Any, TypeVar, cast
 
 from starlette.types import Receive
 
-from stagemesh.core import errors, logs
+from stagemesh.core import errors, logs, tracing
 from stagemesh.core.params import Params
 from stagemesh.gateway.http import errors as http_errors
 from stagemesh.gateway.http import openai_schema as schema
@@ -121,10 +121,16 @@ async def _stream(
             yield _sse(_event(event, prefix, output_format))
     except errors.StagemeshError as exc:
         # The status line has gone out: the error becomes the stream's last event, in OpenAI's shape.
-        yield _sse({"type": "error", **http_errors.from_domain(exc)[1]})
+        status, body = http_errors.from_domain(exc)
+        if tracing.ON:
+            tracing.fail_current(http_errors.error_text(status, body))
+        yield _sse({"type": "error", **body})
     except Exception:
         log.exception("stream failed")
-        yield _sse({"type": "error", **http_errors.internal("the event stream")[1]})
+        status, body = http_errors.internal("the event stream")
+        if tracing.ON:
+            tracing.fail_current(http_errors.error_text(status, body))
+        yield _sse({"type": "error", **body})
     finally:
         await events.aclose()
 

@@ -1,6 +1,7 @@
 """The ASGI layer around the routes: the request id (x-request-id in, and back on the response),
-the bound on request bodies (413 past the gateway's --max-request-bytes), one log line per
-request, and a last-resort 500 in OpenAI's error shape instead of a traceback."""
+the request's server span when tracing is on (continuing the caller's `traceparent`), the bound
+on request bodies (413 past the gateway's --max-request-bytes), one log line per request, and a
+last-resort 500 in OpenAI's error shape instead of a traceback."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from stagemesh.core import errors, logs
+from stagemesh.core import errors, logs, tracing
 from stagemesh.core.params import check_request_id
 from stagemesh.gateway.http.errors import REQUEST_TOO_LARGE, error_body, error_response, internal, invalid
 
 log = logs.get_logger("stagemesh.gateway.http")
 
 _REQUEST_ID = logs.REQUEST_ID_HEADER.encode()
+# Asked every few seconds by probes: traced only when the caller's trace continues in it.
+_POLLED_PATHS = frozenset({"/health"})
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -51,7 +54,14 @@ class RequestContext:
             await send(message)
 
         started = time.perf_counter()
+        traced = None
+        if tracing.ON:
+            polled = scope["path"] in _POLLED_PATHS
+            traced = tracing.http_server_span(scope["method"], scope["path"], scope.get("headers", ()), polled)
         with logs.bound_request(request_id):
+            if traced is not None:
+                traced.enter()
+                tracing.annotate_current(request_id=request_id)
             try:
                 if refusal is not None:
                     await refusal(scope, receive, send_with_id)
@@ -70,6 +80,9 @@ class RequestContext:
                     status=outcome["status"] or "client gone",
                     ms=round((time.perf_counter() - started) * 1e3, 2),
                 )
+                if traced is not None:
+                    traced.leave()
+                    _end_span(traced, scope, outcome["status"])
 
     async def _bounded(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Read the whole body (at most max_request_bytes), then hand it to the app; what the app
@@ -106,3 +119,17 @@ class RequestContext:
         message = f"the request body is over the gateway's max_request_bytes ({self.max_request_bytes} bytes)"
         response = error_response(REQUEST_TOO_LARGE, error_body(REQUEST_TOO_LARGE, message, None, "request_too_large"))
         await response(scope, receive, send)
+
+
+def _end_span(traced: tracing.ServerSpan, scope: Scope, status: int | None) -> None:
+    """Named by the route that answered (`POST /v1/images/generations`), failed for a status of
+    400 or more; an error response has already said why (http/errors.py)."""
+    route = getattr(scope.get("route"), "path", None)
+    if route is not None:
+        traced.rename(f"{scope['method']} {route}")
+    attributes: dict[str, Any] = {"http.route": route} if route is not None else {}
+    if status is None:
+        traced.end("CANCELLED: the client went away", **attributes)
+        return
+    attributes["http.response.status_code"] = status
+    traced.end(f"HTTP {status}" if status >= 400 else None, **attributes)

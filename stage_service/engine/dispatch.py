@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from stagemesh.core import errors, logs
+from stagemesh.core import errors, logs, tracing
 from stagemesh.core.backoff import Backoff
 from stagemesh.core.params import Params
+from stagemesh.stage_service.engine import spans
 from stagemesh.stage_service.engine.image_groups import ImageGroups
 from stagemesh.stage_service.engine.request import Batch, Dispatcher, OutputsEvent, ProgressEvent, StageRequest
 from stagemesh.stage_service.engine.waves_scheduler import WaveScheduler
@@ -161,6 +162,8 @@ class Engine:
             raise errors.Unavailable("no worker of this stage is running")
         req = StageRequest(request_id, params, inputs, explicit_steps=explicit_steps, images=images, arrived=self.now())
         self.dispatcher.admit(req)
+        if tracing.ON:
+            req.trace = spans.RequestSpans(len(self._waiting))
         self._waiting.append(req)
         self._admitted += 1
         self.groups.join(req)
@@ -177,6 +180,8 @@ class Engine:
             self._admitted -= 1
             self.groups.leave(req)
             req.done = True
+            if req.trace is not None:
+                req.trace.finished(spans.LEFT)  # a no-op once its outputs or error came
             self._abandon(req)
 
     # admission for sleep ----------------------------------------------------------------------
@@ -211,6 +216,8 @@ class Engine:
                 batch = self.dispatcher.take(self._waiting)
                 if not batch:
                     break  # held back for a moment; the dispatcher asked for a wake-up
+                if tracing.ON:
+                    spans.dispatched(batch, group, "dp_wave" if isinstance(self.dispatcher, WaveScheduler) else "batch")
                 self._in_flight[group] += 1
                 self._launch(self.dispatcher.run(group, batch))
 
@@ -274,12 +281,16 @@ class Engine:
         others = [r for i, r in enumerate(requests) if i != failed.index and not r.done]
         for r in others:
             r.batch = None
+            if r.trace is not None:
+                r.trace.requeued(f"ABORTED: a batch mate's input failed the batch ({failed.error}); queued again")
         self._waiting.extendleft(reversed(others))
         self._wake.set()
 
     async def collect(self, requests: list[StageRequest], done: Any) -> None:
         """Hand each request its outputs: a step-mode result carries them, a COMPUTE_DONE names
         the batch output to split."""
+        if tracing.ON:
+            spans.computed(requests, done)
         if isinstance(done, list):
             for r, outputs in zip(requests, done):
                 self.deliver(r, OutputsEvent(outputs))
@@ -327,6 +338,8 @@ class Engine:
     def deliver(req: StageRequest, event: Any) -> None:
         if not req.done:
             req.events.put_nowait(event)
+            if req.trace is not None and not isinstance(event, ProgressEvent):
+                req.trace.finished(tracing.describe(event) if isinstance(event, BaseException) else None)
 
     def fail_waiting(self, exc: BaseException) -> None:
         while self._waiting:

@@ -6,12 +6,15 @@ import asyncio
 import collections
 import uuid
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from stagemesh.core.params import Params
 from stagemesh.stage_service.models.contract import WorkItem
+
+if TYPE_CHECKING:
+    from stagemesh.stage_service.engine.spans import RequestSpans
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class StageRequest:
     # this one was admitted (the event loop's clock).
     images: int = 1
     arrived: float = 0.0
+    trace: RequestSpans | None = None  # its spans, while tracing is on
 
     def work_item(self) -> WorkItem:
         return WorkItem(self.request_id, self.params, self.inputs)

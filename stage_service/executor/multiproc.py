@@ -48,6 +48,15 @@ class BatchItemFailed(errors.StagemeshError):
         self.error = error
 
 
+class StepOutputs(list):
+    """A step-mode batch's answer: its outputs (one dict per item, as a list) and when the worker
+    computed them."""
+
+    def __init__(self, outputs: list[Any], timing: protocol.BatchTiming | None) -> None:
+        super().__init__(outputs)
+        self.timing = timing
+
+
 class Executor:
     def __init__(self, settings: StageSettings, on_death: DeathFn | None = None):
         self.stage_name = f"stage {settings.stage_id} ({settings.kind})"
@@ -287,7 +296,7 @@ class Executor:
                     pending.future, exc=errors.StagemeshError(f"{self.stage_name}: could not unpack result: {exc}")
                 )
             else:
-                resolve_future(pending.future, result=outputs)
+                resolve_future(pending.future, result=StepOutputs(outputs, msg.timing))
         elif isinstance(msg, protocol.Failure):
             resolve_future(pending.future, exc=self._failure(w, msg))
 

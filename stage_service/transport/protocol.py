@@ -105,12 +105,24 @@ class Progress:
 
 
 @dataclass(frozen=True)
+class BatchTiming:
+    """When a worker took a batch and when its forward pass returned (wall clock, ns: the stage
+    service turns them into the worker's spans), and which process ran it."""
+
+    started_ns: int
+    computed_ns: int
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
 class ComputeDone:
     """Async mode: the forward pass is queued on the device; its outputs follow as OutputReady."""
 
     rpc_id: str
     async_output_id: str
     stats: WorkerStats | None = None
+    timing: BatchTiming | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +149,7 @@ class Result:
     outputs: list[Any] = field(default_factory=list)  # one packed dict per item
     stats: WorkerStats | None = None
     compute_seconds: float = 0.0  # device time of the forward pass
+    timing: BatchTiming | None = None
 
 
 @dataclass(frozen=True)

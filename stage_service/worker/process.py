@@ -166,6 +166,7 @@ class Worker:
             self.writer.put(protocol.Failure(msg.rpc_id, f"asleep at level {self.sleep.level}"))
             return
         try:
+            started_ns = time.time_ns()  # two clock reads a batch: the stage's spans of it, when traced
             items = [dataclasses.replace(item, inputs=ipc.unpack(item.inputs)) for item in msg.items]
             started = platform.DeviceEvent(self.device, timing=True).record()
             on_step = progress if self.spec.output_rank else None
@@ -176,13 +177,16 @@ class Worker:
             if not self.spec.output_rank:
                 return
             finished = platform.DeviceEvent(self.device, timing=True).record()
+            timing = protocol.BatchTiming(started_ns, time.time_ns(), self.spec.rank, os.getpid())
             if self.async_output is None:
                 # One pack call: if any output fails to pack, the segments of the others are unlinked.
                 payload = self.packer.pack(list(outputs))
-                self.writer.put(protocol.Result(msg.rpc_id, payload, self.stats(), finished.seconds_since(started)))
+                self.writer.put(
+                    protocol.Result(msg.rpc_id, payload, self.stats(), finished.seconds_since(started), timing)
+                )
                 return
             output_id = new_output_id()
-            self.writer.put(protocol.ComputeDone(msg.rpc_id, output_id, self.stats()))
+            self.writer.put(protocol.ComputeDone(msg.rpc_id, output_id, self.stats(), timing))
             self.async_output.submit(output_id, outputs, finished, started)
         except _CancelledByCaller:
             self.writer.put(protocol.Failure(msg.rpc_id, "cancelled by the caller", cancelled=True))

@@ -75,3 +75,24 @@ class UpstreamError(StagemeshError):
 
 class Unauthenticated(StagemeshError):
     """A control call without the configured bearer token, or with a wrong one."""
+
+
+# The gRPC status each domain error is answered with, by name: core.rpc maps errors to codes
+# through it, and traces name a failure with it without importing gRPC.
+_STATUS_NAMES: dict[type[StagemeshError], str] = {
+    InvalidArgument: "INVALID_ARGUMENT",
+    FailedPrecondition: "FAILED_PRECONDITION",
+    Unavailable: "UNAVAILABLE",
+    Unimplemented: "UNIMPLEMENTED",
+    DeadlineExceeded: "DEADLINE_EXCEEDED",
+    ResourceExhausted: "RESOURCE_EXHAUSTED",
+    Cancelled: "CANCELLED",
+    Unauthenticated: "UNAUTHENTICATED",
+}
+
+
+def status_name(exc: StagemeshError) -> str:
+    """The name of the gRPC status `exc` is answered with (INTERNAL for a plain StagemeshError)."""
+    if isinstance(exc, UpstreamError):
+        return str(exc.code.name)
+    return next((name for kind, name in _STATUS_NAMES.items() if isinstance(exc, kind)), "INTERNAL")

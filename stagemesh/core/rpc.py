@@ -19,23 +19,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
-from stagemesh.core import errors, logs
+from stagemesh.core import errors, logs, tracing
 from stagemesh.core.params import MAX_REQUEST_ID_CHARS
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # gRPC's server pushback (gRFC A6): a retrying client waits this many milliseconds before its next attempt.
 RETRY_PUSHBACK_HEADER = "grpc-retry-pushback-ms"
-
-_STATUS_BY_ERROR: dict[type[errors.StagemeshError], grpc.StatusCode] = {
-    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
-    errors.Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
-    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
-    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    errors.Cancelled: grpc.StatusCode.CANCELLED,
-    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-}
 
 log = logs.get_logger("stagemesh.core.rpc")
 
@@ -57,7 +46,7 @@ def status_for(exc: errors.StagemeshError) -> tuple[grpc.StatusCode, str, tuple]
     """
     if isinstance(exc, errors.UpstreamError):
         return exc.code, str(exc), exc.trailing_metadata
-    code = next((c for t, c in _STATUS_BY_ERROR.items() if isinstance(exc, t)), grpc.StatusCode.INTERNAL)
+    code = grpc.StatusCode[errors.status_name(exc)]
     details: list[Message] = []
     pushback: tuple[tuple[str, str], ...] = ()
     if isinstance(exc, errors.InvalidArgument):
@@ -160,6 +149,8 @@ def servicer_method(func: Callable) -> Callable:
         async def stream_wrapper(self, request, context):
             request_id = request_id_of(context, getattr(request, "request_id", ""))
             echo = echoed_request_id(request_id)
+            if tracing.ON:
+                tracing.annotate_current(request_id=request_id)
             with logs.bound_request(request_id):
                 started = time.perf_counter()
                 try:
@@ -180,6 +171,8 @@ def servicer_method(func: Callable) -> Callable:
     async def unary_wrapper(self, request, context):
         request_id = request_id_of(context, getattr(request, "request_id", ""))
         echo = echoed_request_id(request_id)
+        if tracing.ON:
+            tracing.annotate_current(request_id=request_id)
         with logs.bound_request(request_id):
             started = time.perf_counter()
             try:
@@ -310,8 +303,9 @@ class ServiceHost:
         health_port: int | None = None,
     ):
         # credentials: TLS for the port (stagemesh.core.tls); None serves plaintext.
-        # Innermost, so the other interceptors (metrics) see its refusals like any other status.
-        interceptors = [*interceptors, DecodeErrorInterceptor()]
+        # Tracing outermost, so its spans also show what the others refuse; the decode check
+        # innermost, so the others (metrics) see its refusals like any other status.
+        interceptors = [*tracing.server_interceptors(), *interceptors, DecodeErrorInterceptor()]
         self.server = grpc.aio.server(
             options=[*channel_options(max_receive_bytes), *_NO_SILENT_CANCELLATION],
             interceptors=interceptors,

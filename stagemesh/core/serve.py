@@ -8,7 +8,7 @@ import signal
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
-from stagemesh.core import envflags, errors, logs, procutil, readyfile
+from stagemesh.core import envflags, errors, logs, procutil, readyfile, tracing
 from stagemesh.core.metrics import ServiceMetrics
 from stagemesh.core.rpc import ServiceHost
 
@@ -72,6 +72,7 @@ async def run(
             await close()
         if metrics is not None:
             metrics.stop()
+        tracing.shutdown()  # the spans of the last calls go out before the process does
         log.info("stopped")
 
 

@@ -409,6 +409,7 @@ def test_dockerfile_shape():
     users = [rest for k, rest in instructions if k == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0"), users
     assert ("ENTRYPOINT", '["stagemesh"]') in instructions
-    assert any(k == "RUN" and 'install ".[stage]"' in rest for k, rest in instructions), "no stage extra"
+    # the stage extra, and the SDK that OTEL_TRACES_EXPORTER turns on (docs/OPERATIONS.md, "Tracing")
+    assert any(k == "RUN" and 'install ".[stage,tracing]"' in rest for k, rest in instructions), "no stage extra"
     # The manifests run as the image's user: the cache root's owner must be that uid.
     assert users[-1].split(":")[0] == "10001"

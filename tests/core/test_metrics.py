@@ -1,10 +1,12 @@
 """Prometheus metrics: one real mesh (`stagemesh up`) with a metrics port on every service and
-DLO on stage 1, scraped over HTTP; a standalone cache service with --metrics-port; the pieces
-that need no process."""
+DLO on stage 1, scraped over HTTP, and the Grafana dashboard (deploy/grafana) checked against what
+it serves; a standalone cache service with --metrics-port; the pieces that need no process."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -257,6 +259,105 @@ def test_sleep_and_wake_show_in_stage_and_gateway_state(metered):
     stage = settled(addresses["stage-1"], lambda s: requests(s, "stage-1", sleep, "OK") >= 1)
     assert requests(stage, "stage-1", sleep, "OK") == 1
     assert requests(stage, "stage-1", f"{STAGE}/WakeUpStage", "OK") == 1
+
+
+DASHBOARD = REPO / "deploy" / "grafana" / "stagemesh.json"
+# Labels Prometheus adds to every series it scrapes.
+TARGET_LABELS = {"job", "instance"}
+PROMQL_FUNCTIONS = {"sum", "rate", "histogram_quantile"}
+_GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
+
+
+def _exported(addresses: dict[str, str]) -> dict[str, set[str]]:
+    """Every sample name the services serve (counters as `_total`, histograms as `_bucket` ...)
+    -> the labels it carries."""
+    out: dict[str, set[str]] = {}
+    for address in addresses.values():
+        for name, labels in scrape(address):
+            out.setdefault(name, set()).update(k for k, _ in labels)
+    return out
+
+
+def _promql_parts(expr: str) -> tuple[dict[str, set[str]], set[str], set[str]]:
+    """(metric -> label names its selectors match on, grouping labels, functions) of a PromQL
+    expression, read the simple way the dashboard's expressions allow."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # quoted values are no names
+    expr = re.sub(r"\$\w+", "", expr)  # Grafana's variables ($__rate_interval, $job)
+    metrics: dict[str, set[str]] = {}
+    for name, matchers in re.findall(r"([a-zA-Z_:][\w:]*)\{([^}]*)\}", expr):
+        metrics.setdefault(name, set()).update(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", matchers))
+    expr = re.sub(r"\{[^}]*\}", "", expr)
+    grouping = {label.strip() for labels in _GROUPING.findall(expr) for label in labels.split(",") if label.strip()}
+    expr = re.sub(r"\[[^\]]*\]", "", _GROUPING.sub("", expr))
+    functions = set(re.findall(r"([a-zA-Z_:][\w:]*)\s*\(", expr))
+    for name in re.findall(r"([a-zA-Z_:][\w:]*)(?!\s*[\w:(])", expr):
+        metrics.setdefault(name, set())
+    return metrics, grouping, functions
+
+
+def _dashboard_queries(dashboard: dict) -> list[tuple[str, str, str]]:
+    """(panel title, PromQL, legend) of every panel's targets and every variable's query."""
+    queries = [
+        (panel["title"], target["expr"], target.get("legendFormat", ""))
+        for panel in dashboard["panels"]
+        for target in panel.get("targets", [])
+    ]
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            # Grafana's label_values(METRIC, LABEL) asks what `sum by (LABEL) (METRIC)` would.
+            metric, label = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", variable["definition"]).groups()
+            queries.append((f"${variable['name']}", f"sum by ({label}) ({metric})", ""))
+    return queries
+
+
+def test_the_dashboard_is_a_grafana_dashboard_of_prometheus_panels():
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] and dashboard["title"] == "stagemesh"
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    for panel in dashboard["panels"]:
+        place = panel["gridPos"]
+        assert place["x"] + place["w"] <= 24, panel["title"]
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == "${datasource}" and panel["targets"], panel["title"]
+        assert all(t["expr"] and t["refId"] for t in panel["targets"]), panel["title"]
+        assert all('job=~"$job"' in t["expr"] for t in panel["targets"]), panel["title"]
+
+
+@pytest.mark.mesh
+def test_the_dashboard_reads_only_metrics_and_labels_the_services_serve(metered):
+    """Every metric a dashboard query names is served by some service of a real mesh, with every
+    label the query matches, groups or shows in a legend; every function is one PromQL has."""
+    _, addresses = metered
+    exported = _exported(addresses)
+    dashboard = json.loads(DASHBOARD.read_text())
+    covered: set[str] = set()
+    for title, expr, legend in _dashboard_queries(dashboard):
+        metrics_of, grouping, functions = _promql_parts(expr)
+        assert metrics_of, (title, expr)
+        assert functions <= PROMQL_FUNCTIONS, (title, functions - PROMQL_FUNCTIONS)
+        labels = set(TARGET_LABELS)
+        for name, matched in metrics_of.items():
+            assert name in exported, f"{title}: {name} is served by no service"
+            assert matched <= exported[name] | TARGET_LABELS, (title, name, matched - exported[name])
+            labels |= exported[name]
+            covered.add(name)
+        assert grouping <= labels, (title, grouping - labels)
+        shown = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", legend))
+        assert shown <= labels, (title, shown - labels)
+    # What the dashboard is for: queues, batches, compute, sleep, the cache, errors by code.
+    for name in (
+        "stagemesh_stage_queue_depth",
+        "stagemesh_stage_batched_requests_total",
+        "stagemesh_stage_compute_seconds_total",
+        "stagemesh_stage_sleep_level",
+        "stagemesh_cache_entries",
+        "stagemesh_requests_total",
+    ):
+        assert name in covered, name
 
 
 def _start_cache(tmp_path: Path) -> tuple[subprocess.Popen, dict]:

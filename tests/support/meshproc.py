@@ -177,11 +177,16 @@ max_prompt_bytes = 256
 
 
 def start_mesh(
-    config_path: Path, log_path: Path, up_args: tuple[str, ...] = (), timeout_s: float = START_TIMEOUT_S
+    config_path: Path,
+    log_path: Path,
+    up_args: tuple[str, ...] = (),
+    timeout_s: float = START_TIMEOUT_S,
+    env: dict[str, str] | None = None,
 ) -> Mesh:
     """`up_args`: further flags of `stagemesh up` (e.g. "--model", PATH); `timeout_s`: how long
-    the gateway may take to be announced (a benchmark's large model loads longer)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    the gateway may take to be announced (a benchmark's large model loads longer); `env`: the
+    mesh's environment (default: this process's)."""
+    env = dict(env if env is not None else os.environ, PYTHONUNBUFFERED="1")
     log_file = open(log_path, "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "stagemesh", "up", "--config", str(config_path), *up_args],
@@ -257,10 +262,10 @@ def spawn_service(name: str, args: list[str], folder: Path, env: dict | None = N
 
 
 @contextlib.contextmanager
-def clean_mesh(config: Path, log_path: Path) -> Iterator[Mesh]:
+def clean_mesh(config: Path, log_path: Path, env: dict[str, str] | None = None) -> Iterator[Mesh]:
     """A started mesh; after use, checked to stop with exit 0 and to leave no shared-memory segment."""
     shm_before = shm_entries()
-    running = start_mesh(config, log_path)
+    running = start_mesh(config, log_path, env=env)
     yield running
     assert running.stop() == 0, running.logs()[-3000:]
     assert not segments_of(shm_entries() - shm_before, running.child_pids())
