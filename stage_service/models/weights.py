@@ -4,6 +4,9 @@ Layout of a model folder:
     config.json               PipelineConfig.to_dict() + {"format_version": N}
     lm/model.safetensors      CausalLM state
     dit/model.safetensors     DiT state under "dit.", LatentDecoder state under "decoder."
+A folder of trained weights adds:
+    SHA256SUMS                the three files' checksums (`sha256sum -c` reads it)
+    training.json             the recipe that made them (training/train_embedded.py)
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ LM_FILE = Path("lm") / "model.safetensors"
 DIT_FILE = Path("dit") / "model.safetensors"
 DIT_PREFIX = "dit."
 DECODER_PREFIX = "decoder."
+CHECKSUM_FILE = "SHA256SUMS"
+RECIPE_FILE = "training.json"
 INIT_STD = 0.02
 _INSTALL_ATTEMPTS = 5
 
@@ -128,6 +133,19 @@ def _generate_into(target: Path, config: PipelineConfig) -> None:
         os.fsync(f.fileno())
     for d in (target / LM_FILE.parent, target / DIT_FILE.parent, target):
         _fsync_dir(d)
+
+
+def write_model_dir(target: Path, config: PipelineConfig, lm: CausalLM, dit: DiT, decoder: LatentDecoder) -> None:
+    """Write built models' weights as a model folder (what a training run produces)."""
+    dtype = config.torch_dtype
+    for file, parts in ((LM_FILE, {"": lm}), (DIT_FILE, {DIT_PREFIX: dit, DECODER_PREFIX: decoder})):
+        state = {
+            f"{prefix}{k}": v.detach().cpu().to(dtype) for prefix, m in parts.items() for k, v in m.state_dict().items()
+        }
+        specs = [(key, tuple(value.shape), dtype) for key, value in state.items()]
+        (target / file).parent.mkdir(parents=True, exist_ok=True)
+        write_streamed(target / file, specs, state.values(), metadata={"format": "pt"})
+    (target / CONFIG_FILE).write_text(json.dumps(_config_json(config), indent=2, sort_keys=True) + "\n")
 
 
 def _is_current(path: Path, config: PipelineConfig) -> bool:
