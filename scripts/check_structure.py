@@ -18,7 +18,9 @@ package or stage service room: what it imports) and exits 1 when any rule is bro
   at any depth, a package that only the `stage` extra brings (STAGE_EXTRA: torch, ...);
 - no Python file of the repository imports a service folder by its bare name (`gateway`,
   `stage_service`, `cache_service`): they are the packages stagemesh.gateway etc., and a bare
-  import would load a second copy of their modules.
+  import would load a second copy of their modules;
+- stagemesh imports none of the repository's other code folders (OTHER_CODE: tests, the training
+  scripts, ...): an installation does not have them.
 
 The services' code lives in the repository's top-level folders (SOURCE_ROOTS); stagemesh/ holds
 links to them, which this check does not follow, so each module is read once, under its
@@ -45,7 +47,7 @@ SOURCE_ROOTS = {
 }
 BARE_SERVICE_NAMES = frozenset(name for name in SOURCE_ROOTS.values() if name != "stagemesh")
 # folders of the repository whose Python files the bare-name rule reads besides SOURCE_ROOTS
-OTHER_CODE = ("tests", "bench", "scripts")
+OTHER_CODE = ("tests", "bench", "scripts", "training")
 STAGE = "stagemesh.stage_service"
 SERVICES = ("stagemesh.gateway", STAGE, "stagemesh.cache_service")
 SHARED_TOP_DOWN = ("stagemesh.weight_store", "stagemesh.core", "stagemesh.v1")
@@ -302,6 +304,16 @@ def base_install_violations(
     return found
 
 
+def uninstalled_imports(root: Path, modules: dict[str, Path], external: list[Import]) -> list[str]:
+    """Imports by stagemesh's modules of the repository's code folders outside the package."""
+    return [
+        f"{modules[imp.source].relative_to(root).as_posix()}:{imp.line}: {imp.source} imports {imp.target}, "
+        "a folder of the repository that an installation does not have"
+        for imp in sorted(external, key=lambda i: (i.source, i.line))
+        if imp.target in OTHER_CODE
+    ]
+
+
 def _group_order(name: str) -> tuple[int, int, str]:
     """Top of the picture first: the application, the services (the stage service room by room),
     then the shared layers."""
@@ -332,6 +344,7 @@ def main(argv: list[str]) -> int:
         violations(root, modules, imports)
         + base_install_violations(root, modules, imports, external)
         + bare_service_imports(root)
+        + uninstalled_imports(root, modules, external)
     )
     if found:
         print(f"\n{len(found)} structure violation(s):")

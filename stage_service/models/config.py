@@ -131,7 +131,8 @@ class PipelineConfig:
 
     @classmethod
     def tiny(cls) -> PipelineConfig:
-        """CPU-fast default; pictures are noise, shapes and code paths are real."""
+        """CPU-fast default: the only config with trained weights (shipped in models/trained/;
+        they draw coloured shapes at 64 x 64, docs/MODELS.md)."""
         return cls(lm=LMConfig(), dit=DiTConfig())
 
     @classmethod

@@ -200,10 +200,11 @@ class LatentDecoder(nn.Module):
     """Latents [B, C, h, w] -> RGB [B, 3, h*s, w*s] in [-1, 1], one 2x stage per factor of 2.
 
     GroupNorm after each conv keeps activations at unit scale whatever the weight scale, so
-    the output still carries the latent's structure. The model has no trained autoencoder: its
-    first three latent channels are also a fixed preview of the picture (RGB before the tanh, at
-    latent resolution) that the learned path adds to, and `encode` inverts that preview. So a
-    starting image has a latent the decoder draws back close to it (image-to-image).
+    the output still carries the latent's structure. The encoder is fixed, not learned: the
+    first three latent channels are a preview of the picture (RGB before the tanh, at latent
+    resolution) that the learned path adds to, and `encode` inverts that preview. So a starting
+    image has a latent the decoder draws back close to it (image-to-image), and the trained
+    decoder learned to draw pictures back from exactly these latents.
     """
 
     def __init__(self, config: DiTConfig) -> None:

@@ -1,13 +1,18 @@
-"""Deterministic weight generation and strict loading for the embedded pipeline.
+"""The embedded pipeline's weights: the trained ones shipped in the package, deterministic
+random generation for every other config, and strict loading.
 
 Layout of a model folder:
     config.json               PipelineConfig.to_dict() + {"format_version": N}
     lm/model.safetensors      CausalLM state
     dit/model.safetensors     DiT state under "dit.", LatentDecoder state under "decoder."
+A folder of trained weights adds:
+    SHA256SUMS                the three files' checksums (`sha256sum -c` reads it)
+    training.json             the recipe that made them (training/train_embedded.py)
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -31,6 +36,10 @@ LM_FILE = Path("lm") / "model.safetensors"
 DIT_FILE = Path("dit") / "model.safetensors"
 DIT_PREFIX = "dit."
 DECODER_PREFIX = "decoder."
+CHECKSUM_FILE = "SHA256SUMS"
+RECIPE_FILE = "training.json"
+# PipelineConfig.tiny()'s weights, trained on the shapes data set; they ship in the package.
+TRAINED_DIR = Path(__file__).resolve().parent / "trained"
 INIT_STD = 0.02
 _INSTALL_ATTEMPTS = 5
 
@@ -130,12 +139,65 @@ def _generate_into(target: Path, config: PipelineConfig) -> None:
         _fsync_dir(d)
 
 
-def _is_current(path: Path, config: PipelineConfig) -> bool:
+def write_model_dir(target: Path, config: PipelineConfig, lm: CausalLM, dit: DiT, decoder: LatentDecoder) -> None:
+    """Write built models' weights as a model folder (what a training run produces)."""
+    dtype = config.torch_dtype
+    for file, parts in ((LM_FILE, {"": lm}), (DIT_FILE, {DIT_PREFIX: dit, DECODER_PREFIX: decoder})):
+        state = {
+            f"{prefix}{k}": v.detach().cpu().to(dtype) for prefix, m in parts.items() for k, v in m.state_dict().items()
+        }
+        specs = [(key, tuple(value.shape), dtype) for key, value in state.items()]
+        (target / file).parent.mkdir(parents=True, exist_ok=True)
+        write_streamed(target / file, specs, state.values(), metadata={"format": "pt"})
+    (target / CONFIG_FILE).write_text(json.dumps(_config_json(config), indent=2, sort_keys=True) + "\n")
+
+
+def _trained_source(config: PipelineConfig) -> Path | None:
+    """The shipped folder whose trained weights `config` gets, or None (random weights). Its
+    files are checked against its SHA256SUMS when copied."""
+    return TRAINED_DIR if config == PipelineConfig.tiny() else None
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _is_current(path: Path, config: PipelineConfig, trained: Path | None) -> bool:
     try:
         data = json.loads((path / CONFIG_FILE).read_text())
     except (OSError, ValueError):
         return False
-    return data == _config_json(config) and (path / LM_FILE).is_file() and (path / DIT_FILE).is_file()
+    if data != _config_json(config) or not (path / LM_FILE).is_file() or not (path / DIT_FILE).is_file():
+        return False
+    # Random weights of the trained config (an older default folder) are outdated too.
+    return trained is None or _read_bytes(path / CHECKSUM_FILE) == _read_bytes(trained / CHECKSUM_FILE)
+
+
+def _copy_trained(target: Path, source: Path) -> None:
+    """Copy a trained folder, checking every file against its SHA256SUMS."""
+    sums = (source / CHECKSUM_FILE).read_text()
+    for line in sums.splitlines():
+        digest, name = line.split(maxsplit=1)
+        data = (source / name).read_bytes()
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise RuntimeError(f"{source / name}: sha256 differs from {source / CHECKSUM_FILE}; the file is damaged")
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        _write_synced(target / name, data)
+    _write_synced(target / RECIPE_FILE, (source / RECIPE_FILE).read_bytes())
+    # Last: a folder with its checksum file is complete.
+    _write_synced(target / CHECKSUM_FILE, sums.encode())
+    for d in (target / LM_FILE.parent, target / DIT_FILE.parent, target):
+        _fsync_dir(d)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _remove(path: Path) -> None:
@@ -145,7 +207,7 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _install(tmp: Path, path: Path, config: PipelineConfig) -> None:
+def _install(tmp: Path, path: Path, config: PipelineConfig, trained: Path | None) -> None:
     """Rename `tmp` onto `path`; a concurrent winner with the same config is kept."""
     for _ in range(_INSTALL_ATTEMPTS):
         try:
@@ -153,7 +215,7 @@ def _install(tmp: Path, path: Path, config: PipelineConfig) -> None:
             _fsync_dir(path.parent)
             return
         except OSError:
-            if _is_current(path, config):
+            if _is_current(path, config, trained):
                 return
             if not os.path.lexists(path):
                 continue
@@ -168,17 +230,22 @@ def _install(tmp: Path, path: Path, config: PipelineConfig) -> None:
 
 
 def ensure_model_dir(path: Path, config: PipelineConfig) -> Path:
-    """Return `path` holding weights for `config`, generating them if absent or outdated."""
+    """Return `path` holding weights for `config`, installing them if absent or outdated: a copy
+    of the shipped trained weights for their config (PipelineConfig.tiny()), else random ones."""
     path = Path(path).expanduser()
-    if _is_current(path, config):
+    trained = _trained_source(config)
+    if _is_current(path, config, trained):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     # A sibling on the same filesystem, so the final rename is atomic.
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
     try:
         tmp.mkdir()
-        _generate_into(tmp, config)
-        _install(tmp, path, config)
+        if trained is None:
+            _generate_into(tmp, config)
+        else:
+            _copy_trained(tmp, trained)
+        _install(tmp, path, config, trained)
     finally:
         if os.path.lexists(tmp):
             _remove(tmp)

@@ -5,6 +5,7 @@ copies, so the image's install step has everything it reads."""
 from __future__ import annotations
 
 import email.parser
+import hashlib
 import importlib.util
 import re
 import shutil
@@ -64,7 +65,18 @@ def test_wheel_ships_license_protos_and_typing_marker(wheel):
     static = {p.name for p in (REPO / "gateway" / "http" / "static").iterdir()}
     assert {"index.html", "playground.js", "playground.css"} <= static
     assert {f"stagemesh/gateway/http/static/{name}" for name in static} <= names
-    assert not any(n.startswith(("tests/", "bench/", "scripts/")) for n in names)
+    assert not any(n.startswith(("tests/", "bench/", "scripts/", "training/")) for n in names)
+
+
+def test_wheel_ships_the_trained_weights_and_their_checksums(wheel):
+    folder = "stagemesh/stage_service/models/trained"
+    sums = wheel.read(f"{folder}/SHA256SUMS").decode()
+    listed = [line.split()[1] for line in sums.splitlines()]
+    assert sorted(listed) == ["config.json", "dit/model.safetensors", "lm/model.safetensors"]
+    for line in sums.splitlines():
+        digest, name = line.split()
+        assert hashlib.sha256(wheel.read(f"{folder}/{name}")).hexdigest() == digest, name
+    assert f"{folder}/training.json" in wheel.namelist()
 
 
 def test_the_wheel_installs_only_the_stagemesh_package(wheel):

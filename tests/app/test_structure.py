@@ -115,6 +115,23 @@ def test_finds_a_service_imported_by_its_bare_name(tmp_path):
     assert "tests/test_x.py:1: imports cache_service.server by its bare name" in result.stdout
 
 
+def test_finds_the_package_importing_the_training_code(tmp_path):
+    root = plant(
+        tmp_path,
+        {
+            "stagemesh/__init__.py": "",
+            "stage_service/models/weights.py": "from training.shapes import render\n",
+            "training/shapes.py": "",
+        },
+    )
+    result = check(root)
+    assert result.returncode == 1, result.stdout
+    assert (
+        "stage_service/models/weights.py:1: stagemesh.stage_service.models.weights imports training, "
+        "a folder of the repository that an installation does not have" in result.stdout
+    )
+
+
 def test_reads_the_service_folders_once_through_their_links(tmp_path):
     # stagemesh/gateway is a link to the top-level folder, as in the repository: its modules are
     # counted once, under their dotted names, and a violation names the real file.

@@ -4,9 +4,9 @@ Splitting changes float32 rounding only: attention over all-to-all'd heads or me
 and a pass of B rows where one rank runs 2B. The tests hold the image to TOLERANCE of one rank's
 and the 8-bit image to ±1 level; every rank of a group ends with the same image.
 
-The embedded model's generated weights keep self-attention's share of the output small (a 1%
-change of its projection moves the velocity by ~3e-7), so the guided velocity is also compared
-on a DiT with torch's default initialisation, where the same change moves it by ~1e-3.
+The guided velocity is also compared on a DiT with torch's default initialisation, where a 1%
+change of self-attention's projection moves it by ~1e-3, far above the rounding: a split that
+dropped part of the attention could not hide there.
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ def test_split_images_equal_one_rank(tiny_model, single, world):
                 diff = (g - w).abs().max().item()
                 worst = max(worst, diff)
                 assert diff <= TOLERANCE, (name, batch, diff)
-                assert torch.equal(_levels(g), _levels(w)), (name, batch)
+                # A value within TOLERANCE of a rounding boundary may land one level over.
+                assert (_levels(g) - _levels(w)).abs().max() <= 1, (name, batch)
             for rank in range(1, world):
                 other = results[rank][name][i]
                 if cfg > 1 and batch[3] == 1.0 and rank >= sp:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -25,10 +27,20 @@ from stagemesh.stage_service.models import (
     load_lm,
     read_config,
     sample,
+    weights,
 )
 from stagemesh.stage_service.models.config import BOS_ID, DiTConfig, LMConfig
 from stagemesh.stage_service.models.dit import pad_conds
-from stagemesh.stage_service.models.weights import DIT_FILE, LM_FILE, build_dit, build_lm
+from stagemesh.stage_service.models.weights import (
+    CHECKSUM_FILE,
+    DIT_FILE,
+    LM_FILE,
+    RECIPE_FILE,
+    TRAINED_DIR,
+    build_dit,
+    build_lm,
+)
+from training import shapes
 
 FILES = (LM_FILE, DIT_FILE, Path("config.json"))
 
@@ -76,20 +88,55 @@ def test_config_round_trip_and_validation() -> None:
 # ---- weights ----------------------------------------------------------------------------
 
 
-def test_generation_is_deterministic_and_reload_is_bit_identical(model_dir: Path, tmp_path: Path, lm, dit_pair) -> None:
-    other = ensure_model_dir(tmp_path / "again", PipelineConfig.tiny())
+def test_generation_is_deterministic_and_reload_is_bit_identical(tmp_path: Path) -> None:
+    # Any config but the shipped trained one's gets random weights.
+    config = replace(PipelineConfig.tiny(), weight_seed=1)
+    first = ensure_model_dir(tmp_path / "first", config)
+    other = ensure_model_dir(tmp_path / "again", config)
     for rel in FILES:
-        assert (model_dir / rel).read_bytes() == (other / rel).read_bytes(), rel
-    assert read_config(model_dir) == PipelineConfig.tiny()
-    lm_file = load_file(model_dir / LM_FILE)
+        assert (first / rel).read_bytes() == (other / rel).read_bytes(), rel
+    assert read_config(first) == config and not (first / CHECKSUM_FILE).exists()
+    lm, (dit, decoder) = load_lm(first), load_dit(first)
+    lm_file = load_file(first / LM_FILE)
     assert lm_file.keys() == lm.state_dict().keys()
     assert all(torch.equal(lm_file[k], v) for k, v in lm.state_dict().items())
-    dit, decoder = dit_pair
-    dit_file = load_file(model_dir / DIT_FILE)
+    dit_file = load_file(first / DIT_FILE)
     assert all(torch.equal(dit_file["dit." + k], v) for k, v in dit.state_dict().items())
     assert all(torch.equal(dit_file["decoder." + k], v) for k, v in decoder.state_dict().items())
     assert torch.equal(dit_file["dit.blocks.0.norm_cross.weight"], torch.ones(64))
     assert torch.equal(dit_file["dit.x_embed.bias"], torch.zeros(64))
+
+
+def test_the_tiny_config_gets_the_shipped_trained_weights(model_dir: Path) -> None:
+    assert read_config(TRAINED_DIR) == PipelineConfig.tiny()
+    for line in (TRAINED_DIR / CHECKSUM_FILE).read_text().splitlines():
+        digest, name = line.split()
+        assert hashlib.sha256((model_dir / name).read_bytes()).hexdigest() == digest, name
+        assert (model_dir / name).read_bytes() == (TRAINED_DIR / name).read_bytes(), name
+    recipe = json.loads((model_dir / RECIPE_FILE).read_text())
+    assert recipe["generator_version"] == shapes.GENERATOR_VERSION and recipe["seed"] == 0
+
+
+def test_random_weights_in_the_default_folder_are_replaced_by_the_trained_ones(tmp_path: Path) -> None:
+    """A default folder from before the trained weights holds random ones for the same config."""
+    path = tmp_path / "default-tiny"
+    ensure_model_dir(path, replace(PipelineConfig.tiny(), weight_seed=1))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "weight_seed": 0}))
+    assert ensure_model_dir(path, PipelineConfig.tiny()) == path
+    assert (path / DIT_FILE).read_bytes() == (TRAINED_DIR / DIT_FILE).read_bytes()
+
+
+def test_damaged_shipped_weights_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shipped = tmp_path / "shipped"
+    shutil.copytree(TRAINED_DIR, shipped)
+    data = bytearray((shipped / LM_FILE).read_bytes())
+    data[-1] ^= 1
+    (shipped / LM_FILE).write_bytes(bytes(data))
+    monkeypatch.setattr(weights, "TRAINED_DIR", shipped)
+    with pytest.raises(RuntimeError, match="lm/model.safetensors: sha256 differs"):
+        ensure_model_dir(tmp_path / "m", PipelineConfig.tiny())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shipped"]  # nothing half-installed
 
 
 def test_existing_folder_is_reused_and_mismatch_regenerates(tmp_path: Path) -> None:
@@ -202,8 +249,8 @@ def test_cond_padding_is_masked(dit_pair, conds) -> None:
         alone = dit(x[:1], t[:1], short[None])[0]
         unmasked = dit(x, t, cond, None)[0]
         other = dit(x[:1], t[:1], long[None])[0]
-    torch.testing.assert_close(padded, alone, atol=1e-6, rtol=0)
-    # Both gaps are small with random weights but far above float noise.
+    # Equal up to float rounding, which scales with the trained DiT's velocities (of order 1).
+    torch.testing.assert_close(padded, alone, atol=1e-6, rtol=4e-6)
     assert (unmasked - alone).abs().max() > 1e-5
     assert (other - alone).abs().max() > 1e-5
 
@@ -323,8 +370,7 @@ def test_negative_prompt_is_encoded_and_replaces_the_unconditional_input(model_d
     assert torch.equal(negative["negative_hidden_states"], ar.lm.encode_prompt("snow"))
     without = diff.run([_item("a", "a red fox", 5, plain)])[0]["image"]
     steered = diff.run([_item("b", "a red fox", 5, negative, negative_prompt="snow")])[0]["image"]
-    # The tiny model's random weights barely listen to any prompt (test_guidance_changes_the_image).
-    assert (without - steered).abs().max() > 1e-5
+    assert (without - steered).abs().max() > 1e-5  # what it steers away from: test_trained_model.py
     # Alone or batched with a request that has none, the same image (per-row unconditional input).
     batch = diff.run([_item("c", "a red fox", 5, plain), _item("d", "a red fox", 5, negative, negative_prompt="snow")])
     assert torch.allclose(batch[1]["image"], steered, atol=2 / 255)
@@ -367,7 +413,9 @@ def test_image_to_image_runs_the_last_steps_from_the_noised_image(model_dir: Pat
     # Strength 1 starts from pure noise: the text-to-image picture, the starting image ignored.
     assert torch.equal(full, text_only)
     far, near = (full - target).abs().mean().item(), (low - target).abs().mean().item()
-    assert near < 0.12 and near < far / 2, (near, far)
+    # Not closer: the trained model pulls this smooth gradient towards the flat colours it draws
+    # (test_trained_model.py measures image-to-image on its own kind of picture).
+    assert near < 0.15 and near < far / 2, (near, far)
     # Deterministic for a seed; another seed draws other noise.
     assert torch.equal(_img2img(diff, cond, image, 0.2)[0], low)
     assert not torch.equal(_img2img(diff, cond, image, 0.2, seed=4)[0], low)
