@@ -109,11 +109,11 @@ def test_runner_outside_a_stage_needs_the_group(tiny_model):
 
 
 @pytest.mark.parametrize("dlo", [{}, {"enable_dlo": True, "dlo_use_allgather": False}], ids=["resident", "dlo"])
-def test_tp2_equals_tp1_on_gloo_ranks(tiny_model, dlo):
+def test_tp2_equals_tp1_on_gloo_ranks(random_tiny_model, dlo):
     torch.set_num_threads(1)
-    ref = build_runner("diffusion", tiny_model)
+    ref = build_runner("diffusion", random_tiny_model)
     want = ref.run(_items())[0]["image"]
-    results = _run_tp2(tiny_model, dlo)
+    results = _run_tp2(random_tiny_model, dlo)
     image, q0, mode = results[0]
     assert (image - want).abs().max().item() <= TOLERANCE
     assert torch.equal(_levels(image), _levels(want))
@@ -125,13 +125,13 @@ def test_tp2_equals_tp1_on_gloo_ranks(tiny_model, dlo):
     assert mode == ("packed" if dlo else "resident")
 
 
-def test_tp2_with_fp8_streaming_stays_close_to_tp1(tiny_model):
+def test_tp2_with_fp8_streaming_stays_close_to_tp1(random_tiny_model):
     """Each TP rank quantises its own shards (a row-parallel shard gets scales of its own
     columns), so close to TP=1, not equal."""
     torch.set_num_threads(1)
-    want = build_runner("diffusion", tiny_model).run(_items())[0]["image"]
+    want = build_runner("diffusion", random_tiny_model).run(_items())[0]["image"]
     fp8 = {"enable_dlo": True, "dlo_use_allgather": False, "dlo_stream_dtype": "float8_e4m3fn"}
-    image, _, mode = _run_tp2(tiny_model, fp8)[0]
+    image, _, mode = _run_tp2(random_tiny_model, fp8)[0]
     assert mode == "packed"
     assert 0 < (image - want).abs().max().item() <= 1e-3
 
@@ -144,12 +144,17 @@ def _submit(ex: Executor) -> torch.Tensor:
     return fut.result(120)[0]["image"]
 
 
-def test_executor_runs_every_batch_on_all_tp_ranks(tiny_model):
+def test_executor_runs_every_batch_on_all_tp_ranks(random_tiny_model):
     torch.set_num_threads(1)
-    want = build_runner("diffusion", tiny_model).run(_items())[0]["image"]
+    want = build_runner("diffusion", random_tiny_model).run(_items())[0]["image"]
     died = threading.Event()
     settings = StageSettings(
-        stage_id=1, kind="diffusion", model_dir=str(tiny_model), threads=1, step_execution=True, tensor_parallel_size=2
+        stage_id=1,
+        kind="diffusion",
+        model_dir=str(random_tiny_model),
+        threads=1,
+        step_execution=True,
+        tensor_parallel_size=2,
     )
     ex = Executor(settings, on_death=lambda group, why: died.set())
     try:

@@ -190,8 +190,9 @@ def test_two_stages_with_one_layout_share_one_entry(tiny_model, want, tmp_path):
             ex.shutdown()
 
 
-def test_tp_ranks_get_distinct_entries(tiny_model, want, tmp_path):
-    ex = Executor(_stage(1, tiny_model, _opts(tmp_path, tensor_parallel_size=2)))
+def test_tp_ranks_get_distinct_entries(random_tiny_model, tmp_path):
+    want = build_runner("diffusion", random_tiny_model).run(_items())[0]["image"]
+    ex = Executor(_stage(1, random_tiny_model, _opts(tmp_path, tensor_parallel_size=2)))
     try:
         ex.start(120)
         entries = _layout_entries(tmp_path)
