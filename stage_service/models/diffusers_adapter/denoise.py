@@ -160,7 +160,7 @@ class DenoiseRunner(RunnerBase):
         images, strength = starting_images(batch)
         if self.sampling_family is not None:
             return self._run_split(batch, images, strength, progress)
-        if _uniform(batch):
+        if self.family.ragged or _uniform(batch):  # ragged: the pipeline takes a list
             return self._call(batch, images, strength, progress)
         outputs = []
         for i, item in enumerate(batch):

@@ -107,16 +107,18 @@ def _encode_zimage(pipe, params: Params, device) -> Tensors:
 
 
 def _encode_qwen(pipe, params: Params, device) -> Tensors:
+    def encode(prompt: str, prefix: str) -> Tensors:
+        embeds, mask = pipe.encode_prompt(prompt=prompt, device=device, num_images_per_prompt=1, max_sequence_length=512)
+        # encode_prompt drops an all-ones mask; handed on, it spares the pipeline's warning and
+        # the pipeline drops it again, so the call is the same.
+        if mask is None:
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        return {f"{prefix}prompt_embeds": embeds, f"{prefix}prompt_embeds_mask": mask}
+
+    out = encode(params.prompt, "")
     # True CFG runs only with a negative prompt (QwenImagePipeline's rule), so it is encoded then.
-    out = _named(
-        ("prompt_embeds", "prompt_embeds_mask"),
-        pipe.encode_prompt(prompt=params.prompt, device=device, num_images_per_prompt=1, max_sequence_length=512),
-    )
     if params.negative_prompt and params.guidance_scale > 1:
-        negative = pipe.encode_prompt(
-            prompt=params.negative_prompt, device=device, num_images_per_prompt=1, max_sequence_length=512
-        )
-        out.update(_named(("negative_prompt_embeds", "negative_prompt_embeds_mask"), negative))
+        out.update(encode(params.negative_prompt, "negative_"))
     return out
 
 
@@ -199,8 +201,8 @@ QWEN_IMAGE = Family(
     pipeline_class="QwenImagePipeline",
     encode=_encode_qwen,
     decode=_decode_qwen,
-    embeddings=("prompt_embeds",),
-    optional_embeddings=("prompt_embeds_mask", "negative_prompt_embeds", "negative_prompt_embeds_mask"),
+    embeddings=("prompt_embeds", "prompt_embeds_mask"),
+    optional_embeddings=("negative_prompt_embeds", "negative_prompt_embeds_mask"),
     guidance_keyword="true_cfg_scale",
     supports_negative_prompt=True,
     block_attrs=("transformer_blocks",),
@@ -217,7 +219,7 @@ FLUX2_KLEIN = Family(
     block_attrs=("transformer_blocks", "single_transformer_blocks"),
     packs_2x2=True,
 )
-FAMILIES: dict[str, Family] = {f.pipeline_class: f for f in (FLUX, SD3)}
+FAMILIES: dict[str, Family] = {f.pipeline_class: f for f in (FLUX, SD3, ZIMAGE, QWEN_IMAGE, FLUX2_KLEIN)}
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES.values()}
 
 
