@@ -108,7 +108,7 @@ def _encode_zimage(pipe, params: Params, device) -> Tensors:
 
 def _encode_qwen(pipe, params: Params, device) -> Tensors:
     def encode(prompt: str, prefix: str) -> Tensors:
-        embeds, mask = pipe.encode_prompt(prompt=prompt, device=device, num_images_per_prompt=1, max_sequence_length=512)
+        embeds, mask = pipe.encode_prompt(prompt=prompt, device=device, max_sequence_length=512)
         # encode_prompt drops an all-ones mask; handed on, it spares the pipeline's warning and
         # the pipeline drops it again, so the call is the same.
         if mask is None:

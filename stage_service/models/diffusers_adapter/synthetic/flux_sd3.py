@@ -6,9 +6,6 @@ small vocabularies written here (no download); prompts outside them map to the u
 from __future__ import annotations
 
 import string
-from pathlib import Path
-
-import torch
 
 from stagemesh.stage_service.models.diffusers_adapter.loading import import_diffusers
 
