@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     envflags.read_environment(up)
 
+    _add_synthesize(sub)
+
     for name, add_arguments, main_module, text in (
         ("gateway", GatewaySettings.add_arguments, "stagemesh.gateway.server", "run the public gateway service alone"),
         ("stage", StageSettings.add_arguments, "stagemesh.stage_service.server", "run one stage service alone"),
@@ -120,6 +122,37 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_synthesize(sub) -> None:
+    from stagemesh.stage_service.models.diffusers_adapter import SYNTHETIC_FAMILIES
+
+    p = sub.add_parser(
+        "synthesize", help="write a diffusers-format folder of a model family with random weights (no download)"
+    )
+    p.add_argument("--family", required=True, choices=SYNTHETIC_FAMILIES, help="the model family")
+    p.add_argument(
+        "--size",
+        default="tiny",
+        choices=("tiny", "full"),
+        help="tiny: shrunk configs for CPU smoke tests (default); full: the published dimensions",
+    )
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float16", "float32"),
+        help="with --size full: the weights' dtype (default: bfloat16)",
+    )
+    p.add_argument(
+        "--text-layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --size full: keep at most N layers of each text encoder (their width stays)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    p.add_argument("out", help="the folder to write (new or empty)")
+    p.set_defaults(synthesize=True)
+
+
 MAX_SEED = 2**64 - 1  # GenerationParams.seed is a uint64
 
 
@@ -181,6 +214,15 @@ def main(argv: list[str] | None = None) -> int:
         from stagemesh import launcher
 
         return launcher.main(args.config, args.log_level, args.model, unset_env=_service_variables())
+    if getattr(args, "synthesize", False):
+        if (missing := _missing_stage_extra()) is not None:
+            print(
+                f"stagemesh synthesize: {missing} is not installed: pip install 'stagemesh[diffusers]'", file=sys.stderr
+            )
+            return 2
+        from stagemesh.stage_service.models.diffusers_adapter.synthetic.command import synthesize
+
+        return synthesize(args)
     if hasattr(args, "service_main"):
         importlib.import_module(args.service_main).main(args)
         return 0
