@@ -78,6 +78,8 @@ PRESETS = {
     "flux-sized": "the embedded DiT at FLUX.1-dev's size",
     "flux": "diffusers' FluxTransformer2DModel, FLUX.1-dev's config",
     "tiny-flux": "diffusers' FluxTransformer2DModel, a small config (a CPU check)",
+    "published": "each family's published transformer and VAE dimensions (stagemesh synthesize --size full)",
+    "tiny-folders": "each family's tiny random-weight folder (stagemesh synthesize --size tiny; a CPU check)",
 }
 # --model dit|flux, an old spelling: the family, as (small, full) presets
 _FAMILIES = {"dit": ("tiny", "flux-sized"), "flux": ("tiny-flux", "flux")}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from torch import nn
 
 from stagemesh.stage_service.models.diffusers_adapter.loading import import_diffusers
 
-SHARD_BYTES = 4 << 30
+SHARD_BYTES = 2 << 30  # what one shard holds in host memory while it is written
 _DIFFUSERS_WEIGHTS = "diffusion_pytorch_model"
 _TRANSFORMERS_WEIGHTS = "model"
 
@@ -32,7 +33,11 @@ def _empty(build: Callable[[], nn.Module]) -> nn.Module:
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
-        return build()
+        module = build()
+    tie = getattr(module, "tie_weights", None)
+    if callable(tie):  # a transformers model ties its embedding and head as its config says
+        tie()
+    return module
 
 
 def _fill(name: str, meta: torch.Tensor, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
@@ -44,34 +49,41 @@ def _fill(name: str, meta: torch.Tensor, dtype: torch.dtype, generator: torch.Ge
         return torch.zeros(meta.shape, dtype=target)
     if leaf == "running_var" or (meta.dim() == 1 and leaf in ("weight", "scale", "gamma")):
         return torch.ones(meta.shape, dtype=target)
-    return (torch.randn(meta.shape, generator=generator) * 0.02).to(target)
+    # Drawn where the generator lives (a GPU draws a 20 B model in seconds), written from the host.
+    drawn = torch.randn(meta.shape, generator=generator, device=generator.device)
+    return (drawn * 0.02).to(target).cpu()
 
 
 def write_random(
-    module: nn.Module, where: Path, stem: str, dtype: torch.dtype, seed: int, shard_bytes: int = SHARD_BYTES
+    module: nn.Module,
+    where: Path,
+    stem: str,
+    dtype: torch.dtype,
+    seed: int,
+    shard_bytes: int | None = None,
+    device: str = "cpu",
 ) -> int:
     """Write `module`'s state (shapes only are read) as random safetensors shards under `where`
-    in `dtype`; returns the bytes written. A tensor tied to an earlier one (an embedding shared
-    with the output head) is written once, as `save_pretrained` does; loading ties it back."""
+    in `dtype`; returns the bytes written. Tensors tied together (an embedding shared with
+    another) get one value, written under each name."""
     from safetensors.torch import save_file
 
-    state: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for key, t in module.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            state[key] = t.detach()
+    params = module.state_dict(keep_vars=True)
+    state = {key: t.detach() for key, t in params.items()}
+    owner = {key: id(t) for key, t in params.items()}
+    tied = {i for i, n in Counter(owner.values()).items() if n > 1}
+    drawn_tied: dict[int, torch.Tensor] = {}
     itemsize = torch.empty(0, dtype=dtype).element_size()
     shards: list[list[str]] = [[]]
     size = 0
     for key, t in state.items():
         nbytes = t.numel() * (itemsize if t.is_floating_point() else t.element_size())
-        if shards[-1] and size + nbytes > shard_bytes:
+        if shards[-1] and size + nbytes > (shard_bytes or SHARD_BYTES):
             shards.append([])
             size = 0
         shards[-1].append(key)
         size += nbytes
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device).manual_seed(seed)
     names = (
         [f"{stem}.safetensors"]
         if len(shards) == 1
@@ -80,7 +92,14 @@ def write_random(
     total = 0
     weight_map = {}
     for keys, file in zip(shards, names):
-        tensors = {key: _fill(key, state[key], dtype, generator) for key in keys}
+        tensors = {}
+        for key in keys:
+            if owner[key] in tied:
+                if owner[key] not in drawn_tied:
+                    drawn_tied[owner[key]] = _fill(key, state[key], dtype, generator)
+                tensors[key] = drawn_tied[owner[key]].clone()  # safetensors stores no shared memory
+            else:
+                tensors[key] = _fill(key, state[key], dtype, generator)
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         save_file(tensors, str(where / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(keys, file))
@@ -91,7 +110,7 @@ def write_random(
     return total
 
 
-def _replace(folder: Path, name: str, module: nn.Module, dtype: torch.dtype, seed: int) -> int:
+def _replace(folder: Path, name: str, module: nn.Module, dtype: torch.dtype, seed: int, device: str) -> int:
     """Put `module` (on meta) in place of the tiny folder's component `name`."""
     where = folder / name
     shutil.rmtree(where, ignore_errors=True)
@@ -103,7 +122,7 @@ def _replace(folder: Path, name: str, module: nn.Module, dtype: torch.dtype, see
     else:
         model.config.save_pretrained(where)
         stem = _TRANSFORMERS_WEIGHTS
-    return write_random(module, where, stem, dtype, seed)
+    return write_random(module, where, stem, dtype, seed, device=device)
 
 
 # ---- the published dimensions -----------------------------------------------------------------
@@ -239,7 +258,16 @@ def full_components(family: str, folder: Path, text_layers: int | None) -> dict[
         }
     if family == "sd3":  # Stable Diffusion 3 medium (2 B)
         return {
-            "transformer": lambda: d.SD3Transformer2DModel(),
+            "transformer": lambda: d.SD3Transformer2DModel(
+                sample_size=128,
+                num_layers=24,
+                attention_head_dim=64,
+                num_attention_heads=24,
+                caption_projection_dim=1536,
+                pooled_projection_dim=2048,
+                joint_attention_dim=4096,
+                pos_embed_max_size=192,
+            ),
             "vae": lambda: _flux_vae(d, 0.0609, 1.5305),
             "text_encoder": lambda: _clip(len(tokenizer()), 768, depth(12), 12, projection=True),
             "text_encoder_2": lambda: _clip(len(tokenizer("tokenizer_2")), 1280, depth(32), 20, projection=True),
@@ -255,8 +283,10 @@ def write_full(
     seed: int = 0,
     text_layers: int | None = None,
     report: Callable[[str], None] = lambda line: None,
+    device: str = "cpu",
 ) -> Path:
-    """A folder of `family` at its published dimensions with random weights in `dtype`."""
+    """A folder of `family` at its published dimensions with random weights in `dtype`, drawn
+    on `device`."""
     from stagemesh.stage_service.models.diffusers_adapter.synthetic.tiny import write_tiny
 
     folder = write_tiny(path, family, seed)
@@ -266,6 +296,6 @@ def write_full(
         (folder / "model_index.json").write_text(json.dumps(index, indent=2))
     for i, (name, build) in enumerate(full_components(family, folder, text_layers).items()):
         module = _empty(build)
-        written = _replace(folder, name, module, dtype, seed + 1 + i)
+        written = _replace(folder, name, module, dtype, seed + 1 + i, device)
         report(f"{name}: {type(module).__name__}, {written / 2**30:.2f} GiB")
     return folder
