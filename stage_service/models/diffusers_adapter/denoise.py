@@ -112,14 +112,19 @@ class DenoiseRunner(RunnerBase):
         self.parallel = parallel or ImageParallel()
         split = self.parallel.sp.split or self.parallel.cfg.split
         self.sampling_family = for_sampling(self.family, self.transformer, self.parallel) if split else None
+        self._image_pipe = None
+        self._image_pipe_key = 0
 
     def image_pipeline(self):
-        """The family's Img2Img pipeline over the same components (built on each use, so it
-        always shares whatever transformer `self.pipe` holds now)."""
-        cls = getattr(import_diffusers(), self.family.img2img_class or "")
-        pipe = cls.from_pipe(self.pipe)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+        """The family's Img2Img pipeline over the same components (from_pipe shares them), built
+        again whenever `self.pipe` holds another transformer than when it was built."""
+        key = id(self.pipe.transformer)
+        if self._image_pipe is None or self._image_pipe_key != key:
+            cls = getattr(import_diffusers(), self.family.img2img_class or "")
+            self._image_pipe = cls.from_pipe(self.pipe)
+            self._image_pipe.set_progress_bar_config(disable=True)
+            self._image_pipe_key = key
+        return self._image_pipe
 
     def weight_files(self) -> list[WeightFile]:
         # Under DLO the streamed blocks belong to the offload engine; sleep manages the rest.

@@ -203,3 +203,40 @@ def test_zimage_batch_of_prompts_of_two_lengths_equals_diffusers_batched_call(fo
             assert torch.equal(out["image"], expected.permute(1, 2, 0).float())
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    ("family", "pipeline_class"), [("zimage", "ZImageImg2ImgPipeline"), ("qwen-image", "QwenImageImg2ImgPipeline")]
+)
+def test_img2img_equals_the_familys_img2img_pipeline(folders, family, pipeline_class):
+    """The starting image through the family's declared Img2Img class, fused and split (the
+    denoise stage's latents decoded by the decode stage), with a negative prompt."""
+    from PIL import Image
+
+    from stagemesh.core.params import Params
+    from stagemesh.stage_service.models.contract import INIT_IMAGE_INPUT, WorkItem
+    from stagemesh.stage_service.models.diffusers_adapter import build_runner
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        folder = folders[family]
+        image = torch.randint(0, 256, (32, 48, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+        work = WorkItem("r", Params("a red fox", 48, 32, 5, 4.0, 3, "tensor", negative_prompt="blurry", strength=0.6))
+        [work.inputs] = build_runner("encoder", folder).run([work])
+        work.inputs[INIT_IMAGE_INPUT] = image
+        steps: list[tuple[int, int]] = []
+        [fused] = build_runner("diffusion", folder).run(
+            [work], progress=lambda step, total: steps.append((step, total))
+        )
+        [latents] = build_runner("denoise", folder).run([work])
+        [split] = build_runner("decode", folder).run([WorkItem("r", work.params, latents)])
+        pipe = getattr(diffusers, pipeline_class).from_pretrained(folder, local_files_only=True)
+        case = (48, 32, 5, 4.0, 3, "a red fox", "blurry")
+        want = _diffusers_call(pipe, family, case, image=Image.fromarray(image.numpy()), strength=0.6)[0]
+        want = want.permute(1, 2, 0).float()
+        assert steps == [(1, 3), (2, 3), (3, 3)]  # 5 steps at strength 0.6: the last 3
+        assert torch.equal(fused["image"], want)
+        assert torch.equal(split["image"], want)
+    finally:
+        torch.set_num_threads(threads)
