@@ -16,6 +16,7 @@ written-out loop (sampling.py).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import PIL.Image
 import torch
@@ -112,7 +113,7 @@ class DenoiseRunner(RunnerBase):
         self.parallel = parallel or ImageParallel()
         split = self.parallel.sp.split or self.parallel.cfg.split
         self.sampling_family = for_sampling(self.family, self.transformer, self.parallel) if split else None
-        self._image_pipe = None
+        self._image_pipe: Any = None
         self._image_pipe_key = 0
 
     def image_pipeline(self):
@@ -121,9 +122,9 @@ class DenoiseRunner(RunnerBase):
         key = id(self.pipe.transformer)
         if self._image_pipe is None or self._image_pipe_key != key:
             cls = getattr(import_diffusers(), self.family.img2img_class or "")
-            self._image_pipe = cls.from_pipe(self.pipe)
-            self._image_pipe.set_progress_bar_config(disable=True)
-            self._image_pipe_key = key
+            pipe = cls.from_pipe(self.pipe)
+            pipe.set_progress_bar_config(disable=True)
+            self._image_pipe, self._image_pipe_key = pipe, key
         return self._image_pipe
 
     def weight_files(self) -> list[WeightFile]:
