@@ -12,6 +12,15 @@ MODEL_INDEX = "model_index.json"
 # Stage kinds served from such a folder, and the components each one loads.
 STAGE_KINDS = ("encoder", "diffusion", "denoise", "decode")
 FOLDER_ONLY_KINDS = ("encoder", "denoise", "decode")  # the embedded model has no such stage
+# The pipeline classes served (families.py declares each; listed here too, so that the check at
+# start reads no more than JSON).
+PIPELINE_CLASSES = (
+    "Flux2KleinPipeline",
+    "FluxPipeline",
+    "QwenImagePipeline",
+    "StableDiffusion3Pipeline",
+    "ZImagePipeline",
+)
 _WEIGHT_NAMES = ("diffusion_pytorch_model", "model")
 _CONFIG_FILES = {"scheduler": "scheduler_config.json"}
 
@@ -46,7 +55,13 @@ class CheckpointFolder:
         )
 
     def check(self, kind: str) -> None:
-        """Raise FolderError naming the first component `kind` needs that is absent or empty."""
+        """Raise FolderError naming an unsupported pipeline class, or the first component
+        `kind` needs that is absent or empty."""
+        if self.pipeline_class not in PIPELINE_CLASSES:
+            raise FolderError(
+                f"checkpoint {self.path}: pipeline class {self.pipeline_class!r} is not supported "
+                f"(model_index.json's _class_name); supported: {list(PIPELINE_CLASSES)}"
+            )
         needed = self.needed_by(kind)
         if kind == "encoder" and not needed:
             raise FolderError(

@@ -240,3 +240,39 @@ def test_img2img_equals_the_familys_img2img_pipeline(folders, family, pipeline_c
         assert torch.equal(split["image"], want)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_declarations_are_the_classes_checked_at_start():
+    from stagemesh.stage_service.models.diffusers_adapter.families import FAMILIES
+    from stagemesh.stage_service.models.diffusers_adapter.folder import PIPELINE_CLASSES
+
+    assert sorted(FAMILIES) == list(PIPELINE_CLASSES)
+
+
+def test_an_unknown_pipeline_class_is_refused_at_start_naming_the_supported(folders, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.meshproc import REPO
+
+    other = tmp_path / "other"
+    other.mkdir()
+    for entry in folders["zimage"].iterdir():
+        if entry.is_dir():
+            os.symlink(entry, other / entry.name)
+    index = json.loads((folders["zimage"] / "model_index.json").read_text())
+    (other / "model_index.json").write_text(json.dumps({**index, "_class_name": "WanPipeline"}))
+    config = _config(tmp_path / "mesh.toml", MESHES["zimage"])
+    done = subprocess.run(
+        [sys.executable, "-m", "stagemesh", "up", "--config", str(config), "--model", str(other)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "pipeline class 'WanPipeline' is not supported" in done.stderr
+    assert "'QwenImagePipeline'" in done.stderr and "'ZImagePipeline'" in done.stderr
