@@ -28,7 +28,11 @@ reads layer 27). Native resolution and guidance per family are in FAMILIES below
 Run on a GPU (one family per command keeps each under the 10-minute limit):
   python -m bench.families --families zimage --steps 8
   python -m bench.families --families flux2-klein --steps 4
-  python -m bench.families --families qwen-image --steps 4 --repeats 1 --warmup 0
+Qwen-Image (43 GB folder) in two commands over one kept folder, deleted afterwards:
+  python -m bench.families --families qwen-image --steps 4 --repeats 1 --warmup 0 \
+      --model-dir /tmp/fam --cases diffusers-resident,mesh-resident,mesh-dlo
+  python -m bench.families --families qwen-image --steps 4 --repeats 1 --warmup 0 \
+      --model-dir /tmp/fam --cases diffusers-group,mesh-dlo,mesh-dlo-fp8 && rm -rf /tmp/fam
 CPU smoke (tiny folders, 32 px, 2 steps):
   python -m bench.families --preset tiny-folders --device cpu --families zimage,qwen-image \
       --cases diffusers-resident,mesh-resident,mesh-dlo,mesh-dlo-int8
@@ -238,9 +242,13 @@ def report(family: str, results: dict, args, streamed: int, bandwidth: float | N
 
 def run_family(family: str, device: torch.device, args, work: Path) -> dict:
     print(f"== {family}", flush=True)
-    folder = work / family
+    kept = args.model_dir is not None
+    folder = (Path(args.model_dir) if kept else work) / family
     try:
-        write_folder(folder, family, args)
+        if (folder / "model_index.json").is_file():
+            print(f"using the folder in {folder}", flush=True)
+        else:
+            write_folder(folder, family, args)
         streamed = streamed_bytes(folder)
         bandwidth = h2d_bandwidth(device)
         results = {}
@@ -254,7 +262,8 @@ def run_family(family: str, device: torch.device, args, work: Path) -> dict:
             print(f"{family} {case}: p50 {results[case]['latency_ms']['p50']:.1f} ms", flush=True)
         return {"results": results, **report(family, results, args, streamed, bandwidth)}
     finally:
-        shutil.rmtree(folder, ignore_errors=True)  # the disk holds one family at a time
+        if not kept:
+            shutil.rmtree(folder, ignore_errors=True)  # the disk holds one family at a time
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -263,6 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     common.add_preset(p, ("published", "tiny-folders"), "published")
+    common.add_model_dir(
+        p,
+        "FAMILY/ under it is written when absent and kept after the run, to split one family's "
+        "cases over several commands; default: a temporary folder per family, deleted after its run",
+    )
     p.add_argument("--families", default="zimage", help=f"comma-separated subset of {', '.join(FAMILIES)}")
     p.add_argument("--size", type=int, default=None, help="width and height (default: the family's native size)")
     p.add_argument("--steps", type=int, default=8, help="denoising steps (default: 8)")
