@@ -26,10 +26,11 @@ from torch import nn
 from stagemesh.core.params import STEP_CACHE_OUTPUT, STEP_CACHES
 
 OFF = "off"
-# The methods each transformer class offers (mag needs the class's calibrated ratios).
+# The methods each transformer class offers (mag needs the class's calibrated ratios). Only a
+# diffusers CacheMixin takes the hooks: diffusers 0.42's SD3Transformer2DModel is none, so SD3
+# offers no step cache.
 OFFERED: dict[str, tuple[str, ...]] = {
     "FluxTransformer2DModel": ("first_block", "taylorseer", "mag"),
-    "SD3Transformer2DModel": ("first_block", "taylorseer"),
 }
 # The published defaults (diffusers' configs): threshold for first_block and mag, interval for taylorseer.
 DEFAULT_THRESHOLD = {"first_block": 0.05, "mag": 0.06, "taylorseer": 5.0}
