@@ -64,19 +64,25 @@ class Acceleration:
     def run(self, run: Callable[..., list[dict[str, torch.Tensor]]], batch: list, progress: Any = None) -> list:
         """`run(batch, progress)` under the batch's step cache; each output gains the counts."""
         if self.step_cache is None or not batch:
-            return run(batch, progress)
-        with self.step_cache.batch(batch[0].params) as counted:
             outputs = run(batch, progress)
-        return [{**out, **counted} for out in outputs]
+        else:
+            with self.step_cache.batch(batch[0].params) as counted:
+                outputs = run(batch, progress)
+            outputs = [{**out, **counted} for out in outputs]
+        if self.compiled and not self.warmed:
+            self.warmed = True  # compiled (or loaded from the disk cache) by this first batch
+            log.info("compiled blocks ready", **self.compile_stats())
+        return outputs
 
     def warm_up(self, run_once: Callable[[], Any]) -> float:
         """Run `run_once` (one small batch) so compilation, or its load from the disk cache,
         happens now; returns the seconds it took."""
         started = time.perf_counter()
         run_once()
-        self.warmed = True
         seconds = time.perf_counter() - started
-        log.info("warm-up done", seconds=round(seconds, 3), **self.compile_stats())
+        if self.compiled and not self.warmed:
+            log.info("compiled blocks ready", seconds=round(seconds, 3), **self.compile_stats())
+        self.warmed = True
         return seconds
 
     def compile_stats(self) -> dict[str, Any]:

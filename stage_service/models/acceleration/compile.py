@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from stagemesh.core import logs
+from stagemesh.weight_store.store import CacheStore
 
 log = logs.get_logger("stagemesh.compile")
 
@@ -126,8 +127,9 @@ def use_cache_dir(root: str | Path, material: dict[str, Any]) -> Path:
     """Point inductor (and Triton, whose cache lives inside inductor's) at `root/compile/<key>/`
     for this process, before anything is compiled. A process serves one model: the variable is
     the process's to set."""
-    base = Path(root).expanduser() / COMPILE_DIR
-    path = base / cache_key(material)
+    store = CacheStore(Path(root).expanduser())
+    store.ensure_root()  # created private, or refused (owner, mode) as the cache service would
+    path = store.root / COMPILE_DIR / cache_key(material)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     described = path / KEY_FILE
     if not described.exists():
