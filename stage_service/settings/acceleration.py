@@ -20,7 +20,9 @@ def compile_mode(o: Any) -> str:
     """'regional' or 'off' once 'auto' is resolved against the stage's device and kind."""
     if o.compile != "auto":
         return str(o.compile)
-    return "regional" if str(o.device).startswith("cuda") and o.kind in DENOISING_KINDS else "off"
+    on_gpu = str(o.device).startswith("cuda") and o.kind in DENOISING_KINDS
+    # Tensor-parallel blocks all-reduce inside: those run eagerly (an explicit 'regional' is refused).
+    return "regional" if on_gpu and o.tensor_parallel_size == 1 else "off"
 
 
 def validate(o: Any) -> None:
@@ -54,6 +56,11 @@ def validate(o: Any) -> None:
             f"{' and '.join(asked)} on a {o.kind!r} stage: these act on a denoising transformer "
             f"({' or '.join(map(repr, DENOISING_KINDS))} stages); leave them unset here"
         )
+    if o.compile == "regional" and o.tensor_parallel_size > 1:
+        raise ValueError(
+            f"compile = 'regional' with tensor_parallel_size = {o.tensor_parallel_size}: the blocks all-reduce "
+            "inside; set compile = 'off' (or 'auto', which is off here) or tensor_parallel_size = 1"
+        )
     if o.compute_dtype == "float8":
         _check_fp8(o)
 
@@ -73,6 +80,11 @@ def _check_fp8(o: Any) -> None:
         raise ValueError(
             "compute_dtype = 'float8' with dlo_stream_dtype = 'int8': the matmuls take FP8 weights; stream "
             "them as dlo_stream_dtype = 'float8_e4m3fn' (or in the model's dtype: leave it unset)"
+        )
+    if o.enable_dlo:
+        raise ValueError(
+            "compute_dtype = 'float8' with enable_dlo: the DLO engine streams the blocks' weights in the layout "
+            "it loaded them in, not as FP8 layers; drop enable_dlo or leave compute_dtype unset"
         )
     if o.tensor_parallel_size > 1:
         raise ValueError(

@@ -33,16 +33,6 @@ def denoiser(runner: Any) -> nn.Module | None:
     return None
 
 
-def compile_refusal(runner: Any, settings: Any) -> str | None:
-    """Why compile = 'regional' cannot serve this runner; None: it can."""
-    if getattr(runner, "tp", None) is not None:
-        return (
-            f"compile = 'regional' with tensor_parallel_size = {settings.tensor_parallel_size}: the blocks' "
-            "all-reduces run inside them; set compile = 'off' (or tensor_parallel_size = 1)"
-        )
-    return None
-
-
 class Acceleration:
     """What was applied to one runner's transformer, and the per-batch step cache."""
 
@@ -117,7 +107,7 @@ def prepare(runner: Any, settings: Any, device: str) -> Acceleration:
     if settings.compute_dtype == "float8":
         _apply_fp8(accel, model, settings, device)
     if mode == "regional":
-        _apply_compile(accel, runner, model, settings, device)
+        _apply_compile(accel, model, settings, device)
     if settings.step_cache != "off" or len(_offered(model)) > 1:
         accel.step_cache = StepCache(model, Choice(settings.step_cache, settings.step_cache_threshold))
     return accel
@@ -132,12 +122,7 @@ def _offered(model: nn.Module) -> tuple[str, ...]:
 def _apply_fp8(accel: Acceleration, model: nn.Module, settings: Any, device: str) -> None:
     from stagemesh.stage_service.models.acceleration import fp8
 
-    fp8.check_device(device)
-    if settings.enable_dlo:
-        raise ValueError(
-            "compute_dtype = 'float8' with enable_dlo: the DLO engine streams the blocks' weights as loaded; "
-            "leave compute_dtype unset, or drop enable_dlo"
-        )
+    fp8.check_device(device)  # the settings refused the CPU; this names a GPU older than sm89
     accel.fp8_layers = fp8.convert(model, settings.fp8_backend)
     log.info("FP8 compute", layers=accel.fp8_layers, backend=settings.fp8_backend)
 
@@ -153,10 +138,7 @@ def compile_options(settings: Any) -> dict[str, Any]:
     }
 
 
-def _apply_compile(accel: Acceleration, runner: Any, model: nn.Module, settings: Any, device: str) -> None:
-    refusal = compile_refusal(runner, settings)
-    if refusal is not None:
-        raise ValueError(refusal)
+def _apply_compile(accel: Acceleration, model: nn.Module, settings: Any, device: str) -> None:
     options = compile_options(settings)
     material = regional.key_material(model, device, options)
     accel.cache_dir = str(regional.use_cache_dir(settings.dlo_runtime_cache_dir, material))

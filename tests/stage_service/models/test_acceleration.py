@@ -43,6 +43,8 @@ def test_compile_auto_is_regional_on_a_cuda_denoising_stage_and_off_elsewhere():
     assert StageSettings(kind="ar", device="cuda").compile_mode() == "off"
     assert StageSettings(kind="diffusion", compile="regional").compile_mode() == "regional"
     assert StageSettings(kind="diffusion", device="cuda", compile="off").compile_mode() == "off"
+    tp = StageSettings(kind="diffusion", device="cuda", tensor_parallel_size=2, workers=2)
+    assert tp.compile_mode() == "off"  # its blocks all-reduce inside: eager
 
 
 def test_flags_and_mesh_keys_reach_the_settings():
@@ -80,6 +82,14 @@ def test_flags_and_mesh_keys_reach_the_settings():
                 "dlo_stream_dtype": "int8",
             },
             "with dlo_stream_dtype = 'int8'",
+        ),
+        (
+            {"compute_dtype": "float8", "device": "cuda", "enable_dlo": True, "dlo_use_allgather": False},
+            "compute_dtype = 'float8' with enable_dlo",
+        ),
+        (
+            {"compile": "regional", "device": "cuda", "tensor_parallel_size": 2, "workers": 2},
+            "compile = 'regional' with tensor_parallel_size = 2",
         ),
         ({"fp8_backend": "cublas"}, "fp8_backend = 'cublas': allowed: scaled_mm, torchao"),
         ({"step_cache": "teacache"}, "step_cache = 'teacache': allowed: off, first_block, taylorseer, mag"),
