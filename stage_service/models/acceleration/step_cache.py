@@ -7,8 +7,8 @@ from diffusers (`transformer.enable_cache(...)`); which methods a model offers i
 by transformer class. Every request names its method (or inherits the stage's), and requests with
 different choices never share a batch (they are part of Params.batch_key()).
 
-Counting, read off the hooks themselves: every module a cache hook sits on (the blocks for
-FirstBlockCache and MagCache, the attention layers for TaylorSeer) counts its calls, and the
+Counting, read off the hooks themselves: every module a cache hook sits on (the blocks; for
+TaylorSeer also the output projection) counts its calls, and the
 forward the hook calls when it computes counts its runs; a pass the hook serves from its cache
 never reaches that forward. Skipped = calls - runs.
 """
@@ -60,7 +60,12 @@ def config_for(model: nn.Module, choice: Choice, steps: int) -> Any:
     if choice.method == "first_block":
         return FirstBlockCacheConfig(threshold=value)
     if choice.method == "taylorseer":
-        return TaylorSeerCacheConfig(cache_interval=max(1, round(value)), taylor_factors_dtype=model.dtype)
+        # Lite mode: its hooks sit on whole blocks (skipped on predicted steps) and the output
+        # projection (predicted), outside the compiled block code; the full mode hooks the
+        # attention layers inside the blocks, which a compiled block cannot call out to.
+        return TaylorSeerCacheConfig(
+            cache_interval=max(1, round(value)), taylor_factors_dtype=model.dtype, use_lite_mode=True
+        )
     if choice.method == "mag":
         from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
 
