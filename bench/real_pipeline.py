@@ -11,6 +11,16 @@ Cases, one after the other in one run (each frees the GPU before the next starts
   mesh-dlo-fp8         as mesh-dlo, the blocks' Linear weights streamed in FP8
                        (dlo_stream_dtype = "float8_e4m3fn", docs/DLO.md)
   mesh-dlo-int8        as mesh-dlo, streamed in int8 (dlo_stream_dtype = "int8")
+  diffusers-compiled   diffusers-resident with transformer.compile_repeated_blocks(fullgraph=True)
+  diffusers-torchao-fp8  as diffusers-compiled after torchao's quantize_ with
+                       Float8DynamicActivationFloat8WeightConfig(PerRow) (the FP8 peer; slow to compile)
+  mesh-compiled        mesh-resident with compile = "regional": cold start (empty compile cache), its
+                       steady images, the step caches (first_block, taylorseer, mag at their published
+                       defaults, chosen per request), then a restart on the warm compile cache
+  mesh-compiled-fp8    as mesh-compiled with compute_dtype = "float8", fp8_backend = "scaled_mm"
+  mesh-compiled-fp8-torchao  the same with fp8_backend = "torchao"
+  fp8-cosine           one transformer pass, bf16 against each FP8 back end (eager), per-pass cosine
+The mesh cases above mesh-compiled run with compile = "off": the eager figures stay eager.
 Targets: mesh-resident <= 1.05 x diffusers-resident; mesh-dlo faster than diffusers-group.
 Fidelity of 8-bit streaming: the PSNR of mesh-dlo-fp8's and mesh-dlo-int8's final images against
 the image of the model's own dtype (mesh-dlo's, else mesh-resident's, else
@@ -23,6 +33,10 @@ device tensor by tensor (bench/dlo_models.py), FLUX.1's VAE layout, and small te
 the widths the transformer expects; bf16, written once with save_pretrained (about 24 GB).
 
 Run on a GPU:  python -m bench.real_pipeline --device cuda
+Issue 30's figures (compile, FP8, step caching, restart on a warm compile cache), one run of about
+8 minutes on an H200 with the folder written (docs/PERFORMANCE.md, "Compiled denoising"):
+  python -m bench.real_pipeline --device cuda --repeats 2 --warmup 0 --cases \
+    diffusers-resident,diffusers-compiled,mesh-resident,mesh-compiled,mesh-compiled-fp8,fp8-cosine
 8-bit fidelity:
   python -m bench.real_pipeline --device cuda --repeats 1 --warmup 0 --cases mesh-dlo,mesh-dlo-fp8,mesh-dlo-int8
 CPU smoke:     python -m bench.real_pipeline --preset tiny-flux --device cpu --steps 2 --size 32
@@ -31,6 +45,7 @@ CPU smoke:     python -m bench.real_pipeline --preset tiny-flux --device cpu --s
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import io
 import math
@@ -43,7 +58,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from bench import common
+from bench import accel_cases, common
 from stagemesh.gateway.images import encode_png
 from stagemesh.stage_service.models.diffusers_adapter import synthetic
 from stagemesh.stage_service.models.diffusers_adapter.loading import dtype_kwarg
@@ -51,7 +66,15 @@ from stagemesh.v1 import gateway_pb2, generation_pb2
 from tests.support.meshproc import start_mesh
 
 PROMPT = "a lighthouse at dusk"
-CASES = ("diffusers-resident", "mesh-resident", "diffusers-group", "mesh-dlo", "mesh-dlo-fp8", "mesh-dlo-int8")
+CASES = (
+    "diffusers-resident",
+    "mesh-resident",
+    "diffusers-group",
+    "mesh-dlo",
+    "mesh-dlo-fp8",
+    "mesh-dlo-int8",
+    *accel_cases.CASES,
+)
 EIGHT_BIT = {"mesh-dlo-fp8": "float8_e4m3fn", "mesh-dlo-int8": "int8"}  # case -> dlo_stream_dtype
 # What an 8-bit case's image is compared with, in order of preference (all the model's dtype).
 REFERENCES = ("mesh-dlo", "mesh-resident", "diffusers-resident")
@@ -139,9 +162,10 @@ def diffusers_case(folder: Path, device: torch.device, args, group: bool) -> dic
     return {"latency_ms": common.summarize(times), "png_bytes": len(png), "png": png}
 
 
-def _mesh_config(path: Path, device: str, dlo: bool, stream_dtype: str = "") -> Path:
+def _mesh_config(path: Path, device: str, dlo: bool, stream_dtype: str = "", extra: str = 'compile = "off"\n') -> Path:
     stream = f'dlo_stream_dtype = "{stream_dtype}"\n' if stream_dtype else ""
     dlo_keys = "enable_dlo = true\ndlo_use_allgather = false\n" + stream if dlo else ""
+    dlo_keys += extra
     # CPU check: one thread per process, as the in-process peer (main), so neither oversubscribes.
     threads = "threads = 1\n" if device == "cpu" else ""
     path.write_text(f"""[gateway]
@@ -166,10 +190,16 @@ max_size = 2048
     return path
 
 
+def _accel_config(path: Path, keys: str, device: str) -> Path:
+    return _mesh_config(path, device, dlo=False, extra=keys)
+
+
 def mesh_case(folder: Path, device: torch.device, args, name: str, work: Path) -> dict:
     dlo = name.startswith("mesh-dlo")
     config = _mesh_config(work / f"{name}.toml", str(device), dlo, EIGHT_BIT.get(name, ""))
+    started = time.perf_counter()
     mesh = start_mesh(config, work / f"{name}.log", ("--model", str(folder)), timeout_s=1800)
+    launch_to_ready_s = time.perf_counter() - started
     params = generation_pb2.GenerationParams(
         prompt=PROMPT,
         width=args.size,
@@ -186,13 +216,21 @@ def mesh_case(folder: Path, device: torch.device, args, name: str, work: Path) -
             def run() -> bytes:
                 return stub.GenerateUnary(request, timeout=3600).result.png
 
+            started = time.perf_counter()
             png = run()
+            first_image_ms = (time.perf_counter() - started) * 1e3
             times = _timed(run, args.repeats, args.warmup)
     finally:
         code = mesh.stop(timeout=300)
     if code != 0:
         raise RuntimeError(f"{name}: `stagemesh up` exited {code}; log:\n{mesh.logs()[-3000:]}")
-    return {"latency_ms": common.summarize(times), "png_bytes": len(png), "png": png}
+    return {
+        "latency_ms": common.summarize(times),
+        "png_bytes": len(png),
+        "png": png,
+        "launch_to_ready_s": launch_to_ready_s,
+        "first_image_ms": first_image_ms,
+    }
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -257,7 +295,14 @@ def report(results: dict, args) -> dict:
     for key, value in same.items():
         print(f"PNG bytes {key}: {value}", flush=True)
     fidelity = eight_bit_fidelity(pngs, args)
-    return {"ratios": ratios, "targets": targets, "same_png": same, "eight_bit_fidelity": fidelity}
+    accelerated = accel_cases.report(results, pngs, args, psnr)
+    return {
+        "ratios": ratios,
+        "targets": targets,
+        "same_png": same,
+        "eight_bit_fidelity": fidelity,
+        "accelerated": accelerated,
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -302,9 +347,18 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         folder = write_folder(Path(args.model_dir) if args.model_dir else work / "flux", args.tiny, device)
         results = {}
+        cosine = None
         for case in args.cases.split(","):
             print(f"-- {case}", flush=True)
-            if case.startswith("mesh"):
+            if case == "fp8-cosine":
+                cosine = accel_cases.fp8_cosine(folder, device, args)
+                _free(device)
+                continue
+            if case in accel_cases.CASES:
+                config = functools.partial(_accel_config, device=str(device))
+                results[case] = accel_cases.run(case, folder, device, args, work, config)
+                _free(device)
+            elif case.startswith("mesh"):
                 results[case] = mesh_case(folder, device, args, case, work)
             else:
                 results[case] = diffusers_case(folder, device, args, case == "diffusers-group")
@@ -312,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
             # Each case as it ends: a run cut short still reports what it measured.
             print(f"{case}: p50 {results[case]['latency_ms']['p50']:.1f} ms", flush=True)
         summary = report(results, args)
+        if cosine is not None:
+            summary["fp8_cosine"] = cosine
     out = args.output or common.RESULTS_DIR / ("real_pipeline-tiny.json" if args.tiny else "real_pipeline.json")
     settings = {k: (str(v) if isinstance(v, (Path, torch.dtype)) else v) for k, v in vars(args).items()}
     common.write_json(out, "real_pipeline", {"settings": settings, "results": results, **summary})

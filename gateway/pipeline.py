@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from stagemesh.core import codec, converters, errors, logs, tracing
 from stagemesh.core.events import DenoisingStep, StageStarted
-from stagemesh.core.params import INIT_IMAGE_INPUT, OUTPUT_TENSOR, Limits, Params
+from stagemesh.core.params import INIT_IMAGE_INPUT, OUTPUT_TENSOR, STEP_CACHE_OUTPUT, STEP_CACHES, Limits, Params
 from stagemesh.gateway.control import Admission, AdmissionTicket
 from stagemesh.gateway.fanout import merged
 from stagemesh.gateway.images import decode_init_image, encode, probe_init_image
@@ -137,6 +137,9 @@ class Pipeline:
             wire.ClearField("negative_prompt")
         if not stage.supports_init_image:
             wire.ClearField("strength")
+        if stage.kind not in DENOISING_KINDS:  # step caching is the denoising stage's alone
+            wire.ClearField("step_cache")
+            wire.ClearField("step_cache_threshold")
         return wire
 
     async def _run_image(
@@ -151,6 +154,7 @@ class Pipeline:
         """One image of the request through every stage: image `index` is drawn with seed + index."""
         params = dataclasses.replace(request, seed=(request.seed + index) % _SEEDS, num_images=1)
         inputs: dict = {}
+        step_cache = None  # the STEP_CACHE_OUTPUT tensor of a denoising stage whose cache ran
         latency: dict[str, float] = {}
         arrived_ns = 0  # when the previous stage's outputs reached the gateway (traced only)
         for position, stage in enumerate(self.stages):
@@ -176,6 +180,9 @@ class Pipeline:
                             yield DenoisingStep(stage.stage_id, response.progress.step, response.progress.total, index)
                     else:
                         inputs = dict(response.outputs.outputs)
+                        # A denoising stage's step-cache counts are for the result, not the next stage.
+                        counted = inputs.pop(STEP_CACHE_OUTPUT, None)
+                        step_cache = counted if counted is not None else step_cache
                         arrived_ns = time.time_ns() if call is not None else 0
             latency[str(stage.stage_id)] = (time.perf_counter() - started) * 1e3
         if "image" not in inputs:
@@ -185,6 +192,8 @@ class Pipeline:
                 result = self._result(request_id, params, index, inputs["image"], latency)
             else:
                 result = await asyncio.to_thread(self._result, request_id, params, index, inputs["image"], latency)
+        if step_cache is not None:
+            _report_step_cache(result, step_cache)
         yield result
 
     @staticmethod
@@ -267,3 +276,11 @@ async def _one(stream: AsyncGenerator[object, None]) -> AsyncIterator[tuple[int,
     async with contextlib.aclosing(stream):
         async for event in stream:
             yield 0, event
+
+
+def _report_step_cache(result: generation_pb2.GenerationResult, counted: tensor_pb2.Tensor) -> None:
+    """The result's step-cache fields from a stage's STEP_CACHE_OUTPUT: [skipped, passes, method]."""
+    skipped, passes, method = (int(v) for v in codec.to_array(counted, STEP_CACHE_OUTPUT).reshape(-1)[:3])
+    result.step_cache_skipped = skipped
+    result.step_cache_passes = passes
+    result.step_cache = STEP_CACHES[method] if 0 <= method < len(STEP_CACHES) else ""

@@ -51,6 +51,19 @@ def stage_readings(engine: Engine, executor: Executor, control: StageControl, re
                 counter=True,
             ),
             Reading(
+                "stagemesh_stage_step_cache_skipped_passes",
+                "passes of step-cache-hooked modules (blocks; attention layers for taylorseer) served from "
+                "the cache instead of computed, all workers",
+                executor.step_cache_skipped,
+                counter=True,
+            ),
+            Reading(
+                "stagemesh_stage_step_cache_passes",
+                "passes of step-cache-hooked modules, skipped or computed; the ratio is the fraction skipped",
+                executor.step_cache_passes,
+                counter=True,
+            ),
+            Reading(
                 "stagemesh_stage_compute_seconds",
                 "device seconds of the forward passes whose outputs came back, all workers; "
                 "its rate per worker is the stage's busy fraction",

@@ -30,8 +30,11 @@ def _stage_argv(
 
 def _with_cache(stage: StageSettings, config: MeshConfig, cache_address: list[str]) -> StageSettings:
     """A stage that uses the runtime cache publishes through this mesh's cache service, into the
-    directory that service manages, unless its table says otherwise."""
+    directory that service manages, unless its table says otherwise; a compiling stage keeps its
+    compiled code under that directory too."""
     if not stage.dlo_enable_runtime_cache:
+        if stage.compile_mode() == "regional" and stage.dlo_runtime_cache_dir == DEFAULT_RUNTIME_CACHE_DIR:
+            return replace(stage, dlo_runtime_cache_dir=config.cache.root)
         return stage
     return replace(
         stage,

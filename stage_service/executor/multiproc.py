@@ -69,6 +69,8 @@ class Executor:
         self._closed = False
         self.offload_bytes_streamed = 0  # every worker's DLO host -> device bytes, restarts included
         self.compute_seconds = 0.0  # device time of every forward pass whose outputs came back
+        self.step_cache_skipped = 0  # block passes step caches skipped, every worker, restarts included
+        self.step_cache_passes = 0  # block passes of the batches step caches ran on
 
     @property
     def _workers(self) -> dict[int, WorkerProcess]:
@@ -319,10 +321,11 @@ class Executor:
     def _note_stats(self, w: WorkerProcess, stats: protocol.WorkerStats) -> None:
         # The worker's offload count is cumulative; it starts again from 0 in a new process (a new
         # WorkerProcess) or a rebuilt DLO engine (a smaller value).
-        before = w.stats.offload_bytes if w.stats is not None else 0
-        grown = stats.offload_bytes - before if stats.offload_bytes >= before else stats.offload_bytes
+        last = w.stats or protocol.WorkerStats()
         with self._lock:  # one pump thread per worker: they may add at the same time
-            self.offload_bytes_streamed += grown
+            self.offload_bytes_streamed += _grown(last.offload_bytes, stats.offload_bytes)
+            self.step_cache_skipped += _grown(last.step_cache_skipped, stats.step_cache_skipped)
+            self.step_cache_passes += _grown(last.step_cache_passes, stats.step_cache_passes)
         w.stats = stats
 
     def _output_ready(self, msg: protocol.OutputReady) -> None:
@@ -385,3 +388,8 @@ class Executor:
         w.results.close()
         if w.pump is not None and w.pump is not threading.current_thread():
             w.pump.join(JOIN_TIMEOUT_S)
+
+
+def _grown(before: int, now: int) -> int:
+    """What a worker's cumulative count grew by; a smaller value is a fresh count (a new process)."""
+    return now - before if now >= before else now

@@ -143,6 +143,8 @@ class DiT(nn.Module):
 
     # DLO streams `blocks`; its leading blocks may stay resident on the device.
     _offload_plan = OffloadPlan(block_attrs={"": ("blocks",)}, resident_paths=("blocks",))
+    # What regional compilation compiles (diffusers' name for the same declaration).
+    _repeated_blocks = ("DiTBlock",)
 
     def __init__(self, config: DiTConfig, tp: TpGroup | None = None) -> None:
         super().__init__()

@@ -11,6 +11,7 @@ from typing import Any
 from stagemesh.core import envflags, logs, metrics, options, tls
 from stagemesh.core.options import option
 from stagemesh.core.params import Limits
+from stagemesh.stage_service.settings import acceleration
 from stagemesh.stage_service.settings.dlo import DloOptions
 
 # encoder / denoise / decode: stages of a diffusers-format folder (docs/MODELS.md)
@@ -88,6 +89,38 @@ class StageSettings(DloOptions):
         "ranks (twice the worker processes; with sp_size, 2 x sp_size); the embedded DiT and SD3, not "
         "FLUX (its guidance is distilled); see PARALLEL.md",
     )
+    compile: str = option(
+        "auto",
+        "compile the denoising transformer's repeated blocks with torch.compile ('regional'; compiled "
+        "code kept on disk under dlo_runtime_cache_dir/compile, so a restarted or second stage on the node "
+        "starts without compiling again) or run them eagerly ('off'); 'auto': 'regional' on a CUDA device, "
+        "'off' on the CPU; see PERFORMANCE.md",
+        choices=acceleration.COMPILE_MODES,
+    )
+    compute_dtype: str = option(
+        "",
+        "'float8': the denoising transformer's Linear layers run FP8 matmuls with per-row weight and "
+        "per-token activation scales (CUDA, compute capability 8.9 or newer, with compile); '': the "
+        "checkpoint's dtype",
+        choices=acceleration.COMPUTE_DTYPES,
+    )
+    fp8_backend: str = option(
+        "scaled_mm",
+        "how compute_dtype = 'float8' runs: 'scaled_mm' (torch._scaled_mm, rowwise scales) or 'torchao' "
+        "(Float8DynamicActivationFloat8WeightConfig with PerRow granularity; needs torchao)",
+        choices=acceleration.FP8_BACKENDS,
+    )
+    step_cache: str = option(
+        "off",
+        "reuse transformer blocks' results between denoising steps (diffusers' cache hooks): 'first_block' "
+        "(FirstBlockCache), 'taylorseer' (TaylorSeerCache), 'mag' (MagCache, FLUX only) or 'off'; a "
+        "request may choose another (params.step_cache); quality must be judged on real weights",
+    )
+    step_cache_threshold: float = option(
+        0.0,
+        "step_cache's threshold (first_block, mag: larger skips more) or interval in steps (taylorseer); "
+        "0: the method's published default; a request may set its own (params.step_cache_threshold)",
+    )
     enable_sleep: bool = option(
         True,
         "accept SleepStage/WakeUpStage (freeing device memory on demand); --no-enable-sleep makes them UNIMPLEMENTED",
@@ -143,6 +176,7 @@ class StageSettings(DloOptions):
         _check_sleep_host_buffer(self)
         _check_defaults_within_limits(self)
         super().__post_init__()  # refused DLO combinations fail at start, saying what to change
+        acceleration.validate(self)
         if self.dp_size > 1 and self.workers not in (1, self.dp_size):
             raise ValueError(
                 f"workers = {self.workers} with dp_size = {self.dp_size}: both count the stage's "
@@ -224,6 +258,10 @@ class StageSettings(DloOptions):
                 "device = 'cuda' (rank i uses cuda:i)"
             )
 
+    def compile_mode(self) -> str:
+        """'regional' or 'off': compile with 'auto' resolved against the device and kind."""
+        return acceleration.compile_mode(self)
+
     def image_parallel_size(self) -> int:
         """Ranks that split each image: sp_size per pass, two passes with cfg_parallel; 1: none."""
         return self.sp_size * (2 if self.cfg_parallel else 1)
@@ -289,6 +327,8 @@ class StageSettings(DloOptions):
             default_inference_steps=self.default_steps,
             default_guidance_scale=self.default_guidance,
             max_guidance_scale=self.max_guidance,
+            # A runner that declares none offers no step cache.
+            step_caches=tuple(runner_limits.get("step_caches", ("off",))),
         )
 
     def _default_size(self, runner_limits: dict[str, Any]) -> int:

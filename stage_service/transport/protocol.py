@@ -77,6 +77,8 @@ class WorkerStats:
 
     device_memory_bytes: int = 0  # allocated on the worker's device now
     offload_bytes: int = 0  # copied host -> device by the DLO engine since the process started
+    step_cache_skipped: int = 0  # transformer block passes a step cache skipped since the process started
+    step_cache_passes: int = 0  # block passes of the batches a step cache ran on, skipped or not
 
 
 @dataclass(frozen=True)

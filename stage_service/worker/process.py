@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import queue
 import signal
@@ -19,6 +20,7 @@ from typing import Any
 
 from stagemesh.core import logs
 from stagemesh.stage_service import platform
+from stagemesh.stage_service.models.acceleration import Acceleration
 from stagemesh.stage_service.models.batch_invariance import BATCHED_KINDS, run_items_alone
 from stagemesh.stage_service.models.contract import ItemError, Runner
 from stagemesh.stage_service.settings import HEARTBEAT_S, DloOptions
@@ -98,7 +100,15 @@ def resolve_device(device: str, rank: int) -> str:
 
 
 class Worker:
-    def __init__(self, spec: protocol.WorkerSpec, runner: Runner, device: str, requests, results):
+    def __init__(
+        self,
+        spec: protocol.WorkerSpec,
+        runner: Runner,
+        device: str,
+        requests,
+        results,
+        acceleration: Acceleration | None = None,
+    ):
         # First, so that nothing else is made when it fails: "at_start" prepares the level-1
         # host buffer here, before the worker reports ready, and compacts the weights through it.
         settings = spec.settings
@@ -115,6 +125,8 @@ class Worker:
         self.spec = spec
         self.runner = runner
         self.device = device
+        # compile, FP8 and step caching (models.acceleration); a bare runner gets the no-op one.
+        self.acceleration = acceleration or Acceleration(None, settings, device)
         self.inbox = _Inbox(requests, self._answer_dropped)
         self.writer = ResultWriter(results)
         # A rank that is not its group's output rank runs every batch with it (same collectives,
@@ -170,10 +182,11 @@ class Worker:
             items = [dataclasses.replace(item, inputs=ipc.unpack(item.inputs)) for item in msg.items]
             started = platform.DeviceEvent(self.device, timing=True).record()
             on_step = progress if self.spec.output_rank else None
+            run = functools.partial(self.acceleration.run, self.runner.run)  # one step-cache count per run
             if self.items_alone:
-                outputs = run_items_alone(self.runner.run, items, on_step)
+                outputs = run_items_alone(run, items, on_step)
             else:
-                outputs = self.runner.run(items, on_step)
+                outputs = run(items, on_step)
             if not self.spec.output_rank:
                 return
             finished = platform.DeviceEvent(self.device, timing=True).record()
@@ -219,7 +232,10 @@ class Worker:
 
     def stats(self) -> protocol.WorkerStats:
         # Cheap: an allocator counter and an int; sent with every reply that ends a batch or a control call.
-        return protocol.WorkerStats(platform.memory_allocated(self.device), self.runner.offload_bytes())
+        skipped, passes = self.acceleration.step_cache_counts()
+        return protocol.WorkerStats(
+            platform.memory_allocated(self.device), self.runner.offload_bytes(), skipped, passes
+        )
 
     def _control_ops(self) -> dict[str, Any]:
         return {"ping": self._ping, "drain": self._drain, "sleep": self._sleep, "wake": self._wake}
@@ -233,10 +249,12 @@ class Worker:
         dlo = self.runner.dlo_stats()
         if dlo is not None:
             out["dlo"] = dlo
+        if self.acceleration.compiled:
+            out["compile"] = self.acceleration.compile_stats()
         return out
 
     def _sleep(self, level: int) -> dict[str, Any]:
-        refusal = self.runner.sleep_refusal(level)
+        refusal = self.runner.sleep_refusal(level) or self.acceleration.sleep_refusal(level)
         if refusal is not None:
             raise RuntimeError(refusal)
         # Outputs still being copied reference device memory: they must be out before it is freed.
@@ -282,6 +300,7 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
 
     if settings.threads > 0:
         torch.set_num_threads(settings.threads)
+    from stagemesh.stage_service.models import acceleration
     from stagemesh.stage_service.models.model_dir import resolved_model_dir
     from stagemesh.stage_service.models.runners import build_runner
 
@@ -301,7 +320,8 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
             invariant_rows=settings.invariant_rows(),
             parallel=parallel,
         )
-        worker = Worker(spec, runner, device, requests, results)
+        accel = acceleration.prepare(runner, settings, device)
+        worker = Worker(spec, runner, device, requests, results, accel)
     except Exception as exc:
         if not _says_it_all(exc):
             log.exception("model load failed")  # a bug: its stack is what the log needs
@@ -311,7 +331,7 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
     worker.writer.put(
         protocol.Ready(
             spec.rank,
-            runner.limits(),
+            {**runner.limits(), **accel.limits()},
             device,
             platform.memory_allocated(device),
             input_specs=runner.input_specs(),

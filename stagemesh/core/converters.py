@@ -68,6 +68,8 @@ def params_from_proto(
         quality=msg.quality if msg.HasField("quality") else None,
         strength=_decimal(msg.strength) if msg.HasField("strength") else None,
         init_image=init_image,
+        step_cache=msg.step_cache if msg.HasField("step_cache") else None,
+        step_cache_threshold=_decimal(msg.step_cache_threshold) if msg.HasField("step_cache_threshold") else None,
     )
 
 
@@ -85,6 +87,8 @@ def params_to_proto(p: gp.Params) -> generation_pb2.GenerationParams:
         num_images=p.num_images,
         quality=p.quality if p.output_format in gp.LOSSY_FORMATS else None,
         strength=p.strength,
+        step_cache=p.step_cache,
+        step_cache_threshold=p.step_cache_threshold,
     )
 
 

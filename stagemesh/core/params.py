@@ -29,6 +29,12 @@ MAX_REQUEST_ID_CHARS = 128
 # Image-to-image: the name of the starting image among a stage's input tensors, torch.uint8
 # [height, width, 3] RGB (decoded by the gateway).
 INIT_IMAGE_INPUT = "init_image"
+# Step caching: the methods a stage may offer ("off": every block of every step runs), and the
+# output a denoising stage adds to an item's outputs when a cache ran: int64 [passes skipped,
+# passes of the hooked modules, index of the method in STEP_CACHES]. The gateway reads it into
+# the result.
+STEP_CACHES = ("off", "first_block", "taylorseer", "mag")
+STEP_CACHE_OUTPUT = "step_cache_passes"
 
 
 @dataclass(frozen=True)
@@ -47,10 +53,20 @@ class Limits:
     # What the pipeline (at the gateway) or the stage's model can use beyond a prompt.
     supports_negative_prompt: bool = False
     supports_init_image: bool = False
+    # Step caches the denoising stage offers (the gateway, which does not know, accepts every name).
+    step_caches: tuple[str, ...] = STEP_CACHES
 
 
 # What requests sampled together must share, in the order of Params.batch_key().
-BATCH_KEY_FIELDS = ("width", "height", "num_inference_steps", "guidance_scale", "strength")
+BATCH_KEY_FIELDS = (
+    "width",
+    "height",
+    "num_inference_steps",
+    "guidance_scale",
+    "strength",
+    "step_cache",
+    "step_cache_threshold",
+)
 
 
 @dataclass(frozen=True)
@@ -82,6 +98,9 @@ class Params:
     strength: float | None = None
     # Image-to-image: the starting image (set exactly when strength is).
     init_image: InitImage | None = None
+    # Step caching for this request; None: the stage's own setting (its step_cache options).
+    step_cache: str | None = None
+    step_cache_threshold: float | None = None
 
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one diffusion batch (or one DP wave)."""
@@ -200,6 +219,24 @@ def _resolve_strength(
     return strength
 
 
+def _check_step_cache(name: str | None, threshold: float | None, limits: Limits, out: list[FieldViolation]) -> None:
+    if name is not None and name not in limits.step_caches:
+        out.append(
+            FieldViolation(
+                "params.step_cache",
+                f"{name!r} is not offered here; allowed: unset (the stage's setting) or "
+                f"{', '.join(limits.step_caches)}",
+            )
+        )
+    if threshold is not None and not (math.isfinite(threshold) and threshold > 0):
+        out.append(
+            FieldViolation(
+                "params.step_cache_threshold",
+                f"{threshold:g} is out of range; allowed: unset (the stage's setting) or above 0",
+            )
+        )
+
+
 def _check_outputs(
     output_format: str, num_images: int, quality: int | None, limits: Limits, out: list[FieldViolation]
 ) -> None:
@@ -244,6 +281,8 @@ def resolve(
     quality: int | None = None,
     strength: float | None = None,
     init_image: InitImage | None = None,
+    step_cache: str | None = None,
+    step_cache_threshold: float | None = None,
 ) -> Params:
     """Fill defaults (None means default) and validate; raises InvalidArgument listing every bad field."""
     violations: list[FieldViolation] = []
@@ -271,6 +310,7 @@ def resolve(
     strength = _resolve_strength(strength, init_image, steps, limits, violations)
     num_images = 1 if num_images is None else num_images
     _check_outputs(output_format, num_images, quality, limits, violations)
+    _check_step_cache(step_cache, step_cache_threshold, limits, violations)
     if violations:
         raise InvalidArgument(violations)
     return Params(
@@ -286,4 +326,6 @@ def resolve(
         quality=DEFAULT_QUALITY if quality is None else quality,
         strength=strength,
         init_image=init_image,
+        step_cache=step_cache,
+        step_cache_threshold=None if step_cache_threshold is None else float(step_cache_threshold),
     )

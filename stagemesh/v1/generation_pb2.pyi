@@ -22,7 +22,7 @@ OUTPUT_FORMAT_JPEG: OutputFormat
 OUTPUT_FORMAT_WEBP: OutputFormat
 
 class GenerationParams(_message.Message):
-    __slots__ = ("prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "output_format", "negative_prompt", "num_images", "quality", "init_image", "strength")
+    __slots__ = ("prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "output_format", "negative_prompt", "num_images", "quality", "init_image", "strength", "step_cache", "step_cache_threshold")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,8 @@ class GenerationParams(_message.Message):
     QUALITY_FIELD_NUMBER: _ClassVar[int]
     INIT_IMAGE_FIELD_NUMBER: _ClassVar[int]
     STRENGTH_FIELD_NUMBER: _ClassVar[int]
+    STEP_CACHE_FIELD_NUMBER: _ClassVar[int]
+    STEP_CACHE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     width: int
     height: int
@@ -47,10 +49,12 @@ class GenerationParams(_message.Message):
     quality: int
     init_image: bytes
     strength: float
-    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., negative_prompt: _Optional[str] = ..., num_images: _Optional[int] = ..., quality: _Optional[int] = ..., init_image: _Optional[bytes] = ..., strength: _Optional[float] = ...) -> None: ...
+    step_cache: str
+    step_cache_threshold: float
+    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., negative_prompt: _Optional[str] = ..., num_images: _Optional[int] = ..., quality: _Optional[int] = ..., init_image: _Optional[bytes] = ..., strength: _Optional[float] = ..., step_cache: _Optional[str] = ..., step_cache_threshold: _Optional[float] = ...) -> None: ...
 
 class GenerationResult(_message.Message):
-    __slots__ = ("request_id", "output_format", "width", "height", "seed", "png", "tensor", "jpeg", "webp", "stage_latency_ms", "index")
+    __slots__ = ("request_id", "output_format", "width", "height", "seed", "png", "tensor", "jpeg", "webp", "stage_latency_ms", "index", "step_cache_skipped", "step_cache_passes", "step_cache")
     class StageLatencyMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +73,9 @@ class GenerationResult(_message.Message):
     WEBP_FIELD_NUMBER: _ClassVar[int]
     STAGE_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    STEP_CACHE_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    STEP_CACHE_PASSES_FIELD_NUMBER: _ClassVar[int]
+    STEP_CACHE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     output_format: OutputFormat
     width: int
@@ -80,4 +87,7 @@ class GenerationResult(_message.Message):
     webp: bytes
     stage_latency_ms: _containers.ScalarMap[str, float]
     index: int
-    def __init__(self, request_id: _Optional[str] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ..., png: _Optional[bytes] = ..., tensor: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., jpeg: _Optional[bytes] = ..., webp: _Optional[bytes] = ..., stage_latency_ms: _Optional[_Mapping[str, float]] = ..., index: _Optional[int] = ...) -> None: ...
+    step_cache_skipped: int
+    step_cache_passes: int
+    step_cache: str
+    def __init__(self, request_id: _Optional[str] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ..., png: _Optional[bytes] = ..., tensor: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., jpeg: _Optional[bytes] = ..., webp: _Optional[bytes] = ..., stage_latency_ms: _Optional[_Mapping[str, float]] = ..., index: _Optional[int] = ..., step_cache_skipped: _Optional[int] = ..., step_cache_passes: _Optional[int] = ..., step_cache: _Optional[str] = ...) -> None: ...
