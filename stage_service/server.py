@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from stagemesh.core import auth, converters, logs, rpc, serve, tls, tracing
+from stagemesh.core import auth, converters, logs, rpc, serve, startup, tls, tracing
 from stagemesh.core.acks import WorkerAck
 from stagemesh.core.metrics import ServiceMetrics
 from stagemesh.core.params import Limits
@@ -146,9 +146,12 @@ async def serve_stage(settings: StageSettings) -> None:
     metrics.add_readings(stage_readings(engine, executor, control, lambda: servicer.ready and engine.serving))
 
     async def load() -> None:
-        await asyncio.to_thread(prepare_model_dir, settings)
-        readies = await asyncio.to_thread(executor.start)
+        with startup.phase("model folder"):
+            await asyncio.to_thread(prepare_model_dir, settings)
+        with startup.phase("workers"):
+            readies = await asyncio.to_thread(executor.start)
         ready = readies[0]
+        startup.add(list(ready.phases))
         servicer.limits = dataclasses.replace(
             settings.limits(ready.limits),
             supports_negative_prompt=ready.supports_negative_prompt,
@@ -157,6 +160,7 @@ async def serve_stage(settings: StageSettings) -> None:
         servicer.input_specs = ready.input_specs
         engine.start()
         servicer.ready = True
+        startup.report(stage_id=settings.stage_id, kind=settings.kind)
 
     async def close() -> None:
         await engine.close()
@@ -168,6 +172,7 @@ async def serve_stage(settings: StageSettings) -> None:
 def main(args: argparse.Namespace) -> None:
     settings = StageSettings.from_args(args)
     logs.configure(f"stage-{settings.stage_id}", args.log_level)
+    startup.begin(f"stage-{settings.stage_id}")
     # An incomplete --model-dir is a refused option (as `stagemesh up --model` treats it); an
     # unreadable checkpoint fails the start.
     serve.main("stage service", serve_stage(settings), option_errors=(FolderError,), start_errors=(CheckpointError,))

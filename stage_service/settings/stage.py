@@ -21,6 +21,8 @@ IMAGE_PARALLEL_KINDS = ("diffusion", "denoise")
 # When a worker prepares the level-1 sleep host buffer: by the first level-1 sleep, before it
 # reports ready, or on threads once its model is loaded (worker/sleep.py).
 SLEEP_HOST_BUFFERS = ("first_sleep", "at_start", "background")
+# When a worker runs its first-image warm-up before reporting ready (worker/warm_up.py).
+WARM_UPS = ("auto", "on", "off")
 # How often a serving worker says it is alive, even in the middle of a batch; hang_timeout_s
 # must span two of them.
 HEARTBEAT_S = 1.0
@@ -102,6 +104,14 @@ class StageSettings(DloOptions):
         "sleep on (its page cache: the weights' size again), so level-2 wakes copy at link speed too",
         choices=SLEEP_HOST_BUFFERS,
     )
+    warm_up: str = option(
+        "auto",
+        "run one small batch at the stage's default size (default_size, at most 2 denoising steps) in each worker "
+        "before the stage reports ready, so the first request finds the kernels chosen, the allocator's "
+        "pool filled and compiled code loaded: 'on', 'off', or 'auto' (on for a CUDA device); a warm-up that "
+        "fails fails the start, naming why",
+        choices=WARM_UPS,
+    )
     hang_timeout_s: float = option(
         30.0,
         "a worker process silent this long (no heartbeat, which it sends every second even "
@@ -134,6 +144,8 @@ class StageSettings(DloOptions):
         _check_kind(self.kind)  # first: the other checks' advice assumes a known kind
         _check_counts(self)
         _check_sleep_host_buffer(self)
+        if self.warm_up not in WARM_UPS:
+            raise ValueError(f"warm_up = {self.warm_up!r}: allowed: {', '.join(WARM_UPS)}")
         _check_defaults_within_limits(self)
         super().__post_init__()  # refused DLO combinations fail at start, saying what to change
         if self.dp_size > 1 and self.workers not in (1, self.dp_size):

@@ -15,7 +15,15 @@ from pathlib import Path
 
 import torch
 
-from stagemesh.stage_service.models.contract import INIT_IMAGE_INPUT, ItemError, RunnerBase, WeightFile, check_batch
+from stagemesh.stage_service.models.contract import (
+    INIT_IMAGE_INPUT,
+    ItemError,
+    RunnerBase,
+    WeightFile,
+    WorkItem,
+    check_batch,
+)
+from stagemesh.stage_service.models.diffusers_adapter.direct import load_components
 from stagemesh.stage_service.models.diffusers_adapter.families import family_of, pixel_multiple
 from stagemesh.stage_service.models.diffusers_adapter.folder import check_stage_folder
 from stagemesh.stage_service.models.diffusers_adapter.loading import (
@@ -31,6 +39,8 @@ from stagemesh.stage_service.models.parallel import ImageParallel
 from stagemesh.stage_service.settings import DloOptions
 
 REQUIRED_INPUTS = ("prompt_embeds", "pooled_prompt_embeds")
+# The encoder stage's text length per pipeline (FLUX: T5 at 512; SD3: CLIP's 77 + T5's 256).
+WARM_UP_TEXT_TOKENS = {"FluxPipeline": 512, "StableDiffusion3Pipeline": 333}
 OPTIONAL_INPUTS = ("negative_prompt_embeds", "negative_pooled_prompt_embeds")
 
 
@@ -83,9 +93,14 @@ class DenoiseRunner(RunnerBase):
         # The negative embeddings reach this stage only where the family guides with them.
         self.supports_negative_prompt = self.family.supports_negative_prompt
         dtype = checkpoint_dtype(self.folder)
-        self.transformer, self.offload = load_transformer(self.folder, self.family, device, dtype, opts)
-        self.pipe = load_pipeline(self.folder, ["scheduler", "vae"], dtype, transformer=self.transformer)
-        self.pipe.vae.to(device).eval().requires_grad_(False)
+        # Resident, the transformer and the VAE are read straight to the device together.
+        if opts.enable_dlo:
+            self.transformer, self.offload = load_transformer(self.folder, self.family, device, dtype, opts)
+            parts = load_components(self.folder, ["vae"], device, dtype)
+        else:
+            parts = load_components(self.folder, ["transformer", "vae"], device, dtype)
+            self.transformer, self.offload = parts["transformer"], None
+        self.pipe = load_pipeline(self.folder, ["scheduler"], dtype, transformer=self.transformer, vae=parts["vae"])
         # Sequence / CFG parallel: every rank samples; rank 0 alone decodes and answers.
         self.parallel = parallel or ImageParallel()
         self.sampling_family = for_sampling(self.family, self.transformer, self.parallel)
@@ -136,6 +151,18 @@ class DenoiseRunner(RunnerBase):
     def limits(self) -> dict:
         return {"pixel_multiple": pixel_multiple(self.folder)}
 
+    def warm_up_items(self, params) -> list[WorkItem]:
+        """Zero embeddings shaped as the encoder stage sends them (its text length, the
+        transformer's widths), every one the family guides with."""
+        config = self.transformer.config
+        tokens = WARM_UP_TEXT_TOKENS.get(self.family.pipeline_class, 512)
+        text = torch.zeros(tokens, config.joint_attention_dim, dtype=self.transformer.dtype)
+        pooled = torch.zeros(config.pooled_projection_dim, dtype=self.transformer.dtype)
+        inputs = {"prompt_embeds": text, "pooled_prompt_embeds": pooled}
+        if self.family.guided_inputs and params.guidance_scale > 1:
+            inputs |= {"negative_prompt_embeds": text, "negative_pooled_prompt_embeds": pooled}
+        return [WorkItem("warm-up", params, inputs)]
+
 
 class DecodeRunner(RunnerBase):
     """kind "decode": the VAE as its own stage, after a "denoise" stage."""
@@ -146,8 +173,9 @@ class DecodeRunner(RunnerBase):
         self.folder = check_stage_folder(model_dir, self.kind)
         self.family = family_of(self.folder)
         self.device = device
-        self.pipe = load_pipeline(self.folder, ["vae"], checkpoint_dtype(self.folder))
-        self.vae = self.pipe.vae.to(device).eval().requires_grad_(False)
+        dtype = checkpoint_dtype(self.folder)
+        self.vae = load_components(self.folder, ["vae"], device, dtype)["vae"]
+        self.pipe = load_pipeline(self.folder, [], dtype, vae=self.vae)
 
     def weight_files(self) -> list[WeightFile]:
         return weight_files(self.folder, "vae", self.vae)
