@@ -32,14 +32,15 @@ def wanted(settings: StageSettings, device: str) -> bool:
     return settings.warm_up == "on"
 
 
-def params_of(settings: StageSettings) -> Params:
+def params_of(settings: StageSettings, runner: Runner) -> Params:
     """What a request leaving everything unset asks for, with at most MAX_STEPS steps."""
+    limits = settings.limits(runner.limits())
     return Params(
         prompt="a warm-up",
-        width=settings.default_size,
-        height=settings.default_size,
-        num_inference_steps=min(MAX_STEPS, settings.default_steps),
-        guidance_scale=settings.default_guidance,
+        width=limits.default_size,
+        height=limits.default_size,
+        num_inference_steps=min(MAX_STEPS, limits.default_inference_steps),
+        guidance_scale=limits.default_guidance_scale,
         seed=0,
         output_format="tensor",
     )
@@ -49,12 +50,12 @@ def warm_up(runner: Runner, settings: StageSettings, device: str) -> None:
     """Run the warm-up batch when the settings ask for one; raises WarmUpFailed."""
     if not wanted(settings, device):
         return
-    params = params_of(settings)
+    params = params_of(settings, runner)
     multiple = int(runner.limits().get("pixel_multiple", 1) or 1)
     where = f"{params.width}x{params.height}, {params.num_inference_steps} steps"
-    if settings.default_size % multiple:
+    if params.width % multiple:
         raise WarmUpFailed(
-            f"warm-up ({where}): default_size {settings.default_size} is not a multiple of the model's "
+            f"warm-up ({where}): default_size {params.width} is not a multiple of the model's "
             f"pixel multiple {multiple}, so every request leaving the size unset would be refused; set "
             f"default_size to a multiple of {multiple} (or warm_up = 'off')"
         )
