@@ -18,7 +18,10 @@ INIT_IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 
 
 def to_uint8(image: np.ndarray) -> np.ndarray:
-    """[H, W, 3] float in [0, 1] -> uint8: scaled in float32, rounded half to even, clamped."""
+    """[H, W, 3] float in [0, 1] -> uint8: scaled in float32, rounded half to even, clamped.
+    Pixels a stage already made so (stage_service.transport.tensors.image_pixels) pass as they are."""
+    if image.dtype == np.uint8:
+        return image
     return (image.astype(np.float32, copy=False) * np.float32(255.0)).round().clip(0, 255).astype(np.uint8)
 
 
