@@ -217,7 +217,7 @@ async def _start_all(
             cache_address.append(address)  # its command line names the cache service
         return await supervisor.start(stages[i], bound[i])
 
-    cache_started = asyncio.ensure_future(supervisor.start(cache))
+    cache_started: asyncio.Future[str] = asyncio.ensure_future(supervisor.start(cache))
     starting = [
         asyncio.ensure_future(stage_after_cache(i) if needs_cache[i] else supervisor.start(s, bound[i]))
         for i, s in enumerate(stages)
@@ -237,9 +237,9 @@ async def _start_all(
         await asyncio.gather(*starting)
         address = await gateway_started
     except BaseException:
-        tasks = [cache_started, *starting, *([gateway_started] if gateway_started else [])]
-        for task in tasks:
-            task.cancel()
+        tasks: list[asyncio.Future] = [cache_started, *starting, *([gateway_started] if gateway_started else [])]
+        for pending in tasks:
+            pending.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)  # no failure left unretrieved
         raise
     startup.report(children=len(stages) + 2)

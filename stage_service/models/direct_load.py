@@ -61,6 +61,11 @@ def _pieces(records: dict[str, TensorRecord], piece_bytes: int) -> Iterator[_Pie
             yield _Piece(name, r.path, r.file_offset + start, start, min(piece_bytes, r.nbytes - start))
 
 
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A flat uint8 CPU tensor's memory, writable in place."""
+    return memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray exports the buffer
+
+
 def _read_exact(fd: int, view: memoryview, offset: int, path: Path) -> None:
     done = 0
     while done < len(view):
@@ -92,13 +97,14 @@ class _Reader:
         """`target`: the destination tensor's bytes, flat uint8."""
         dest = target[piece.start : piece.start + piece.nbytes]
         if not self.cuda:
-            _read_exact(self.fd(piece.path), memoryview(dest.numpy()), piece.file_offset, piece.path)
+            _read_exact(self.fd(piece.path), _bytes_of(dest), piece.file_offset, piece.path)
             return
         k, self.turn = self.turn, 1 - self.turn
-        if self.copied[k] is not None:
-            self.copied[k].synchronize()  # its last copy has left the buffer
+        last = self.copied[k]
+        if last is not None:
+            last.synchronize()  # its last copy has left the buffer
         bounce = self.bounce[k][: piece.nbytes]
-        _read_exact(self.fd(piece.path), memoryview(bounce.numpy()), piece.file_offset, piece.path)
+        _read_exact(self.fd(piece.path), _bytes_of(bounce), piece.file_offset, piece.path)
         with torch.cuda.stream(self.stream):
             dest.copy_(bounce, non_blocking=True)
             event = torch.cuda.Event()
