@@ -23,11 +23,10 @@ def host_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def image_pixels(image: torch.Tensor) -> torch.Tensor:
-    """An [H, W, 3] float image in [0, 1] as the uint8 pixels the gateway's encoder makes of it,
-    computed where the image is (on the device): scaled in float32, rounded half to even,
-    clamped, exactly as gateway.images.to_uint8 does, so the encoded bytes do not change. An
-    image for PNG, JPEG or WebP then travels at a quarter of its float32 size."""
-    return (image.to(torch.float32) * 255.0).round().clamp(0, 255).to(torch.uint8)
+    """An [H, W, 3] float image in [0, 1] as the uint8 pixels the gateway's encoder makes of it
+    (codec.to_pixels, the same arithmetic, so the encoded bytes do not change). An image for
+    PNG, JPEG or WebP then travels at a quarter of its float32 size."""
+    return torch.from_numpy(codec.to_pixels(image.detach().to("cpu", torch.float32).contiguous().numpy()))
 
 
 def to_proto(tensor: torch.Tensor) -> tensor_pb2.Tensor:
