@@ -161,9 +161,14 @@ def has_compile_option() -> bool:
 
 def mesh_config(path: Path, device: str, size: int, cache_root: Path, compiled: bool) -> Path:
     """The encoder and diffusion stages; the served size is the diffusion stage's default, which
-    is the size its start-up warm-up runs at."""
+    is the size its start-up warm-up runs at. Where the stage has a `compile` option, the
+    uncompiled cases turn it off and `compiled` compiles with its cache in `cache_root`."""
     threads = "threads = 1\n" if device == "cpu" else ""
-    compile_key = 'compile = "regional"\n' if compiled else ""
+    compile_keys = ""
+    if has_compile_option():
+        compile_keys = (
+            f'compile = "regional"\ndlo_runtime_cache_dir = "{cache_root}"\n' if compiled else 'compile = "off"\n'
+        )
     path.write_text(f"""[gateway]
 port = 0
 
@@ -183,7 +188,7 @@ device = "{device}"
 max_batch_size = 1
 max_size = 2048
 default_size = {size}
-{threads}{compile_key}""")
+{threads}{compile_keys}""")
     return path
 
 
