@@ -151,13 +151,18 @@ class DenoiseRunner(RunnerBase):
     def limits(self) -> dict:
         return {"pixel_multiple": pixel_multiple(self.folder)}
 
-    def warm_up_items(self, params) -> list[WorkItem]:
+    def warm_up_items(self, params) -> list[WorkItem] | None:
         """Zero embeddings shaped as the encoder stage sends them (its text length, the
-        transformer's widths), every one the family guides with."""
+        transformer's widths), every one the family guides with; None for a family whose
+        shapes are not known here."""
         config = self.transformer.config
-        tokens = WARM_UP_TEXT_TOKENS.get(self.family.pipeline_class, 512)
-        text = torch.zeros(tokens, config.joint_attention_dim, dtype=self.transformer.dtype)
-        pooled = torch.zeros(config.pooled_projection_dim, dtype=self.transformer.dtype)
+        tokens = WARM_UP_TEXT_TOKENS.get(self.family.pipeline_class)
+        width = getattr(config, "joint_attention_dim", None)
+        pooled_width = getattr(config, "pooled_projection_dim", None)
+        if tokens is None or width is None or pooled_width is None:
+            return None
+        text = torch.zeros(tokens, width, dtype=self.transformer.dtype)
+        pooled = torch.zeros(pooled_width, dtype=self.transformer.dtype)
         inputs = {"prompt_embeds": text, "pooled_prompt_embeds": pooled}
         if self.family.guided_inputs and params.guidance_scale > 1:
             inputs |= {"negative_prompt_embeds": text, "negative_pooled_prompt_embeds": pooled}
