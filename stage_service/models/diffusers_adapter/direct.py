@@ -1,13 +1,14 @@
 """A stage's model components built on meta and filled straight on the device.
 
-Each component (the transformer, the VAE) is made from its config on the meta device, in the
-checkpoint's dtype, so no host copy of its weights is ever made; then one parallel read
+Each component (the transformer, the VAE) is made from its config with its parameters on the
+meta device (buffers and plain tensor attributes computed as from_pretrained computes them), cast
+to the checkpoint's dtype, so no host copy of its weights is ever made; then one parallel read
 (`models.direct_load`) fills every component's tensors from every file at once, and the module
 takes them as they are (`load_state_dict(assign=True)`). What from_pretrained would do beyond
 that is matched: a tensor stored in another dtype is cast to the module's, as from_pretrained
 casts it. A component this cannot load exactly as from_pretrained does (a class that is not a
 diffusers model, one that keeps modules in float32, a checkpoint whose names or shapes differ
-from the model's, a buffer the checkpoint does not hold) goes through the ordinary loader
+from the model's) goes through the ordinary loader
 instead (from_pretrained on the host, then `.to(device)`), and the log says why.
 """
 
@@ -37,13 +38,14 @@ def _on_meta(folder: CheckpointFolder, name: str, dtype: torch.dtype) -> nn.Modu
         raise _Unfit(f"{cls.__name__} is not a diffusers model class")
     if getattr(cls, "_keep_in_fp32_modules", None):
         raise _Unfit(f"{cls.__name__} keeps modules in float32, which from_pretrained decides")
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # built in its dtype: no float32 copy on meta either
-    try:
-        with torch.device("meta"):
-            module = cls.from_config(cls.load_config(folder.path / name))
-    finally:
-        torch.set_default_dtype(saved)
+    from accelerate import init_empty_weights
+
+    # Parameters on meta (no storage); buffers and the tensors some modules keep as plain
+    # attributes (Qwen-Image's rotary tables) computed as diffusers' own loader computes them,
+    # in float32, then the registered ones cast with the model (as the DLO path builds it).
+    with init_empty_weights(include_buffers=False):
+        module = cls.from_config(cls.load_config(folder.path / name))
+    nn.Module.to(module, dtype)
     module.register_to_config(_name_or_path=folder.path / name)  # as from_pretrained records it
     return module
 
@@ -56,16 +58,17 @@ def _matched(module: nn.Module, records: dict[str, TensorRecord]) -> None:
     for key, tensor in state.items():
         if tuple(tensor.shape) != tuple(records[key].shape):
             raise _Unfit(f"{key}: checkpoint {tuple(records[key].shape)}, model {tuple(tensor.shape)}")
-    if any(b.is_meta for n, b in module.named_buffers() if n not in state):
-        raise _Unfit("a buffer outside the checkpoint would stay unset")
 
 
-def _fill(module: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
+def _fill(module: nn.Module, tensors: dict[str, torch.Tensor], device: str) -> nn.Module:
     state = module.state_dict(keep_vars=True)
     cast = {k: t if t.dtype == state[k].dtype else t.to(state[k].dtype) for k, t in tensors.items()}
     module.load_state_dict(cast, strict=True, assign=True)
     if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
         raise _Unfit("a tensor stayed on meta after the load")
+    # The buffers the checkpoint does not hold were computed on the host: to the device, as
+    # `.to(device)` takes them after from_pretrained (the parameters are there already).
+    nn.Module.to(module, device)
     return module.eval().requires_grad_(False)
 
 
@@ -103,7 +106,7 @@ def load_components(
                 key.split("/", 1)[1]: t for key, t in tensors.items() if key.startswith(name + "/")
             }
             try:
-                out[name] = _fill(module, mine_tensors)
+                out[name] = _fill(module, mine_tensors, device)
             except _Unfit as exc:
                 unfit[name] = str(exc)
         del tensors
