@@ -8,7 +8,7 @@ import io
 import numpy as np
 from PIL import Image
 
-from stagemesh.core import formats
+from stagemesh.core import codec, formats
 from stagemesh.core.errors import InvalidArgument
 from stagemesh.core.params import OUTPUT_PNG, InitImage, Limits
 
@@ -18,8 +18,8 @@ INIT_IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 
 
 def to_uint8(image: np.ndarray) -> np.ndarray:
-    """[H, W, 3] float in [0, 1] -> uint8: scaled in float32, rounded half to even, clamped."""
-    return (image.astype(np.float32, copy=False) * np.float32(255.0)).round().clip(0, 255).astype(np.uint8)
+    """[H, W, 3] float in [0, 1] -> uint8 (codec.to_pixels); uint8 pixels pass as they are."""
+    return codec.to_pixels(image)
 
 
 def encode(image: np.ndarray, output_format: str, quality: int) -> bytes:

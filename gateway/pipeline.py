@@ -59,7 +59,7 @@ class Pipeline:
         self.admission = admission
         self.max_images_per_request = max_images_per_request
 
-    async def wait_until_ready(self, poll_s: float = 0.5) -> None:
+    async def wait_until_ready(self, poll_s: float = 0.1) -> None:
         """Block until every stage has described itself as ready (the gateway's load step)."""
         for stage in self.stages:
             while True:

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from stagemesh.core import auth, converters, logs, rpc, serve, tls, tracing
+from stagemesh.core import auth, converters, logs, rpc, serve, startup, tls, tracing
 from stagemesh.core.acks import WorkerAck
 from stagemesh.core.metrics import ServiceMetrics
-from stagemesh.core.params import Limits
+from stagemesh.core.params import OUTPUT_TENSOR, Limits
 from stagemesh.core.rpc import ServiceHost, servicer_method
 from stagemesh.stage_service.control import Ack, StageControl
 from stagemesh.stage_service.engine.dispatch import Engine, OutputsEvent, ProgressEvent
@@ -42,7 +42,12 @@ def _acks_proto(stage_id: int, acks: list[Ack]) -> list[control_pb2.WorkerAck]:
     return [converters.worker_ack_to_proto(WorkerAck(stage_id, **dataclasses.asdict(a))) for a in acks]
 
 
-def _encode_outputs(outputs: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _encode_outputs(outputs: dict[str, torch.Tensor], output_format: str) -> dict[str, Any]:
+    """An image the gateway will encode (PNG, JPEG, WebP) goes as its uint8 pixels, the bytes
+    the gateway's encoder would make of it: a quarter of the float32 bytes to copy, send and parse."""
+    image = outputs.get("image")
+    if image is not None and output_format != OUTPUT_TENSOR and image.is_floating_point():
+        outputs = {**outputs, "image": tensors.image_pixels(image)}
     return {name: tensors.to_proto(t) for name, t in outputs.items()}
 
 
@@ -71,7 +76,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 yield stage_pb2.ExecuteResponse(progress=stage_pb2.StageProgress(step=event.step, total=event.total))
             elif isinstance(event, OutputsEvent):
                 with tracing.span("encode outputs"):
-                    outputs = await asyncio.to_thread(_encode_outputs, event.outputs)
+                    outputs = await asyncio.to_thread(_encode_outputs, event.outputs, params.output_format)
                 yield stage_pb2.ExecuteResponse(outputs=stage_pb2.StageOutputs(outputs=outputs))
 
     @servicer_method
@@ -146,9 +151,12 @@ async def serve_stage(settings: StageSettings) -> None:
     metrics.add_readings(stage_readings(engine, executor, control, lambda: servicer.ready and engine.serving))
 
     async def load() -> None:
-        await asyncio.to_thread(prepare_model_dir, settings)
-        readies = await asyncio.to_thread(executor.start)
+        with startup.phase("model folder"):
+            await asyncio.to_thread(prepare_model_dir, settings)
+        with startup.phase("workers"):
+            readies = await asyncio.to_thread(executor.start)
         ready = readies[0]
+        startup.add(list(ready.phases))
         servicer.limits = dataclasses.replace(
             settings.limits(ready.limits),
             supports_negative_prompt=ready.supports_negative_prompt,
@@ -157,6 +165,7 @@ async def serve_stage(settings: StageSettings) -> None:
         servicer.input_specs = ready.input_specs
         engine.start()
         servicer.ready = True
+        startup.report(stage_id=settings.stage_id, kind=settings.kind)
 
     async def close() -> None:
         await engine.close()
@@ -168,6 +177,7 @@ async def serve_stage(settings: StageSettings) -> None:
 def main(args: argparse.Namespace) -> None:
     settings = StageSettings.from_args(args)
     logs.configure(f"stage-{settings.stage_id}", args.log_level)
+    startup.begin(f"stage-{settings.stage_id}")
     # An incomplete --model-dir is a refused option (as `stagemesh up --model` treats it); an
     # unreadable checkpoint fails the start.
     serve.main("stage service", serve_stage(settings), option_errors=(FolderError,), start_errors=(CheckpointError,))

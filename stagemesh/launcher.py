@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from stagemesh.config import MeshConfig, SecurityConfig
-from stagemesh.core import auth, errors, logs, tls
+from stagemesh.core import auth, errors, logs, startup, tls
 from stagemesh.gateway.settings import GatewaySettings
 from stagemesh.stage_service.settings import DEFAULT_RUNTIME_CACHE_DIR, StageSettings
 from stagemesh.supervisor import Child, StartFailed, Supervisor, service_argv
@@ -170,7 +170,10 @@ async def up(config: MeshConfig, unset_env: frozenset[str] = frozenset()) -> int
     cache_address: list[str] = []
     cache, stages, gateway = _children(config, stage_addresses, cache_address)
     try:
-        starting = asyncio.ensure_future(_start_all(supervisor, cache, stages, gateway, stage_addresses, cache_address))
+        needs_cache = [s.dlo_enable_runtime_cache for s in config.stages]
+        starting = asyncio.ensure_future(
+            _start_all(supervisor, cache, stages, gateway, stage_addresses, cache_address, needs_cache)
+        )
         stopper = asyncio.ensure_future(stop.wait())
         await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
@@ -203,11 +206,47 @@ async def _start_all(
     gateway: Child,
     stage_addresses: list[str],
     cache_address: list[str],
+    needs_cache: list[bool],
 ) -> str:
-    cache_address.append(await supervisor.start(cache))
-    # Stages load their models in parallel; the gateway needs all their addresses.
-    stage_addresses.extend(await asyncio.gather(*(supervisor.start(s) for s in stages)))
-    return await supervisor.start(gateway)
+    """Every child as early as what it needs allows: stages that do not publish through the
+    cache service start beside it; the gateway starts once every stage has bound its port (it
+    waits for them to serve itself), so its start overlaps their loading."""
+    loop = asyncio.get_running_loop()
+    bound = [loop.create_future() for _ in stages]
+
+    async def stage_after_cache(i: int) -> str:
+        address = await cache_started
+        if not cache_address:
+            cache_address.append(address)  # its command line names the cache service
+        return await supervisor.start(stages[i], bound[i])
+
+    cache_started: asyncio.Future[str] = asyncio.ensure_future(supervisor.start(cache))
+    starting = [
+        asyncio.ensure_future(stage_after_cache(i) if needs_cache[i] else supervisor.start(s, bound[i]))
+        for i, s in enumerate(stages)
+    ]
+    gateway_started: asyncio.Future | None = None
+    try:
+        # A stage that fails before binding fails its task: wait on both.
+        for i, task in enumerate(starting):
+            await asyncio.wait({bound[i], task}, return_when=asyncio.FIRST_COMPLETED)
+            if not bound[i].done():
+                await task  # raises its StartFailed
+        address = await cache_started
+        if not cache_address:
+            cache_address.append(address)
+        stage_addresses.extend(b.result() for b in bound)
+        gateway_started = asyncio.ensure_future(supervisor.start(gateway))
+        await asyncio.gather(*starting)
+        address = await gateway_started
+    except BaseException:
+        tasks: list[asyncio.Future] = [cache_started, *starting, *([gateway_started] if gateway_started else [])]
+        for pending in tasks:
+            pending.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # no failure left unretrieved
+        raise
+    startup.report(children=len(stages) + 2)
+    return address
 
 
 def _check_security_files(security: SecurityConfig) -> None:
@@ -247,4 +286,5 @@ def main(
         print(f"stagemesh: invalid config {config_path}: {exc}", file=sys.stderr, flush=True)
         return 2
     logs.configure("up", config.log_level)
+    startup.begin("up")
     return asyncio.run(up(config, unset_env))

@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stagemesh.config import SupervisionConfig
-from stagemesh.core import logs, procutil, readyfile, serve, tls
+from stagemesh.core import logs, procutil, readyfile, serve, startup, tls
 from stagemesh.core.backoff import Backoff
 
 log = logs.get_logger("stagemesh.supervisor")
@@ -55,13 +55,16 @@ class Supervisor:
         self._run_dir = Path(tempfile.mkdtemp(prefix="stagemesh-"))
         self._stopping = False
 
-    async def start(self, child: Child) -> str:
-        """Start a child and return its address once grpc.health reports SERVING."""
+    async def start(self, child: Child, bound: asyncio.Future | None = None) -> str:
+        """Start a child and return its address once grpc.health reports SERVING. `bound`, when
+        given, gets the address as soon as the child has bound its port (it may load for long
+        after that). The time from start to serving is a start-up phase of `up`."""
         self._children.append(child)
-        await self._launch(child)
+        with startup.phase(f"start {child.name}"):
+            await self._launch(child, bound)
         return child.address
 
-    async def _launch(self, child: Child) -> None:
+    async def _launch(self, child: Child, bound: asyncio.Future | None = None) -> None:
         ready = self._run_dir / f"{child.name}.ready"
         ready.unlink(missing_ok=True)
         argv = [*child.argv(child.port), "--ready-file", str(ready)]
@@ -78,6 +81,8 @@ class Supervisor:
         child.address = info["address"]
         child.ready = info
         child.port = int(child.address.rsplit(":", 1)[1])  # a restart reuses the port its peers know
+        if bound is not None and not bound.done():
+            bound.set_result(child.address)
         async with tls.channel(child.address, self._tls_ca, aio=True) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             health_failure = ""

@@ -111,6 +111,10 @@ class Runner(Protocol):
 
     def input_specs(self) -> dict[str, TensorSpec] | None: ...  # the inputs it takes; None: not declared
 
+    # The batch the worker runs once before it reports ready (its first-image warm-up), with
+    # inputs shaped as the stage before sends them; None: this runner has no warm-up.
+    def warm_up_items(self, params: Params) -> list[WorkItem] | None: ...
+
 
 class RunnerBase:
     """What a runner without extra device memory, DLO or TP answers; a runner with a DLO engine
@@ -144,3 +148,6 @@ class RunnerBase:
 
     def input_specs(self) -> dict[str, TensorSpec] | None:
         return None  # the runner checks its inputs itself
+
+    def warm_up_items(self, params: Params) -> list[WorkItem] | None:
+        return None

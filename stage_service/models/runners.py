@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from stagemesh.core.params import Params
 from stagemesh.stage_service import platform
 from stagemesh.stage_service.models.batch_invariance import groups_by_key, run_in_groups
 from stagemesh.stage_service.models.contract import (
@@ -89,6 +90,9 @@ class ArRunner(RunnerBase):
     def input_specs(self) -> dict[str, TensorSpec]:
         return {}  # the prompt is all it reads
 
+    def warm_up_items(self, params: Params) -> list[WorkItem]:
+        return [WorkItem("warm-up", params)]
+
     def limits(self) -> dict:
         lm = self.config.lm
         return {
@@ -171,6 +175,12 @@ class DiffusionRunner(RunnerBase):
             # uint8, sized like the request (stage_service.inputs checks both).
             INIT_IMAGE_INPUT: TensorSpec((None, None, 3), floating=False, required=False),
         }
+
+    def warm_up_items(self, params: Params) -> list[WorkItem]:
+        # The language model's output for a short prompt: its tokens plus the decoded ones.
+        rows = min(self.config.lm.max_seq_len, 8 + self.config.lm.decode_tokens)
+        states = torch.zeros(rows, self.config.dit.cond_dim)
+        return [WorkItem("warm-up", params, {"hidden_states": states})]
 
     def _cond(self, index: int, item: WorkItem, name: str = "hidden_states") -> torch.Tensor:
         cond = item.inputs.get(name)

@@ -22,6 +22,8 @@ IMAGE_PARALLEL_KINDS = ("diffusion", "denoise")
 # When a worker prepares the level-1 sleep host buffer: by the first level-1 sleep, before it
 # reports ready, or on threads once its model is loaded (worker/sleep.py).
 SLEEP_HOST_BUFFERS = ("first_sleep", "at_start", "background")
+# When a worker runs its first-image warm-up before reporting ready (worker/warm_up.py).
+WARM_UPS = ("auto", "on", "off")
 # Requests leaving width/height unset, where neither default_size nor the model names a size.
 FALLBACK_SIZE = 256
 # How often a serving worker says it is alive, even in the middle of a batch; hang_timeout_s
@@ -137,6 +139,14 @@ class StageSettings(DloOptions):
         "sleep on (its page cache: the weights' size again), so level-2 wakes copy at link speed too",
         choices=SLEEP_HOST_BUFFERS,
     )
+    warm_up: str = option(
+        "auto",
+        "run one small batch at the stage's default size (default_size, at most 2 denoising steps) in each worker "
+        "before the stage reports ready, so the first request finds the kernels chosen, the allocator's "
+        "pool filled and compiled code loaded: 'on', 'off', or 'auto' (on for a CUDA device); a warm-up that "
+        "fails fails the start, naming why",
+        choices=WARM_UPS,
+    )
     hang_timeout_s: float = option(
         30.0,
         "a worker process silent this long (no heartbeat, which it sends every second even "
@@ -174,6 +184,8 @@ class StageSettings(DloOptions):
         _check_kind(self.kind)  # first: the other checks' advice assumes a known kind
         _check_counts(self)
         _check_sleep_host_buffer(self)
+        if self.warm_up not in WARM_UPS:
+            raise ValueError(f"warm_up = {self.warm_up!r}: allowed: {', '.join(WARM_UPS)}")
         _check_defaults_within_limits(self)
         super().__post_init__()  # refused DLO combinations fail at start, saying what to change
         acceleration.validate(self)

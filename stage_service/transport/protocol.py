@@ -91,6 +91,8 @@ class Ready:
     # What the runner's pipeline can use beyond a prompt (Runner.supports_*).
     supports_negative_prompt: bool = False
     supports_init_image: bool = False
+    # The worker's start-up phases (core.startup records), for the stage's start-up report.
+    phases: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)

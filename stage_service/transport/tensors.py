@@ -22,6 +22,13 @@ def host_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
 
 
+def image_pixels(image: torch.Tensor) -> torch.Tensor:
+    """An [H, W, 3] float image in [0, 1] as the uint8 pixels the gateway's encoder makes of it
+    (codec.to_pixels, the same arithmetic, so the encoded bytes do not change). An image for
+    PNG, JPEG or WebP then travels at a quarter of its float32 size."""
+    return torch.from_numpy(codec.to_pixels(image.detach().to("cpu", torch.float32).contiguous().numpy()))
+
+
 def to_proto(tensor: torch.Tensor) -> tensor_pb2.Tensor:
     raw = host_bytes(tensor).numpy().tobytes()
     return tensor_pb2.Tensor(dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), data=raw)

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from stagemesh.core import logs
+from stagemesh.core import logs, startup
 from stagemesh.stage_service import platform
 from stagemesh.stage_service.models.acceleration import Acceleration
 from stagemesh.stage_service.models.batch_invariance import BATCHED_KINDS, run_items_alone
@@ -27,6 +27,7 @@ from stagemesh.stage_service.settings import HEARTBEAT_S, DloOptions
 from stagemesh.stage_service.transport import ipc, protocol
 from stagemesh.stage_service.worker.async_output import AsyncOutputThread, ResultWriter, new_output_id
 from stagemesh.stage_service.worker.sleep import SleepController
+from stagemesh.stage_service.worker.warm_up import WarmUpFailed, warm_up
 
 log = logs.get_logger("stagemesh.worker")
 
@@ -148,14 +149,17 @@ class Worker:
             self._serve()
         finally:
             heartbeat.stop()
-            try:
-                if self.async_output is not None:
-                    self.async_output.drain()
-                    self.async_output.close()
-            finally:
-                # The host memory sleep holds (the level-1 buffer, the locked checkpoint) is
-                # given back however serving ended.
-                self.sleep.close()
+            self.close()
+
+    def close(self) -> None:
+        try:
+            if self.async_output is not None:
+                self.async_output.drain()
+                self.async_output.close()
+        finally:
+            # The host memory sleep holds (the level-1 buffer, the locked checkpoint) is
+            # given back however serving ended.
+            self.sleep.close()
 
     def _serve(self) -> None:
         while True:
@@ -292,40 +296,55 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
     # A spawned process starts with structlog unconfigured (it would print to stdout).
     settings = spec.settings
     logs.configure(f"stage-{settings.stage_id}-worker-{spec.rank}")
+    startup.begin(f"stage-{settings.stage_id}-worker-{spec.rank}")
     # Ctrl-C reaches the whole process group; the service decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # SIGTERM (e.g. to the whole process group): nobody will read our segments any more.
     signal.signal(signal.SIGTERM, lambda *_: _exit_orphaned(spec))
-    import torch
+    with startup.phase("worker imports"):
+        import torch
 
-    if settings.threads > 0:
-        torch.set_num_threads(settings.threads)
-    from stagemesh.stage_service.models import acceleration
-    from stagemesh.stage_service.models.model_dir import resolved_model_dir
-    from stagemesh.stage_service.models.runners import build_runner
+        if settings.threads > 0:
+            torch.set_num_threads(settings.threads)
+        from stagemesh.stage_service.models import acceleration
+        from stagemesh.stage_service.models.model_dir import resolved_model_dir
+        from stagemesh.stage_service.models.runners import build_runner
 
     device = resolve_device(settings.device, spec.rank)
     try:
-        group = _join_dp_group(spec, device)
-        tp = _join_tp_group(spec, device)
-        parallel = _join_image_group(spec, device)
-        runner = build_runner(
-            settings.kind,
-            resolved_model_dir(settings),
-            device,
-            dlo=DloOptions.from_settings(settings),
-            group=group,
-            tp=tp,
-            cuda_graphs=settings.cuda_graphs,
-            invariant_rows=settings.invariant_rows(),
-            parallel=parallel,
-        )
-        accel = acceleration.prepare(runner, settings, device)
-        worker = Worker(spec, runner, device, requests, results, accel)
+        with startup.phase("process groups"):
+            group = _join_dp_group(spec, device)
+            tp = _join_tp_group(spec, device)
+            parallel = _join_image_group(spec, device)
+        with startup.phase("model load", kind=settings.kind, device=device):
+            runner = build_runner(
+                settings.kind,
+                resolved_model_dir(settings),
+                device,
+                dlo=DloOptions.from_settings(settings),
+                group=group,
+                tp=tp,
+                cuda_graphs=settings.cuda_graphs,
+                invariant_rows=settings.invariant_rows(),
+                parallel=parallel,
+            )
+        with startup.phase("acceleration"):
+            accel = acceleration.prepare(runner, settings, device)
+        with startup.phase("sleep and output set-up"):
+            worker = Worker(spec, runner, device, requests, results, accel)
     except Exception as exc:
         if not _says_it_all(exc):
             log.exception("model load failed")  # a bug: its stack is what the log needs
         results.put(protocol.LoadFailed(spec.rank, f"{type(exc).__name__}: {exc}"))
+        return
+    try:
+        # After the set-up: what the first request meets (compacted weights, captured graphs)
+        # is what the warm-up prepares.
+        warm_up(runner, settings, device, run=lambda items: accel.run(runner.run, items))
+    except WarmUpFailed as exc:
+        log.error("warm-up failed", reason=str(exc))
+        worker.close()
+        results.put(protocol.LoadFailed(spec.rank, str(exc)))
         return
     # Ready once the worker can serve: its heartbeats start with serve(), right after.
     worker.writer.put(
@@ -337,6 +356,7 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
             input_specs=runner.input_specs(),
             supports_negative_prompt=runner.supports_negative_prompt,
             supports_init_image=runner.supports_init_image,
+            phases=tuple(startup.records()),
         )
     )
     worker.serve()

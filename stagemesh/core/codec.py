@@ -62,6 +62,16 @@ def checked_shape(message: tensor_pb2.Tensor, field: str = "tensor") -> tuple[in
     return shape
 
 
+def to_pixels(image: np.ndarray) -> np.ndarray:
+    """[H, W, 3] float in [0, 1] -> uint8: scaled in float32, rounded half to even, clamped. The
+    one conversion of an image to the pixels PNG, JPEG and WebP encode, wherever it runs (the
+    stage before it sends an image for such a format, the gateway for any other); uint8 pixels
+    pass as they are."""
+    if image.dtype == np.uint8:
+        return image
+    return (image.astype(np.float32, copy=False) * np.float32(255.0)).round().clip(0, 255).astype(np.uint8)
+
+
 def to_array(message: tensor_pb2.Tensor, field: str = "tensor") -> np.ndarray:
     """The message as a numpy array: a read-only view of its bytes, except bfloat16, which numpy
     lacks and which is widened to float32 (exactly: bfloat16 is float32's upper 16 bits)."""

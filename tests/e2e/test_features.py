@@ -235,6 +235,27 @@ def test_a_stage_runs_an_image_to_image_request_sent_to_it_directly(stages):
     assert drawn.shape == (32, 32, 3)  # the starting image's size: width and height were left unset
 
 
+def test_an_image_for_an_encoded_format_leaves_the_stage_as_the_pixels_the_gateway_encodes(stages):
+    """For PNG (JPEG, WebP) the stage sends uint8 pixels, a quarter of the float32 bytes, and the
+    gateway's PNG of them is byte for byte the PNG of the float image a tensor request gets."""
+    from stagemesh.gateway.images import encode_png
+
+    _, diffusion = stages
+    hidden = {"hidden_states": tensors.to_proto(torch.linspace(-1, 1, 5 * 64).reshape(5, 64))}
+    drawn = {}
+    for fmt in (generation_pb2.OUTPUT_FORMAT_PNG, generation_pb2.OUTPUT_FORMAT_TENSOR):
+        params = generation_pb2.GenerationParams(
+            prompt="p", width=32, height=32, num_inference_steps=2, seed=3, output_format=fmt
+        )
+        replies = list(diffusion.Execute(stage_pb2.ExecuteRequest(request_id="px", params=params, inputs=hidden)))
+        drawn[fmt] = replies[-1].outputs.outputs["image"]
+    pixels, floats = drawn[generation_pb2.OUTPUT_FORMAT_PNG], drawn[generation_pb2.OUTPUT_FORMAT_TENSOR]
+    assert (pixels.dtype, floats.dtype) == ("uint8", "float32")
+    assert len(pixels.data) * 4 == len(floats.data)
+    as_png = encode_png(tensors.from_proto(pixels).numpy())
+    assert as_png == encode_png(tensors.from_proto(floats).numpy())
+
+
 # ---- one request, several images: nothing is left behind --------------------------------------------
 def test_a_cancelled_request_of_several_images_leaves_admission_and_stages_free(sleepy):
     """Sleep waits until every admitted Generate has reached its first stage and every stage has

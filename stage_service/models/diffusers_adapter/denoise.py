@@ -21,7 +21,15 @@ from typing import Any
 import PIL.Image
 import torch
 
-from stagemesh.stage_service.models.contract import INIT_IMAGE_INPUT, ItemError, RunnerBase, WeightFile, check_batch
+from stagemesh.stage_service.models.contract import (
+    INIT_IMAGE_INPUT,
+    ItemError,
+    RunnerBase,
+    WeightFile,
+    WorkItem,
+    check_batch,
+)
+from stagemesh.stage_service.models.diffusers_adapter.direct import load_components
 from stagemesh.stage_service.models.diffusers_adapter.families import Family, family_of, pixel_multiple
 from stagemesh.stage_service.models.diffusers_adapter.folder import check_stage_folder
 from stagemesh.stage_service.models.diffusers_adapter.loading import (
@@ -36,6 +44,11 @@ from stagemesh.stage_service.models.diffusers_adapter.parallel import for_sampli
 from stagemesh.stage_service.models.diffusers_adapter.sampling import DEFAULT_STRENGTH, sample
 from stagemesh.stage_service.models.parallel import ImageParallel
 from stagemesh.stage_service.settings import DloOptions
+
+# The warm-up's embeddings: the encoder stage's text length per pipeline (FLUX: T5 at 512; SD3:
+# CLIP's 77 + T5's 256), for the families that hand on a prompt and a pooled embedding.
+WARM_UP_TEXT_TOKENS = {"FluxPipeline": 512, "StableDiffusion3Pipeline": 333}
+POOLED_EMBEDDINGS = ("prompt_embeds", "pooled_prompt_embeds")
 
 
 def starting_images(batch) -> tuple[list[torch.Tensor] | None, float]:
@@ -106,9 +119,14 @@ class DenoiseRunner(RunnerBase):
         self.supports_negative_prompt = self.family.supports_negative_prompt
         self.supports_init_image = self.family.supports_image_input
         dtype = checkpoint_dtype(self.folder)
-        self.transformer, self.offload = load_transformer(self.folder, self.family, device, dtype, opts)
-        self.pipe = load_pipeline(self.folder, ["scheduler", "vae"], dtype, transformer=self.transformer)
-        self.pipe.vae.to(device).eval().requires_grad_(False)
+        # Resident, the transformer and the VAE are read straight to the device together.
+        if opts.enable_dlo:
+            self.transformer, self.offload = load_transformer(self.folder, self.family, device, dtype, opts)
+            parts = load_components(self.folder, ["vae"], device, dtype)
+        else:
+            parts = load_components(self.folder, ["transformer", "vae"], device, dtype)
+            self.transformer, self.offload = parts["transformer"], None
+        self.pipe = load_pipeline(self.folder, ["scheduler"], dtype, transformer=self.transformer, vae=parts["vae"])
         # Sequence / CFG parallel: every rank samples; rank 0 alone decodes and answers.
         self.parallel = parallel or ImageParallel()
         split = self.parallel.sp.split or self.parallel.cfg.split
@@ -210,6 +228,23 @@ class DenoiseRunner(RunnerBase):
     def limits(self) -> dict:
         return {"pixel_multiple": pixel_multiple(self.folder)}
 
+    def warm_up_items(self, params) -> list[WorkItem] | None:
+        """Zero embeddings shaped as the encoder stage sends them (its text length, the
+        transformer's widths), the negative ones too where the family guides with them; None
+        for a family whose shapes are not known here (it starts without a warm-up)."""
+        family, config = self.family, self.transformer.config
+        tokens = WARM_UP_TEXT_TOKENS.get(family.pipeline_class)
+        width = getattr(config, "joint_attention_dim", None)
+        pooled_width = getattr(config, "pooled_projection_dim", None)
+        if tokens is None or width is None or pooled_width is None or family.embeddings != POOLED_EMBEDDINGS:
+            return None
+        text = torch.zeros(tokens, width, dtype=self.transformer.dtype)
+        pooled = torch.zeros(pooled_width, dtype=self.transformer.dtype)
+        inputs = {"prompt_embeds": text, "pooled_prompt_embeds": pooled}
+        if params.guidance_scale > family.cfg_above:
+            inputs |= dict(zip(family.negative_embeddings, (text, pooled), strict=False))
+        return [WorkItem("warm-up", params, inputs)]
+
 
 class DecodeRunner(RunnerBase):
     """kind "decode": the family's VAE tail as its own stage, after a "denoise" stage."""
@@ -220,8 +255,9 @@ class DecodeRunner(RunnerBase):
         self.folder = check_stage_folder(model_dir, self.kind)
         self.family = family_of(self.folder)
         self.device = device
-        self.pipe = load_pipeline(self.folder, ["vae"], checkpoint_dtype(self.folder))
-        self.vae = self.pipe.vae.to(device).eval().requires_grad_(False)
+        dtype = checkpoint_dtype(self.folder)
+        self.vae = load_components(self.folder, ["vae"], device, dtype)["vae"]
+        self.pipe = load_pipeline(self.folder, [], dtype, vae=self.vae)
 
     def weight_files(self) -> list[WeightFile]:
         return weight_files(self.folder, "vae", self.vae)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from stagemesh.stage_service.models.contract import ItemError, RunnerBase, WeightFile
+from stagemesh.stage_service.models.contract import ItemError, RunnerBase, WeightFile, WorkItem
 from stagemesh.stage_service.models.diffusers_adapter.families import family_of
 from stagemesh.stage_service.models.diffusers_adapter.folder import check_stage_folder
 from stagemesh.stage_service.models.diffusers_adapter.loading import checkpoint_dtype, load_pipeline, weight_files
@@ -48,6 +48,9 @@ class EncoderRunner(RunnerBase):
             if progress is not None:
                 progress(i + 1, len(batch))
         return outputs
+
+    def warm_up_items(self, params) -> list[WorkItem]:
+        return [WorkItem("warm-up", params)]
 
     def limits(self) -> dict:
         return {}
