@@ -102,6 +102,17 @@ class StageSettings(DloOptions):
         "sleep on (its page cache: the weights' size again), so level-2 wakes copy at link speed too",
         choices=SLEEP_HOST_BUFFERS,
     )
+    lora_dir: str = option(
+        "",
+        "folder of LoRA adapters a stage holding a diffusers transformer registers at start (each "
+        "NAME.safetensors file, or folder NAME holding one, as adapter NAME) and LoadAdapter reads from; "
+        "empty: none at start, and LoadAdapter is refused (OPERATIONS.md, \"LoRA adapters\")",
+    )
+    max_device_adapters: int = option(
+        0,
+        "most LoRA adapters each worker keeps on its device; past it the least recently used move to "
+        "host memory and come back when a request names them; 0: no bound",
+    )
     hang_timeout_s: float = option(
         30.0,
         "a worker process silent this long (no heartbeat, which it sends every second even "
@@ -135,6 +146,12 @@ class StageSettings(DloOptions):
         _check_counts(self)
         _check_sleep_host_buffer(self)
         _check_defaults_within_limits(self)
+        if isinstance(self.max_device_adapters, bool) or not isinstance(self.max_device_adapters, int) or (
+            self.max_device_adapters < 0
+        ):
+            raise ValueError(
+                f"max_device_adapters = {self.max_device_adapters!r}: allowed a whole number, 0 (no bound) or more"
+            )
         super().__post_init__()  # refused DLO combinations fail at start, saying what to change
         if self.dp_size > 1 and self.workers not in (1, self.dp_size):
             raise ValueError(

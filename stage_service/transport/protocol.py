@@ -89,6 +89,8 @@ class Ready:
     # What the runner's pipeline can use beyond a prompt (Runner.supports_*).
     supports_negative_prompt: bool = False
     supports_init_image: bool = False
+    # The LoRA adapters it registered from lora_dir; None: the runner applies no adapters.
+    adapters: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

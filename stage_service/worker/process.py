@@ -19,6 +19,7 @@ from typing import Any
 
 from stagemesh.core import logs
 from stagemesh.stage_service import platform
+from stagemesh.stage_service.models import adapters
 from stagemesh.stage_service.models.batch_invariance import BATCHED_KINDS, run_items_alone
 from stagemesh.stage_service.models.contract import ItemError, Runner
 from stagemesh.stage_service.settings import HEARTBEAT_S, DloOptions
@@ -112,6 +113,9 @@ class Worker:
                 bytes=self.sleep.weight_bytes,
                 seconds=round(time.perf_counter() - started, 3),
             )
+        # LoRA adapters of a diffusers transformer (lora_dir's at start), after the sleep controller
+        # has named the base weights by their checkpoint keys (peft renames the layers it wraps).
+        self.adapters = adapters.for_runner(runner, settings, device, spec.rank)
         self.spec = spec
         self.runner = runner
         self.device = device
@@ -170,6 +174,8 @@ class Worker:
             items = [dataclasses.replace(item, inputs=ipc.unpack(item.inputs)) for item in msg.items]
             started = platform.DeviceEvent(self.device, timing=True).record()
             on_step = progress if self.spec.output_rank else None
+            if self.adapters is not None:  # a batch shares its adapter set (the batch key)
+                self.adapters.apply(items[0].params.adapters)
             if self.items_alone:
                 outputs = run_items_alone(self.runner.run, items, on_step)
             else:
@@ -222,7 +228,10 @@ class Worker:
         return protocol.WorkerStats(platform.memory_allocated(self.device), self.runner.offload_bytes())
 
     def _control_ops(self) -> dict[str, Any]:
-        return {"ping": self._ping, "drain": self._drain, "sleep": self._sleep, "wake": self._wake}
+        ops = {"ping": self._ping, "drain": self._drain, "sleep": self._sleep, "wake": self._wake}
+        if self.adapters is not None:
+            ops.update(adapters.control_ops(self.adapters))
+        return ops
 
     def _ping(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -244,7 +253,8 @@ class Worker:
         if not drained:
             raise RuntimeError("async outputs still in flight after 10 s; not sleeping")
         # DLO: the runner's offload engine frees its device slots within the same measurement.
-        result = self.sleep.sleep(level, holders=self.runner.device_holders())
+        holders = [*self.runner.device_holders(), *([self.adapters] if self.adapters is not None else [])]
+        result = self.sleep.sleep(level, holders=holders)
         return {"level": result.level, "freed_bytes": result.freed_bytes, "latency_ms": result.latency_ms}
 
     def _wake(self) -> dict[str, Any]:
@@ -317,6 +327,7 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
             input_specs=runner.input_specs(),
             supports_negative_prompt=runner.supports_negative_prompt,
             supports_init_image=runner.supports_init_image,
+            adapters=tuple(worker.adapters.names()) if worker.adapters is not None else None,
         )
     )
     worker.serve()

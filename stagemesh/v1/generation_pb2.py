@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from stagemesh.v1 import tensor_pb2 as stagemesh_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dstagemesh/v1/generation.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/tensor.proto\"\xcd\x03\n\x10GenerationParams\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\x05width\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06height\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12 \n\x13num_inference_steps\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x04\x88\x01\x01\x12\x31\n\routput_format\x18\x07 \x01(\x0e\x32\x1a.stagemesh.v1.OutputFormat\x12\x1c\n\x0fnegative_prompt\x18\x08 \x01(\tH\x05\x88\x01\x01\x12\x17\n\nnum_images\x18\t \x01(\x05H\x06\x88\x01\x01\x12\x14\n\x07quality\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x12\n\ninit_image\x18\x0b \x01(\x0c\x12\x15\n\x08strength\x18\x0c \x01(\x02H\x08\x88\x01\x01\x42\x08\n\x06_widthB\t\n\x07_heightB\x16\n\x14_num_inference_stepsB\x11\n\x0f_guidance_scaleB\x07\n\x05_seedB\x12\n\x10_negative_promptB\r\n\x0b_num_imagesB\n\n\x08_qualityB\x0b\n\t_strength\"\xfa\x02\n\x10GenerationResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\routput_format\x18\x02 \x01(\x0e\x32\x1a.stagemesh.v1.OutputFormat\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x0e\n\x06height\x18\x04 \x01(\x05\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\r\n\x03png\x18\x06 \x01(\x0cH\x00\x12&\n\x06tensor\x18\x07 \x01(\x0b\x32\x14.stagemesh.v1.TensorH\x00\x12\x0e\n\x04jpeg\x18\t \x01(\x0cH\x00\x12\x0e\n\x04webp\x18\n \x01(\x0cH\x00\x12L\n\x10stage_latency_ms\x18\x08 \x03(\x0b\x32\x32.stagemesh.v1.GenerationResult.StageLatencyMsEntry\x12\r\n\x05index\x18\x0b \x01(\x05\x1a\x35\n\x13StageLatencyMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05image*\x8e\x01\n\x0cOutputFormat\x12\x1d\n\x19OUTPUT_FORMAT_UNSPECIFIED\x10\x00\x12\x15\n\x11OUTPUT_FORMAT_PNG\x10\x01\x12\x18\n\x14OUTPUT_FORMAT_TENSOR\x10\x02\x12\x16\n\x12OUTPUT_FORMAT_JPEG\x10\x03\x12\x16\n\x12OUTPUT_FORMAT_WEBP\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dstagemesh/v1/generation.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/tensor.proto\"\xfc\x03\n\x10GenerationParams\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\x05width\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06height\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12 \n\x13num_inference_steps\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x04\x88\x01\x01\x12\x31\n\routput_format\x18\x07 \x01(\x0e\x32\x1a.stagemesh.v1.OutputFormat\x12\x1c\n\x0fnegative_prompt\x18\x08 \x01(\tH\x05\x88\x01\x01\x12\x17\n\nnum_images\x18\t \x01(\x05H\x06\x88\x01\x01\x12\x14\n\x07quality\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x12\n\ninit_image\x18\x0b \x01(\x0c\x12\x15\n\x08strength\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12-\n\x08\x61\x64\x61pters\x18\x14 \x03(\x0b\x32\x1b.stagemesh.v1.AdapterChoiceB\x08\n\x06_widthB\t\n\x07_heightB\x16\n\x14_num_inference_stepsB\x11\n\x0f_guidance_scaleB\x07\n\x05_seedB\x12\n\x10_negative_promptB\r\n\x0b_num_imagesB\n\n\x08_qualityB\x0b\n\t_strength\";\n\rAdapterChoice\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\x05scale\x18\x02 \x01(\x02H\x00\x88\x01\x01\x42\x08\n\x06_scale\"\xfa\x02\n\x10GenerationResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\routput_format\x18\x02 \x01(\x0e\x32\x1a.stagemesh.v1.OutputFormat\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x0e\n\x06height\x18\x04 \x01(\x05\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\r\n\x03png\x18\x06 \x01(\x0cH\x00\x12&\n\x06tensor\x18\x07 \x01(\x0b\x32\x14.stagemesh.v1.TensorH\x00\x12\x0e\n\x04jpeg\x18\t \x01(\x0cH\x00\x12\x0e\n\x04webp\x18\n \x01(\x0cH\x00\x12L\n\x10stage_latency_ms\x18\x08 \x03(\x0b\x32\x32.stagemesh.v1.GenerationResult.StageLatencyMsEntry\x12\r\n\x05index\x18\x0b \x01(\x05\x1a\x35\n\x13StageLatencyMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05image*\x8e\x01\n\x0cOutputFormat\x12\x1d\n\x19OUTPUT_FORMAT_UNSPECIFIED\x10\x00\x12\x15\n\x11OUTPUT_FORMAT_PNG\x10\x01\x12\x18\n\x14OUTPUT_FORMAT_TENSOR\x10\x02\x12\x16\n\x12OUTPUT_FORMAT_JPEG\x10\x03\x12\x16\n\x12OUTPUT_FORMAT_WEBP\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,12 +34,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATIONRESULT_STAGELATENCYMSENTRY']._loaded_options = None
   _globals['_GENERATIONRESULT_STAGELATENCYMSENTRY']._serialized_options = b'8\001'
-  _globals['_OUTPUTFORMAT']._serialized_start=920
-  _globals['_OUTPUTFORMAT']._serialized_end=1062
+  _globals['_OUTPUTFORMAT']._serialized_start=1028
+  _globals['_OUTPUTFORMAT']._serialized_end=1170
   _globals['_GENERATIONPARAMS']._serialized_start=75
-  _globals['_GENERATIONPARAMS']._serialized_end=536
-  _globals['_GENERATIONRESULT']._serialized_start=539
-  _globals['_GENERATIONRESULT']._serialized_end=917
-  _globals['_GENERATIONRESULT_STAGELATENCYMSENTRY']._serialized_start=855
-  _globals['_GENERATIONRESULT_STAGELATENCYMSENTRY']._serialized_end=908
+  _globals['_GENERATIONPARAMS']._serialized_end=583
+  _globals['_ADAPTERCHOICE']._serialized_start=585
+  _globals['_ADAPTERCHOICE']._serialized_end=644
+  _globals['_GENERATIONRESULT']._serialized_start=647
+  _globals['_GENERATIONRESULT']._serialized_end=1025
+  _globals['_GENERATIONRESULT_STAGELATENCYMSENTRY']._serialized_start=963
+  _globals['_GENERATIONRESULT_STAGELATENCYMSENTRY']._serialized_end=1016
 # @@protoc_insertion_point(module_scope)
