@@ -106,7 +106,7 @@ class StageSettings(DloOptions):
         "",
         "folder of LoRA adapters a stage holding a diffusers transformer registers at start (each "
         "NAME.safetensors file, or folder NAME holding one, as adapter NAME) and LoadAdapter reads from; "
-        "empty: none at start, and LoadAdapter is refused (OPERATIONS.md, \"LoRA adapters\")",
+        'empty: none at start, and LoadAdapter is refused (OPERATIONS.md, "LoRA adapters")',
     )
     max_device_adapters: int = option(
         0,
@@ -146,8 +146,10 @@ class StageSettings(DloOptions):
         _check_counts(self)
         _check_sleep_host_buffer(self)
         _check_defaults_within_limits(self)
-        if isinstance(self.max_device_adapters, bool) or not isinstance(self.max_device_adapters, int) or (
-            self.max_device_adapters < 0
+        if (
+            isinstance(self.max_device_adapters, bool)
+            or not isinstance(self.max_device_adapters, int)
+            or (self.max_device_adapters < 0)
         ):
             raise ValueError(
                 f"max_device_adapters = {self.max_device_adapters!r}: allowed a whole number, 0 (no bound) or more"

@@ -76,9 +76,7 @@ def params_from_proto(
 
 
 def adapters_from_proto(choices) -> tuple[gp.AdapterChoice, ...]:
-    return tuple(
-        gp.AdapterChoice(c.name, _decimal(c.scale) if c.HasField("scale") else 1.0) for c in choices
-    )
+    return tuple(gp.AdapterChoice(c.name, _decimal(c.scale) if c.HasField("scale") else 1.0) for c in choices)
 
 
 def adapters_to_proto(choices: tuple[gp.AdapterChoice, ...]) -> list[generation_pb2.AdapterChoice]:

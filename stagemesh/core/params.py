@@ -233,9 +233,7 @@ def _check_adapters(adapters: tuple[AdapterChoice, ...], limits: Limits, out: li
     if not adapters:
         return
     if not limits.supports_adapters:
-        out.append(
-            FieldViolation("params.adapters", "this pipeline applies no LoRA adapters; allowed: empty")
-        )
+        out.append(FieldViolation("params.adapters", "this pipeline applies no LoRA adapters; allowed: empty"))
         return
     if len(adapters) > MAX_ADAPTERS_PER_REQUEST:
         out.append(

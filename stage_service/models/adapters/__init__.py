@@ -10,4 +10,12 @@ worker's adapters, applies a batch's set and keeps at most `max_device_adapters`
 from stagemesh.stage_service.models.adapters.files import AdapterFileError, discover, resolve_source
 from stagemesh.stage_service.models.adapters.registry import AdapterRegistry, UnknownAdapter, control_ops, for_runner
 
-__all__ = ["AdapterFileError", "AdapterRegistry", "UnknownAdapter", "control_ops", "discover", "for_runner", "resolve_source"]
+__all__ = [
+    "AdapterFileError",
+    "AdapterRegistry",
+    "UnknownAdapter",
+    "control_ops",
+    "discover",
+    "for_runner",
+    "resolve_source",
+]

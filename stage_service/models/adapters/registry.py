@@ -8,6 +8,7 @@ import collections
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -66,7 +67,7 @@ class AdapterRegistry:
     def __init__(
         self,
         pipe,
-        transformer: nn.Module,
+        transformer: Any,
         device: str | torch.device,
         lora_dir: str = "",
         max_device_adapters: int = 0,
