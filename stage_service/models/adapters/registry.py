@@ -123,7 +123,7 @@ class AdapterRegistry:
         entry = _Adapter(name, str(source.relative_to(Path(self.lora_dir).resolve())), layers)
         entry.params = _adapter_params(self.transformer, name)
         room = not self.max_device_adapters or self.resident_count() < self.max_device_adapters
-        self._place(entry, self.device if room else torch.device("cpu"))
+        self._place(entry, room)
         self._adapters[name] = entry
         self._adapters.move_to_end(name, last=False)  # not used yet: first to leave the device
         log.info(
@@ -179,7 +179,7 @@ class AdapterRegistry:
         """`needed` on the device; least recently used others moved to the host past the bound."""
         for entry in needed:
             if not entry.on_device:
-                self._place(entry, self.device)
+                self._place(entry, True)
         if not self.max_device_adapters:
             return
         keep = {e.name for e in needed}
@@ -188,13 +188,15 @@ class AdapterRegistry:
             if excess <= 0:
                 break
             if entry.on_device and entry.name not in keep:
-                self._place(entry, torch.device("cpu"))
+                self._place(entry, False)
                 excess -= 1
 
-    def _place(self, entry: _Adapter, device: torch.device) -> None:
+    def _place(self, entry: _Adapter, on_device: bool) -> None:
+        """On a CPU stage both places are the same memory; the state (and so the bound) is kept alike."""
+        device = self.device if on_device else torch.device("cpu")
         for param in entry.params:
             param.data = param.data.to(device)
-        entry.on_device = device == self.device
+        entry.on_device = on_device
 
     def resident_count(self) -> int:
         return sum(1 for e in self._adapters.values() if e.on_device)
@@ -217,13 +219,13 @@ class AdapterRegistry:
         checkpoint a level-2 wake reloads from)."""
         self._released = [e for e in self._adapters.values() if e.on_device]
         for entry in self._released:
-            self._place(entry, torch.device("cpu"))
+            self._place(entry, False)
         return sum(e.nbytes for e in self._released) if self.device.type != "cpu" else 0
 
     def restore_device(self) -> int:
         for entry in self._released:
             if entry.name in self._adapters:
-                self._place(entry, self.device)
+                self._place(entry, True)
         restored, self._released = self._released, []
         return sum(e.nbytes for e in restored) if self.device.type != "cpu" else 0
 
