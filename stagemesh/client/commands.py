@@ -65,6 +65,9 @@ def generate(args) -> int:
                 steps=args.steps,
                 guidance_scale=args.guidance,
                 seed=args.seed,
+                negative_prompt=args.negative_prompt,
+                init_image=args.init_image,
+                strength=args.strength,
                 on_progress=_print_progress,
             )
         except CallError as exc:
