@@ -157,7 +157,7 @@ async def serve_gateway(settings: GatewaySettings) -> None:
         GatewayServicer(pipeline, control, DeliveryBudget(settings.max_undelivered_bytes), adapters), host.server
     )
 
-    http = _http_listener(settings, pipeline, control, token, api_key)
+    http = _http_listener(settings, pipeline, control, adapters, token, api_key)
     watching: list[asyncio.Task] = []
 
     async def load() -> None:
@@ -185,7 +185,9 @@ async def serve_gateway(settings: GatewaySettings) -> None:
     )
 
 
-def _http_listener(settings: GatewaySettings, pipeline: Pipeline, control: ControlPlane, token, api_key):
+def _http_listener(
+    settings: GatewaySettings, pipeline: Pipeline, control: ControlPlane, adapters: AdapterControl, token, api_key
+):
     """The HTTP API's listener, bound; None without --http-port (FastAPI is then never imported)."""
     if settings.http_port is None:
         return None
@@ -194,7 +196,7 @@ def _http_listener(settings: GatewaySettings, pipeline: Pipeline, control: Contr
 
     http = HttpSettings(settings.max_request_bytes, control_token=token, api_key=api_key)
     return HttpListener(
-        create_app(pipeline, control, http),
+        create_app(pipeline, control, http, adapters),
         settings.host,
         settings.http_port,
         tls_cert=settings.tls_cert,

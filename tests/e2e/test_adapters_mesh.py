@@ -25,8 +25,14 @@ diffusers = pytest.importorskip("diffusers")
 
 RPC_TIMEOUT_S = 120.0
 CASE = dict(prompt="a red fox", width=32, height=32, num_inference_steps=2, guidance_scale=3.5, seed=1)
+TOKEN = "adapter-control-token"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
 CONFIG = """[gateway]
 port = 0
+http_port = 0
+
+[security]
+token_file = "{root}/token"
 
 [cache]
 root = "{root}/cache"
@@ -68,6 +74,8 @@ def mesh(folders, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-mesh")
     config = root / "mesh.toml"
     config.write_text(CONFIG.format(root=root, loras=folders["loras"]))
+    (root / "token").write_text(TOKEN + "\n")
+    (root / "token").chmod(0o600)
     m = start_mesh(config, root / "mesh.log", ("--model", str(folders["flux"])))
     yield m
     m.stop()
@@ -106,14 +114,14 @@ def _png(m: Mesh, *adapters: tuple[str, float]) -> bytes:
 
 def _listed(m: Mesh) -> dict[str, control_pb2.AdapterInfo]:
     with m.channel() as channel:
-        reply = m.gateway(channel).ListAdapters(control_pb2.ListAdaptersRequest(), timeout=RPC_TIMEOUT_S)
+        reply = m.gateway(channel).ListAdapters(control_pb2.ListAdaptersRequest(), timeout=RPC_TIMEOUT_S, metadata=AUTH)
     return {a.name: a for a in reply.adapters}
 
 
 def _load(m: Mesh, name: str, path: str) -> control_pb2.LoadAdapterResponse:
     with m.channel() as channel:
         return m.gateway(channel).LoadAdapter(
-            control_pb2.LoadAdapterRequest(name=name, path=path), timeout=RPC_TIMEOUT_S
+            control_pb2.LoadAdapterRequest(name=name, path=path), timeout=RPC_TIMEOUT_S, metadata=AUTH
         )
 
 
@@ -186,18 +194,19 @@ def test_bad_adapter_input_is_refused_naming_it(mesh, folders):
         shutil.copy(folders["spare"] / "wrong.safetensors", folders["loras"] / "extra" / "wrong.safetensors")
         with pytest.raises(grpc.RpcError) as mismatch:
             load = control_pb2.LoadAdapterRequest(name="wrong", path="extra/wrong.safetensors")
-            gateway(channel).LoadAdapter(load)
+            gateway(channel).LoadAdapter(load, metadata=AUTH)
         assert mismatch.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         # SD3's first adapted layer; FLUX's blocks have no context_pre_only attention there.
         assert "which the transformer lacks" in field_violations(mismatch.value)["path"]
 
         with pytest.raises(grpc.RpcError) as outside:
-            gateway(channel).LoadAdapter(control_pb2.LoadAdapterRequest(name="x", path="../spare/wrong.safetensors"))
+            outside_path = control_pb2.LoadAdapterRequest(name="x", path="../spare/wrong.safetensors")
+            gateway(channel).LoadAdapter(outside_path, metadata=AUTH)
         assert outside.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "outside" in field_violations(outside.value)["path"]
 
         with pytest.raises(grpc.RpcError) as gone:
-            gateway(channel).UnloadAdapter(control_pb2.UnloadAdapterRequest(name="nope"))
+            gateway(channel).UnloadAdapter(control_pb2.UnloadAdapterRequest(name="nope"), metadata=AUTH)
         assert gone.value.code() == grpc.StatusCode.NOT_FOUND and "'nope'" in gone.value.details()
     assert "wrong" not in _listed(mesh)
 
@@ -208,14 +217,70 @@ def test_adapters_survive_sleep_and_unload_drops_one(mesh, folders):
     with mesh.channel() as channel:
         gateway = mesh.gateway(channel)
         for level in (1, 2):
-            gateway.Sleep(gateway_pb2.SleepRequest(stage_ids=[1], level=level), timeout=RPC_TIMEOUT_S)
-            gateway.WakeUp(gateway_pb2.WakeUpRequest(stage_ids=[1]), timeout=RPC_TIMEOUT_S)
+            gateway.Sleep(gateway_pb2.SleepRequest(stage_ids=[1], level=level), timeout=RPC_TIMEOUT_S, metadata=AUTH)
+            gateway.WakeUp(gateway_pb2.WakeUpRequest(stage_ids=[1]), timeout=RPC_TIMEOUT_S, metadata=AUTH)
             assert _png(mesh, ("ink", 0.8)) == want, level
         (folders["loras"] / "extra").mkdir(exist_ok=True)
         shutil.copy(folders["loras"] / "ink.safetensors", folders["loras"] / "extra" / "ink2.safetensors")
         _load(mesh, "ink2", "extra/ink2.safetensors")
-        assert gateway.UnloadAdapter(control_pb2.UnloadAdapterRequest(name="ink2")).stage_ids == [1]
+        assert gateway.UnloadAdapter(control_pb2.UnloadAdapterRequest(name="ink2"), metadata=AUTH).stage_ids == [1]
         with pytest.raises(grpc.RpcError) as gone:
             _png(mesh, ("ink2", 1.0))
         assert gone.value.code() == grpc.StatusCode.NOT_FOUND
     assert _png(mesh, ("ink", 0.8)) == want
+
+
+@pytest.mark.mesh
+def test_control_calls_need_the_token(mesh):
+    with mesh.channel() as channel:
+        for call, request in (
+            (mesh.gateway(channel).ListAdapters, control_pb2.ListAdaptersRequest()),
+            (mesh.gateway(channel).LoadAdapter, control_pb2.LoadAdapterRequest(name="x", path="ink.safetensors")),
+            (mesh.gateway(channel).UnloadAdapter, control_pb2.UnloadAdapterRequest(name="ink")),
+        ):
+            with pytest.raises(grpc.RpcError) as refused:
+                call(request, timeout=RPC_TIMEOUT_S)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "ink" in _listed(mesh)
+
+
+@pytest.mark.mesh
+def test_over_http_an_adapter_is_a_model_and_adapters_set_several(mesh):
+    import base64
+
+    import httpx
+    import openai
+
+    base_url = f"http://{mesh.http_address}"
+    sdk = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=RPC_TIMEOUT_S)
+    models = [m.id for m in sdk.models.list().data]
+    assert models[0] == "stagemesh" and "ink" in models
+    extra = {k: CASE[k] for k in ("seed", "num_inference_steps", "guidance_scale")}
+
+    def png(**kwargs) -> bytes:
+        reply = sdk.images.generate(prompt=CASE["prompt"], size="32x32", **kwargs)
+        return base64.b64decode(reply.data[0].b64_json)
+
+    assert png(model="ink", extra_body=extra) == _png(mesh, ("ink", 1.0))
+    several = {**extra, "adapters": [{"name": "ink", "scale": 0.8}]}
+    assert png(extra_body=several) == _png(mesh, ("ink", 0.8))
+    with pytest.raises(openai.NotFoundError) as unknown:
+        png(model="nope", extra_body=extra)
+    assert "'nope'" in unknown.value.message
+    with pytest.raises(openai.BadRequestError) as scale:
+        png(extra_body={**extra, "adapters": [{"name": "ink", "scale": 20}]})
+    assert scale.value.param == "adapters[0].scale"
+
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    with httpx.Client(base_url=base_url, timeout=RPC_TIMEOUT_S) as http:
+        assert http.get("/v1/omni/adapters").status_code == 401
+        listed = http.get("/v1/omni/adapters", headers=auth).json()["adapters"]
+        assert {"name": "ink", "stage_id": 1, "on_device": True}.items() <= next(
+            a for a in listed if a["name"] == "ink"
+        ).items()
+        loaded = http.post("/v1/omni/adapters", headers=auth, json={"name": "ink3", "path": "ink.safetensors"})
+        assert loaded.status_code == 200 and loaded.json()["adapters"][0]["name"] == "ink3"
+        assert png(model="ink3", extra_body=extra) == _png(mesh, ("ink", 1.0))  # the same file
+        assert http.delete("/v1/omni/adapters/ink3", headers=auth).json() == {"name": "ink3", "stage_ids": [1]}
+        gone = http.delete("/v1/omni/adapters/ink3", headers=auth)
+        assert gone.status_code == 404 and "'ink3'" in gone.json()["error"]["message"]
