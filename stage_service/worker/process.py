@@ -253,7 +253,8 @@ class Worker:
         if not drained:
             raise RuntimeError("async outputs still in flight after 10 s; not sleeping")
         # DLO: the runner's offload engine frees its device slots within the same measurement.
-        holders = [*self.runner.device_holders(), *([self.adapters] if self.adapters is not None else [])]
+        adapters = [self.adapters.for_sleep(level)] if self.adapters is not None else []
+        holders = [*self.runner.device_holders(), *adapters]
         result = self.sleep.sleep(level, holders=holders)
         return {"level": result.level, "freed_bytes": result.freed_bytes, "latency_ms": result.latency_ms}
 

@@ -213,21 +213,59 @@ class AdapterRegistry:
     def infos(self) -> list[AdapterInfo]:
         return sorted((self.info(e) for e in self._adapters.values()), key=lambda i: i.name)
 
-    # sleep (models.contract.DeviceHolder) -------------------------------------------------------
+    # sleep -------------------------------------------------------------------------------------
+    def for_sleep(self, level: int) -> _AdapterSleep:
+        """What a sleep at `level` releases with the weights (a models.contract.DeviceHolder)."""
+        return _AdapterSleep(self, level)
+
+
+class _AdapterSleep:
+    """Level 1: the adapters on the device wait in host memory and come back on wake. Level 2:
+    they are dropped, as the base weights are, and read again from their files on wake (a file
+    gone meanwhile is logged and that adapter stays unloaded on the worker)."""
+
+    def __init__(self, registry: AdapterRegistry, level: int) -> None:
+        self.registry = registry
+        self.level = level
+        self._moved: list[_Adapter] = []
+        self._dropped: list[_Adapter] = []
+
     def release_device(self) -> int:
-        """Sleep: the adapters on the device move to host memory (they are small and not in the
-        checkpoint a level-2 wake reloads from)."""
-        self._released = [e for e in self._adapters.values() if e.on_device]
-        for entry in self._released:
-            self._place(entry, False)
-        return sum(e.nbytes for e in self._released) if self.device.type != "cpu" else 0
+        registry = self.registry
+        on_cpu = registry.device.type == "cpu"
+        if self.level == 1:
+            self._moved = [e for e in registry._adapters.values() if e.on_device]
+            for entry in self._moved:
+                registry._place(entry, False)
+            return 0 if on_cpu else sum(e.nbytes for e in self._moved)  # a CPU stage's host is its device
+        self._dropped = list(registry._adapters.values())
+        released = sum(e.nbytes for e in self._dropped)
+        if self._dropped:
+            registry.transformer.delete_adapters([e.name for e in self._dropped])
+        registry._adapters.clear()
+        registry._applied = None
+        return released
 
     def restore_device(self) -> int:
-        for entry in self._released:
-            if entry.name in self._adapters:
-                self._place(entry, True)
-        restored, self._released = self._released, []
-        return sum(e.nbytes for e in restored) if self.device.type != "cpu" else 0
+        registry = self.registry
+        if self.level == 1:
+            for entry in self._moved:
+                if entry.name in registry._adapters:
+                    registry._place(entry, True)
+            moved, self._moved = self._moved, []
+            return 0 if registry.device.type == "cpu" else sum(e.nbytes for e in moved)
+        taken = 0
+        for entry in self._dropped:  # least recently used first, as they were
+            try:
+                taken += registry.load(entry.name, entry.source).bytes
+            except files.AdapterFileError as exc:
+                log.error("adapter not reloaded after sleep level 2", adapter=entry.name, error=str(exc))
+        for entry in self._dropped:  # the order and places they had
+            if entry.name in registry._adapters:
+                registry._adapters.move_to_end(entry.name)
+                registry._place(registry._adapters[entry.name], entry.on_device)
+        self._dropped = []
+        return taken
 
 
 def for_runner(runner, settings, device: str, rank: int) -> AdapterRegistry | None:

@@ -174,3 +174,26 @@ def test_request_adapters_are_validated_naming_the_field():
     assert "twice" in refused((AdapterChoice("ink"), AdapterChoice("ink")))["params.adapters[1].name"]
     assert "not an adapter name" in refused((AdapterChoice("../x"),))["params.adapters[0].name"]
     assert "no LoRA adapters" in refused((AdapterChoice("ink"),), supports=False)["params.adapters"]
+
+
+def test_sleep_level_1_keeps_adapters_on_the_host_and_level_2_reads_them_again(folders, encoder):
+    from stagemesh.stage_service.models.runners import build_runner
+
+    runner = build_runner("diffusion", folders["flux"])
+    registry = _registry(runner, folders, max_device_adapters=1)
+    registry.apply((AdapterChoice("film", 1.0),))
+    want = _image(encoder, runner, registry, ("film", 1.0))
+    before = {i.name: i for i in registry.infos()}
+
+    level_1 = registry.for_sleep(1)
+    level_1.release_device()
+    assert not any(i.on_device for i in registry.infos())
+    level_1.restore_device()
+    assert {i.name: i for i in registry.infos()} == before
+
+    level_2 = registry.for_sleep(2)
+    assert level_2.release_device() == sum(i.bytes for i in before.values())
+    assert registry.names() == [] and not [n for n, _ in runner.transformer.named_parameters() if ".lora_" in n]
+    level_2.restore_device()
+    assert {i.name: i for i in registry.infos()} == before  # the same places, read again from the files
+    assert torch.equal(_image(encoder, runner, registry, ("film", 1.0)), want)
