@@ -24,6 +24,7 @@ from stagemesh.stage_service.models.batch_invariance import BATCHED_KINDS, run_i
 from stagemesh.stage_service.models.contract import ItemError, Runner
 from stagemesh.stage_service.settings import HEARTBEAT_S, DloOptions
 from stagemesh.stage_service.transport import ipc, protocol
+from stagemesh.stage_service.worker.adapter_loads import BackgroundLoads
 from stagemesh.stage_service.worker.async_output import AsyncOutputThread, ResultWriter, new_output_id
 from stagemesh.stage_service.worker.sleep import SleepController
 
@@ -120,6 +121,7 @@ class Worker:
         self.runner = runner
         self.device = device
         self.inbox = _Inbox(requests, self._answer_dropped)
+        self.loads = BackgroundLoads(self.adapters, requests.put) if self.adapters is not None else None
         self.writer = ResultWriter(results)
         # A rank that is not its group's output rank runs every batch with it (same collectives,
         # same order); the output rank alone reports progress and outputs.
@@ -213,7 +215,11 @@ class Worker:
         self.writer.put(protocol.Failure(msg.rpc_id, "cancelled by the caller", cancelled=True))
 
     def control(self, msg: protocol.Control) -> None:
-        """Control calls answer with an Ack straight away; they never go through the output path."""
+        """Control calls answer with an Ack straight away; they never go through the output path.
+        An adapter load answers once a thread has read it and this loop has added it."""
+        if msg.op == "adapter_load" and self.loads is not None:
+            self.loads.start(msg)
+            return
         try:
             result = self._control_ops()[msg.op](**msg.args)
             self.writer.put(protocol.Ack(msg.rpc_id, result=result, stats=self.stats()))
@@ -230,7 +236,7 @@ class Worker:
     def _control_ops(self) -> dict[str, Any]:
         ops = {"ping": self._ping, "drain": self._drain, "sleep": self._sleep, "wake": self._wake}
         if self.adapters is not None:
-            ops.update(adapters.control_ops(self.adapters))
+            ops.update(adapters.control_ops(self.adapters, self.loads.attach if self.loads else None))
         return ops
 
     def _ping(self) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from torch import nn
 
 from stagemesh.core import logs
 from stagemesh.core.adapters import AdapterInfo
+from stagemesh.core.errors import InvalidArgument
 from stagemesh.core.params import AdapterChoice, check_adapter_name
 from stagemesh.stage_service.models.adapters import files
 
@@ -30,6 +31,17 @@ class UnknownAdapter(KeyError):
 
     def __str__(self) -> str:
         return self.message
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """An adapter file read and checked, not yet added to the transformer."""
+
+    name: str
+    source: str  # relative to lora_dir
+    weights: files.AdapterWeights
+    layers: int
+    read_s: float
 
 
 @dataclass
@@ -99,8 +111,12 @@ class AdapterRegistry:
         return loaded
 
     def load(self, name: str, path: str) -> AdapterInfo:
-        """Read, check and add one adapter; it lands on the device only where the bound leaves
-        room (the adapters in use stay), else in host memory until a request names it."""
+        """Read, check and add one adapter (`prepare`, then `attach`)."""
+        return self.attach(self.prepare(name, path))
+
+    def prepare(self, name: str, path: str) -> Prepared:
+        """Read and check the file: no change to the transformer, so a worker runs this on a
+        thread beside its batches and only `attach` waits for the batch in flight to end."""
         check_adapter_name(name, "name")
         if name in self._adapters:
             raise files.AdapterFileError(f"an adapter named {name!r} is loaded already; unload it first")
@@ -108,6 +124,17 @@ class AdapterRegistry:
         source = files.resolve_source(self.lora_dir, path)
         weights = files.read(self.pipe, source)
         layers = files.check_layers(self.transformer, weights)
+        relative = str(source.relative_to(Path(self.lora_dir).resolve()))
+        return Prepared(name, relative, weights, layers, time.perf_counter() - started)
+
+    def attach(self, prepared: Prepared) -> AdapterInfo:
+        """Add a prepared adapter as peft's layers; it lands on the device only where the bound
+        leaves room (the adapters in use stay), else in host memory until a request names it."""
+        name = prepared.name
+        if name in self._adapters:
+            raise files.AdapterFileError(f"an adapter named {name!r} is loaded already; unload it first")
+        started = time.perf_counter()
+        weights = prepared.weights
         try:
             self.transformer.load_lora_adapter(
                 weights.state_dict,
@@ -118,9 +145,9 @@ class AdapterRegistry:
             )
         except (ValueError, RuntimeError) as exc:
             self._forget_partial(name)
-            raise files.AdapterFileError(f"{source.name} does not fit this model: {exc}") from None
+            raise files.AdapterFileError(f"{Path(prepared.source).name} does not fit this model: {exc}") from None
         self._applied = None  # peft makes a new adapter active: the next batch sets its own set
-        entry = _Adapter(name, str(source.relative_to(Path(self.lora_dir).resolve())), layers)
+        entry = _Adapter(name, prepared.source, prepared.layers)
         entry.params = _adapter_params(self.transformer, name)
         room = not self.max_device_adapters or self.resident_count() < self.max_device_adapters
         self._place(entry, room)
@@ -131,9 +158,10 @@ class AdapterRegistry:
             adapter=name,
             source=entry.source,
             bytes=entry.nbytes,
-            layers=layers,
+            layers=entry.layers,
             on_device=entry.on_device,
-            ms=round((time.perf_counter() - started) * 1e3, 1),
+            read_ms=round(prepared.read_s * 1e3, 1),
+            attach_ms=round((time.perf_counter() - started) * 1e3, 1),
         )
         return self.info(entry)
 
@@ -288,7 +316,7 @@ def for_runner(runner, settings, device: str, rank: int) -> AdapterRegistry | No
     return registry
 
 
-def control_ops(registry: AdapterRegistry) -> dict:
+def control_ops(registry: AdapterRegistry, attach=None) -> dict:
     """The worker's control operations on its adapters. A refusal (a bad file, an unknown name)
     is an answer, {"refused": why, "unknown": bool}, not a failure: the stage maps it to the
     caller's status."""
@@ -297,7 +325,7 @@ def control_ops(registry: AdapterRegistry) -> dict:
         def call(**args):
             try:
                 return {"adapters": op(**args)}
-            except files.AdapterFileError as exc:
+            except (files.AdapterFileError, InvalidArgument) as exc:
                 return {"refused": str(exc), "unknown": False}
             except UnknownAdapter as exc:
                 return {"refused": str(exc), "unknown": True}
@@ -308,4 +336,6 @@ def control_ops(registry: AdapterRegistry) -> dict:
         "adapter_load": guarded(lambda name, path: [registry.load(name, path)]),
         "adapter_unload": guarded(lambda name: [registry.unload(name)]),
         "adapter_list": guarded(registry.infos),
+        # The second half of a load read on a thread (worker.adapter_loads).
+        "adapter_attach": guarded(lambda rpc_id: attach(rpc_id)),
     }
