@@ -89,7 +89,7 @@ def run_mode(bm, mode: str, device: torch.device, args, lora_dir: Path) -> dict:
     for rank in ranks:
         name = f"r{rank}"
         prepared = registry.prepare(name, f"{name}.safetensors")
-        attach_ms = _ms(lambda prepared=prepared: registry.attach(prepared), device)
+        attach_ms = _ms(lambda prepared=prepared, attach=registry.attach: attach(prepared), device)
         out["load_ms"][name] = {"read": prepared.read_s * 1e3, "attach": attach_ms}
         out["bytes"][name] = next(i.bytes for i in registry.infos() if i.name == name)
     registry.apply(())
