@@ -301,7 +301,7 @@ def for_runner(runner, settings, device: str, rank: int) -> AdapterRegistry | No
     `runner.pipe`); None for the others, which apply no adapters."""
     transformer = getattr(runner, "transformer", None)
     pipe = getattr(runner, "pipe", None)
-    if transformer is None or pipe is None or not hasattr(transformer, "load_lora_adapter"):
+    if transformer is None or not hasattr(transformer, "load_lora_adapter") or not hasattr(pipe, "lora_state_dict"):
         return None
     registry = AdapterRegistry(
         pipe,
