@@ -284,3 +284,22 @@ def test_over_http_an_adapter_is_a_model_and_adapters_set_several(mesh):
         assert http.delete("/v1/omni/adapters/ink3", headers=auth).json() == {"name": "ink3", "stage_ids": [1]}
         gone = http.delete("/v1/omni/adapters/ink3", headers=auth)
         assert gone.status_code == 404 and "'ink3'" in gone.json()["error"]["message"]
+
+
+@pytest.mark.mesh
+def test_the_python_client_names_adapters_and_drives_them(mesh):
+    from stagemesh import Client
+    from stagemesh.client.errors import NotFoundError
+
+    with Client(mesh.address, token=TOKEN, timeout=RPC_TIMEOUT_S) as client:
+        options = {k: CASE[k] for k in ("width", "height", "guidance_scale", "seed")}
+        result = client.generate(CASE["prompt"], steps=CASE["num_inference_steps"], adapters={"ink": 0.8}, **options)
+        assert result.bytes == _png(mesh, ("ink", 0.8))
+        loaded = client.load_adapter("ink4", "ink.safetensors")
+        assert [(a.name, a.stage_id) for a in loaded] == [("ink4", 1)]
+        assert {"ink", "ink4"} <= {a.name for a in client.list_adapters()}
+        same = client.generate(CASE["prompt"], steps=CASE["num_inference_steps"], adapters=["ink4"], **options)
+        assert same.bytes == _png(mesh, ("ink", 1.0))
+        assert client.unload_adapter("ink4") == [1]
+        with pytest.raises(NotFoundError):
+            client.unload_adapter("ink4")
