@@ -5,7 +5,9 @@ on the device and the rest in host memory, least recently used moved out first."
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,16 @@ from stagemesh.core.params import AdapterChoice, check_adapter_name
 from stagemesh.stage_service.models.adapters import files
 
 log = logs.get_logger("stagemesh.adapters")
+
+
+@contextlib.contextmanager
+def _expected_peft_notices():
+    """peft warns when a second adapter joins a model and when an active one is deleted: both are
+    how a registry works (several adapters, each batch setting its own set), not news for the log."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute", category=UserWarning)
+        warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted", category=UserWarning)
+        yield
 
 
 class UnknownAdapter(KeyError):
@@ -136,13 +148,14 @@ class AdapterRegistry:
         started = time.perf_counter()
         weights = prepared.weights
         try:
-            self.transformer.load_lora_adapter(
-                weights.state_dict,
-                network_alphas=weights.network_alphas,
-                adapter_name=name,
-                metadata=weights.metadata,
-                prefix="transformer",
-            )
+            with _expected_peft_notices():
+                self.transformer.load_lora_adapter(
+                    weights.state_dict,
+                    network_alphas=weights.network_alphas,
+                    adapter_name=name,
+                    metadata=weights.metadata,
+                    prefix="transformer",
+                )
         except (ValueError, RuntimeError) as exc:
             self._forget_partial(name)
             raise files.AdapterFileError(f"{Path(prepared.source).name} does not fit this model: {exc}") from None
@@ -167,7 +180,8 @@ class AdapterRegistry:
 
     def unload(self, name: str) -> AdapterInfo:
         entry = self._get(name)
-        self.transformer.delete_adapters(name)
+        with _expected_peft_notices():
+            self.transformer.delete_adapters(name)
         del self._adapters[name]
         self._applied = None
         return self.info(entry)
@@ -269,7 +283,8 @@ class _AdapterSleep:
         self._dropped = list(registry._adapters.values())
         released = sum(e.nbytes for e in self._dropped)
         if self._dropped:
-            registry.transformer.delete_adapters([e.name for e in self._dropped])
+            with _expected_peft_notices():
+                registry.transformer.delete_adapters([e.name for e in self._dropped])
         registry._adapters.clear()
         registry._applied = None
         return released
