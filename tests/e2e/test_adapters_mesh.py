@@ -303,3 +303,27 @@ def test_the_python_client_names_adapters_and_drives_them(mesh):
         assert client.unload_adapter("ink4") == [1]
         with pytest.raises(NotFoundError):
             client.unload_adapter("ink4")
+
+
+@pytest.mark.mesh
+def test_the_command_line_generates_with_adapters(mesh, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "ink.png"
+    args = ["--size", "32", "--steps", "2", "--guidance", "3.5", "--seed", "1", "--adapter", "ink=0.8", "-o", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-m", "stagemesh", "generate", CASE["prompt"], "--address", mesh.address, *args],
+        capture_output=True,
+        text=True,
+        timeout=RPC_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes() == _png(mesh, ("ink", 0.8))
+    refused = subprocess.run(
+        [sys.executable, "-m", "stagemesh", "generate", "x", "--address", mesh.address, "--adapter", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=RPC_TIMEOUT_S,
+    )
+    assert refused.returncode == 1 and "'nope'" in refused.stderr
