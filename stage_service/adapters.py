@@ -113,7 +113,15 @@ class StageAdapters:
         return out
 
     async def _replay(self, group: int) -> None:
-        """A restarted group has lora_dir's adapters only: load the others again."""
+        """A restarted group has lora_dir's adapters: it drops those unloaded since the start and
+        loads again those loaded since, so it holds what the stage's other groups hold."""
+        try:
+            listed = await asyncio.wrap_future(self._executor.control(group, "adapter_list"))
+            held = {info.name for a in listed.values() for info in a.get("adapters", ())}
+            for name in sorted(held - self._names):
+                await asyncio.wrap_future(self._executor.control(group, "adapter_unload", name=name))
+        except (errors.StagemeshError, RuntimeError) as exc:
+            log.error("adapters of a restarted group not listed", error=str(exc))
         for name, path in list(self._loaded_at_runtime.items()):
             try:
                 answer = await asyncio.wrap_future(self._executor.control(group, "adapter_load", name=name, path=path))

@@ -327,3 +327,34 @@ def test_the_command_line_generates_with_adapters(mesh, tmp_path):
         timeout=RPC_TIMEOUT_S,
     )
     assert refused.returncode == 1 and "'nope'" in refused.stderr
+
+
+@pytest.mark.mesh
+def test_a_restarted_worker_holds_what_the_stage_holds(mesh):
+    """Last in the file: it unloads lora_dir's `ink`. A killed diffusion worker comes back with
+    lora_dir's adapters, drops the one unloaded since the start and loads the one loaded since."""
+    import os
+    import signal
+    import time
+
+    from tests.e2e.test_faults import child_pid
+    from tests.e2e.test_lifecycle import worker_pids
+
+    want = _png(mesh, ("ink", 1.0))
+    _load(mesh, "ink6", "ink.safetensors")
+    with mesh.channel() as channel:
+        mesh.gateway(channel).UnloadAdapter(control_pb2.UnloadAdapterRequest(name="ink"), metadata=AUTH)
+    stage = child_pid(mesh, "stage", 1)
+    [worker] = worker_pids(stage)
+    os.kill(worker, signal.SIGKILL)
+    deadline = time.monotonic() + RPC_TIMEOUT_S
+    while True:  # the restart takes seconds; until then the stage answers UNAVAILABLE
+        try:
+            png = _png(mesh, ("ink6", 1.0))
+            break
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, exc
+            time.sleep(0.5)
+    assert png == want
+    listed = _listed(mesh)
+    assert "ink6" in listed and "ink" not in listed
