@@ -85,6 +85,7 @@ class Pipeline:
             max_num_images=self.max_images_per_request,
             supports_negative_prompt=all(s.supports_negative_prompt for s in guiding),
             supports_init_image=any(s.supports_init_image for s in self.stages),
+            supports_adapters=any(s.supports_adapters for s in self.stages),
         )
 
     def resolve(self, params: generation_pb2.GenerationParams) -> Params:
@@ -140,6 +141,8 @@ class Pipeline:
         if stage.kind not in DENOISING_KINDS:  # step caching is the denoising stage's alone
             wire.ClearField("step_cache")
             wire.ClearField("step_cache_threshold")
+        if not stage.supports_adapters:
+            wire.ClearField("adapters")
         return wire
 
     async def _run_image(

@@ -9,6 +9,7 @@ from stagemesh.core import auth, converters, errors, logs, serve, tls, tracing
 from stagemesh.core.metrics import ServiceMetrics
 from stagemesh.core.params import check_request_id
 from stagemesh.core.rpc import ServiceHost, servicer_method
+from stagemesh.gateway.adapters import AdapterControl
 from stagemesh.gateway.control import Admission, ControlPlane
 from stagemesh.gateway.delivery import DeliveryBudget
 from stagemesh.gateway.metrics import gateway_readings
@@ -16,11 +17,22 @@ from stagemesh.gateway.pipeline import DenoisingStep, Pipeline, StageStarted
 from stagemesh.gateway.settings import GatewaySettings
 from stagemesh.gateway.stages import StageClient
 from stagemesh.gateway.watch import SleepWatch, StageWatch
-from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
+from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 # Need the bearer token when one is configured.
-CONTROL_METHODS = auth.control_methods(SERVICE_NAME, ("Sleep", "WakeUp", "PauseGeneration", "ResumeGeneration"))
+CONTROL_METHODS = auth.control_methods(
+    SERVICE_NAME,
+    (
+        "Sleep",
+        "WakeUp",
+        "PauseGeneration",
+        "ResumeGeneration",
+        "LoadAdapter",
+        "UnloadAdapter",
+        "ListAdapters",
+    ),
+)
 # Need the API key (or the control token) when a key is configured.
 DATA_METHODS = auth.control_methods(SERVICE_NAME, ("Generate", "GenerateUnary", "ListStages"))
 
@@ -33,10 +45,11 @@ def _event_proto(event: object) -> gateway_pb2.GenerateResponse:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
-    def __init__(self, pipeline: Pipeline, control: ControlPlane, delivery: DeliveryBudget):
+    def __init__(self, pipeline: Pipeline, control: ControlPlane, delivery: DeliveryBudget, adapters: AdapterControl):
         self._pipeline = pipeline
         self._control = control
         self._delivery = delivery
+        self._adapters = adapters
 
     def _start(self, request, context):
         check_request_id(request.request_id)
@@ -90,6 +103,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self._control.resume()
         return gateway_pb2.ResumeGenerationResponse()
 
+    @servicer_method
+    async def LoadAdapter(self, request: control_pb2.LoadAdapterRequest, context) -> control_pb2.LoadAdapterResponse:
+        infos = await self._adapters.load(request.name, request.path, context.time_remaining())
+        return control_pb2.LoadAdapterResponse(adapters=[converters.adapter_info_to_proto(i) for i in infos])
+
+    @servicer_method
+    async def UnloadAdapter(
+        self, request: control_pb2.UnloadAdapterRequest, context
+    ) -> control_pb2.UnloadAdapterResponse:
+        return control_pb2.UnloadAdapterResponse(
+            stage_ids=await self._adapters.unload(request.name, context.time_remaining())
+        )
+
+    @servicer_method
+    async def ListAdapters(self, request, context) -> control_pb2.ListAdaptersResponse:
+        infos = await self._adapters.list_all(context.time_remaining())
+        return control_pb2.ListAdaptersResponse(adapters=[converters.adapter_info_to_proto(i) for i in infos])
+
 
 async def serve_gateway(settings: GatewaySettings) -> None:
     if not settings.stage:
@@ -105,6 +136,7 @@ async def serve_gateway(settings: GatewaySettings) -> None:
     admission = Admission()
     pipeline = Pipeline(stages, admission, settings.max_images_per_request)
     control = ControlPlane(stages, admission)
+    adapters = AdapterControl(stages)
     metrics = ServiceMetrics("gateway", settings.host, settings.metrics_port)
     metrics.add_readings(gateway_readings(admission, len(stages)))
     # Metrics first: they also count the calls the auth interceptor refuses.
@@ -122,10 +154,10 @@ async def serve_gateway(settings: GatewaySettings) -> None:
         health_port=settings.health_port,
     )
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
-        GatewayServicer(pipeline, control, DeliveryBudget(settings.max_undelivered_bytes)), host.server
+        GatewayServicer(pipeline, control, DeliveryBudget(settings.max_undelivered_bytes), adapters), host.server
     )
 
-    http = _http_listener(settings, pipeline, control, token, api_key)
+    http = _http_listener(settings, pipeline, control, adapters, token, api_key)
     watching: list[asyncio.Task] = []
 
     async def load() -> None:
@@ -153,7 +185,9 @@ async def serve_gateway(settings: GatewaySettings) -> None:
     )
 
 
-def _http_listener(settings: GatewaySettings, pipeline: Pipeline, control: ControlPlane, token, api_key):
+def _http_listener(
+    settings: GatewaySettings, pipeline: Pipeline, control: ControlPlane, adapters: AdapterControl, token, api_key
+):
     """The HTTP API's listener, bound; None without --http-port (FastAPI is then never imported)."""
     if settings.http_port is None:
         return None
@@ -162,7 +196,7 @@ def _http_listener(settings: GatewaySettings, pipeline: Pipeline, control: Contr
 
     http = HttpSettings(settings.max_request_bytes, control_token=token, api_key=api_key)
     return HttpListener(
-        create_app(pipeline, control, http),
+        create_app(pipeline, control, http, adapters),
         settings.host,
         settings.http_port,
         tls_cert=settings.tls_cert,

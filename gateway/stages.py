@@ -119,6 +119,7 @@ def aggregate(replies: list[stage_pb2.DescribeStageResponse]) -> stage_pb2.Descr
     # What every replica can use: round_robin may send a request to any of them.
     total.supports_negative_prompt = all(r.supports_negative_prompt for r in replies)
     total.supports_init_image = all(r.supports_init_image for r in replies)
+    total.supports_adapters = all(r.supports_adapters for r in replies)
     total.sleep_level = max(r.sleep_level for r in replies)
     total.device_memory_bytes = sum(r.device_memory_bytes for r in replies)
     total.workers = sum(r.workers for r in replies)
@@ -147,6 +148,7 @@ class StageClient:
     sleep_level: int = 0
     supports_negative_prompt: bool = False
     supports_init_image: bool = False
+    supports_adapters: bool = False
     tls_ca: str | None = None  # CA bundle verifying the stage's certificate; None: plaintext
     token: str | None = field(default=None, repr=False)  # sent on every call but health checks
 
@@ -273,6 +275,10 @@ class StageClient:
         replies = await asyncio.gather(*(one(a, s) for a, s in stubs.items()))
         return list(zip(stubs, replies))
 
+    async def each_replica(self, method: str, request, timeout: float | None) -> list[tuple[str, Any]]:
+        """`method` on every replica: (address, reply or ReplicaFailure) each."""
+        return await self._each_replica(method, request, timeout=timeout)
+
     @staticmethod
     def _first_error_if_none_answered(results: list[tuple[str, object]]) -> None:
         failures = [r for _, r in results if isinstance(r, ReplicaFailure)]
@@ -305,6 +311,7 @@ class StageClient:
         self.sleep_level = reply.sleep_level
         self.supports_negative_prompt = reply.supports_negative_prompt
         self.supports_init_image = reply.supports_init_image
+        self.supports_adapters = reply.supports_adapters
         return reply
 
     async def awake_replicas(self, timeout: float) -> list[str]:

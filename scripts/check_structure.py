@@ -54,7 +54,7 @@ SHARED_TOP_DOWN = ("stagemesh.weight_store", "stagemesh.core", "stagemesh.v1")
 SHARED = frozenset(SHARED_TOP_DOWN)
 # the stage service's rooms, top first; one tuple is one tier (its rooms may import one another).
 ROOMS: tuple[tuple[str, ...], ...] = (
-    ("server", "control", "metrics", "inputs"),
+    ("server", "control", "adapters", "metrics", "inputs"),
     ("engine",),
     ("executor",),
     ("worker",),
@@ -69,7 +69,7 @@ TIER = {room: tier for tier, rooms in enumerate(ROOMS) for room in rooms}
 # `pip install stagemesh` without extras runs these; the stage's worker dependencies come with
 # `stagemesh[stage]` (and the diffusers adapter's with `[diffusers]`).
 BASE_INSTALL = ("stagemesh.gateway", "stagemesh.cache_service", "stagemesh.client")
-STAGE_EXTRA = frozenset({"torch", "safetensors", "diffusers", "transformers", "accelerate"})
+STAGE_EXTRA = frozenset({"torch", "safetensors", "diffusers", "transformers", "accelerate", "peft"})
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from stagemesh.core.acks import WorkerAck
 from stagemesh.core.metrics import ServiceMetrics
 from stagemesh.core.params import OUTPUT_TENSOR, Limits
 from stagemesh.core.rpc import ServiceHost, servicer_method
+from stagemesh.stage_service.adapters import StageAdapters
 from stagemesh.stage_service.control import Ack, StageControl
 from stagemesh.stage_service.engine.dispatch import Engine, OutputsEvent, ProgressEvent
 from stagemesh.stage_service.executor.multiproc import Executor
@@ -52,11 +53,19 @@ def _encode_outputs(outputs: dict[str, torch.Tensor], output_format: str) -> dic
 
 
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
-    def __init__(self, settings: StageSettings, engine: Engine, executor: Executor, control: StageControl):
+    def __init__(
+        self,
+        settings: StageSettings,
+        engine: Engine,
+        executor: Executor,
+        control: StageControl,
+        adapters: StageAdapters,
+    ):
         self._settings = settings
         self._engine = engine
         self._executor = executor
         self._control = control
+        self._adapters = adapters
         self.limits: Limits = settings.limits()
         self.input_specs: dict[str, TensorSpec] | None = None  # what the loaded model takes
         self.ready = False
@@ -67,6 +76,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         check_inputs(request.inputs, self.input_specs)
         image = init_image(request.inputs, self.limits.supports_init_image)
         params = converters.params_from_proto(request.params, self.limits, image)
+        self._adapters.check(params)
         with tracing.span("decode inputs"):
             inputs = {name: tensors.from_proto(t, f"inputs[{name}]") for name, t in request.inputs.items()}
         explicit_steps = request.params.HasField("num_inference_steps")
@@ -99,6 +109,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             queue_depth=self._engine.queue_depth,
             batches=self._engine.batches,
             batched_requests=self._engine.batched_requests,
+            supports_adapters=lim.supports_adapters,
         )
 
     @servicer_method
@@ -110,6 +121,25 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     async def WakeUpStage(self, request, context) -> stage_pb2.WakeUpStageResponse:
         acks = await self._control.wake()
         return stage_pb2.WakeUpStageResponse(acks=_acks_proto(self._settings.stage_id, acks))
+
+    @servicer_method
+    async def LoadStageAdapter(
+        self, request: control_pb2.LoadAdapterRequest, context
+    ) -> control_pb2.LoadAdapterResponse:
+        infos = await self._adapters.load(request.name, request.path)
+        return control_pb2.LoadAdapterResponse(adapters=[converters.adapter_info_to_proto(i) for i in infos])
+
+    @servicer_method
+    async def UnloadStageAdapter(
+        self, request: control_pb2.UnloadAdapterRequest, context
+    ) -> control_pb2.UnloadAdapterResponse:
+        dropped = await self._adapters.unload(request.name)
+        return control_pb2.UnloadAdapterResponse(stage_ids=[self._settings.stage_id] if dropped else [])
+
+    @servicer_method
+    async def ListStageAdapters(self, request, context) -> control_pb2.ListAdaptersResponse:
+        infos = await self._adapters.list_all()
+        return control_pb2.ListAdaptersResponse(adapters=[converters.adapter_info_to_proto(i) for i in infos])
 
 
 def _export_cache_security(token: str | None, tls_ca: str) -> None:
@@ -146,7 +176,8 @@ async def serve_stage(settings: StageSettings) -> None:
         executor, settings.kind, settings.max_batch_size, settings.max_queue, on_health, settings.batch_invariant
     )
     control = StageControl(executor.stage_name, engine, executor, settings.enable_sleep)
-    servicer = StageServicer(settings, engine, executor, control)
+    adapters = StageAdapters(executor.stage_name, engine, executor)
+    servicer = StageServicer(settings, engine, executor, control, adapters)
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, host.server)
     metrics.add_readings(stage_readings(engine, executor, control, lambda: servicer.ready and engine.serving))
 
@@ -161,7 +192,9 @@ async def serve_stage(settings: StageSettings) -> None:
             settings.limits(ready.limits),
             supports_negative_prompt=ready.supports_negative_prompt,
             supports_init_image=ready.supports_init_image,
+            supports_adapters=ready.adapters is not None,
         )
+        adapters.start(None if ready.adapters is None else list(ready.adapters))
         servicer.input_specs = ready.input_specs
         engine.start()
         servicer.ready = True

@@ -118,6 +118,14 @@ def _parser() -> argparse.ArgumentParser:
                 default=None,
                 help="with --init-image: how far from it to go, above 0 and at most 1 (default: the model's)",
             )
+            p.add_argument(
+                "--adapter",
+                action="append",
+                type=_adapter,
+                default=None,
+                metavar="NAME[=SCALE]",
+                help="a LoRA adapter the stages hold, at SCALE (default 1.0); repeat for several",
+            )
             p.add_argument("-o", "--output", default="out.png", help="PNG file to write (default: out.png)")
     return parser
 
@@ -154,6 +162,14 @@ def _add_synthesize(sub) -> None:
 
 
 MAX_SEED = 2**64 - 1  # GenerationParams.seed is a uint64
+
+
+def _adapter(text: str) -> tuple[str, float]:
+    name, _, scale = text.partition("=")
+    try:
+        return name, float(scale) if scale else 1.0
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME or NAME=SCALE (a number)") from None
 
 
 def _seed(text: str) -> int:

@@ -18,7 +18,9 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 
 from stagemesh.core import auth, errors, logs
+from stagemesh.gateway.adapters import AdapterControl
 from stagemesh.gateway.control import ControlPlane
+from stagemesh.gateway.http import adapters as http_adapters
 from stagemesh.gateway.http import errors as http_errors
 from stagemesh.gateway.http import openai_schema as schema
 from stagemesh.gateway.http import playground
@@ -41,8 +43,11 @@ class HttpSettings:
     api_key: str | None = None  # the bearer key of the data routes (the control token works too); None: open
 
 
-def create_app(pipeline: Pipeline, control: ControlPlane, settings: HttpSettings) -> FastAPI:
+def create_app(
+    pipeline: Pipeline, control: ControlPlane, settings: HttpSettings, adapters: AdapterControl | None = None
+) -> FastAPI:
     """`app.state.stopping`: set by the listener when the gateway's stop grace has passed."""
+    adapters = adapters if adapters is not None else AdapterControl(pipeline.stages)
     app = FastAPI(title="stagemesh", docs_url=None, redoc_url=None, openapi_url=None, **_without_own_spans())
     app.state.stopping = stopping = asyncio.Event()
     app.add_middleware(RequestContext, max_request_bytes=settings.max_request_bytes)
@@ -62,8 +67,7 @@ def create_app(pipeline: Pipeline, control: ControlPlane, settings: HttpSettings
 
     @app.get("/v1/models", dependencies=[data])
     async def models() -> dict:
-        model = {"id": schema.MODEL_ID, "object": "model", "created": started, "owned_by": "stagemesh"}
-        return {"object": "list", "data": [model]}
+        return await http_adapters.models(adapters, started)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -108,6 +112,7 @@ def create_app(pipeline: Pipeline, control: ControlPlane, settings: HttpSettings
         control.resume()
         return {"status": "SUCCESS", "generation_paused": pipeline.admission.paused}
 
+    http_adapters.add_routes(app, adapters, ctl)
     playground.add_routes(app)
     return app
 
@@ -165,7 +170,7 @@ async def _generate(
     image: bytes,
     prefix: str,
 ) -> Response:
-    wire = schema.to_generation_params(body, image)
+    wire = schema.to_generation_params(body, image, pipeline.limits.supports_adapters)
     params = pipeline.resolve(wire)
     request_id = logs.current_request_id()
     output_format = params.output_format

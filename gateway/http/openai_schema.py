@@ -5,7 +5,7 @@ Fields OpenAI defines that this server cannot honour are refused naming the fiel
 responses, transparent backgrounds, masks) or accepted and left unused where the request stays
 meaningful without them (`user`, `quality`, `moderation`, `style`, ...). Beyond OpenAI's fields,
 the generation knobs of GenerationParams are accepted as extensions: seed, negative_prompt,
-num_inference_steps, guidance_scale, strength. Any other field is refused, as OpenAI does.
+num_inference_steps, guidance_scale, strength, adapters. Any other field is refused, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from stagemesh.core import converters, errors, formats
 from stagemesh.v1 import control_pb2, generation_pb2
 
-# The mesh serves one pipeline: GET /v1/models lists it under this id, and a request's `model`
-# must be this id or left out.
+# The mesh serves one pipeline: GET /v1/models lists it under this id, then each LoRA adapter by its
+# name; a request's `model` is this id, an adapter's name (that adapter at scale 1), or left out.
 MODEL_ID = "stagemesh"
 MAX_SEED = 2**64 - 1  # GenerationParams.seed is a uint64
 _SIZE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
@@ -34,6 +34,13 @@ _HTTP_PARAMS = {
     "init_image": "image",
     "request_id": "x-request-id",
 }
+
+
+class AdapterBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    scale: float = 1.0
 
 
 class ImageRequest(BaseModel):
@@ -62,6 +69,8 @@ class ImageRequest(BaseModel):
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
     strength: float | None = None
+    # LoRA adapters with their scales, several at once (`model` selects one at scale 1).
+    adapters: list[AdapterBody] | None = None
 
 
 class GenerationRequest(ImageRequest):
@@ -102,8 +111,9 @@ def _size(text: str | None) -> tuple[int, int] | None:
     return int(match.group(1)), int(match.group(2))
 
 
-def check_unsupported(request: ImageRequest) -> None:
-    """Refuse what OpenAI's API offers and this server cannot do, naming the field."""
+def check_unsupported(request: ImageRequest, serves_adapters: bool = False) -> None:
+    """Refuse what OpenAI's API offers and this server cannot do, naming the field.
+    `serves_adapters`: a stage applies LoRA adapters, so `model` may name one."""
     if request.response_format == "url":
         raise errors.InvalidArgument.field(
             "response_format", "'url' is not supported: images are returned inline; allowed: 'b64_json' (the default)"
@@ -112,19 +122,35 @@ def check_unsupported(request: ImageRequest) -> None:
         raise errors.InvalidArgument.field(
             "background", "'transparent' is not supported: the pipeline draws opaque images; allowed: 'auto', 'opaque'"
         )
-    if request.model not in (None, MODEL_ID):
+    if request.model not in (None, MODEL_ID) and not serves_adapters:
         raise errors.InvalidArgument.field(
             "model", f"unknown model {request.model!r}; allowed: {MODEL_ID!r} (GET /v1/models), or leave it out"
         )
+    if request.model not in (None, MODEL_ID) and request.adapters:
+        raise errors.InvalidArgument.field(
+            "model",
+            f"names adapter {request.model!r} while `adapters` is given; allowed with `adapters`: "
+            f"{MODEL_ID!r} or leave it out (list the adapter in `adapters`)",
+        )
 
 
-def to_generation_params(request: ImageRequest, init_image: bytes = b"") -> generation_pb2.GenerationParams:
+def _adapters(request: ImageRequest) -> list[generation_pb2.AdapterChoice]:
+    """`model` naming an adapter selects it at scale 1; `adapters` gives several with scales."""
+    if request.model not in (None, MODEL_ID):
+        return [generation_pb2.AdapterChoice(name=request.model, scale=1.0)]
+    return [generation_pb2.AdapterChoice(name=a.name, scale=a.scale) for a in request.adapters or ()]
+
+
+def to_generation_params(
+    request: ImageRequest, init_image: bytes = b"", serves_adapters: bool = False
+) -> generation_pb2.GenerationParams:
     """The proto the gRPC API takes; unset fields stay unset (the pipeline's defaults)."""
-    check_unsupported(request)
+    check_unsupported(request, serves_adapters)
     params = generation_pb2.GenerationParams(
         prompt=request.prompt,
         output_format=converters.output_format_to_proto(request.output_format or formats.DEFAULT.name),
         init_image=init_image,
+        adapters=_adapters(request),
     )
     size = _size(request.size)
     if size is not None:

@@ -386,10 +386,13 @@ class Engine:
             self.fail_waiting(errors.Unavailable(f"{self._executor.stage_name}: no worker could be restarted"))
 
     async def _group_up(self, group: int) -> None:
-        """A restarted group serves again (and sleeps again if the stage sleeps)."""
-        self._dead_groups.discard(group)
-        self._wake.set()
-        if self.on_worker_restarted is not None:
-            await self.on_worker_restarted(group)
+        """A restarted group serves again once the stage has made it like its others (asleep if
+        the stage sleeps, holding the stage's adapters): no batch reaches it before."""
+        try:
+            if self.on_worker_restarted is not None:
+                await self.on_worker_restarted(group)
+        finally:
+            self._dead_groups.discard(group)
+            self._wake.set()
         if self._on_health is not None:
             self._on_health(True)

@@ -147,6 +147,17 @@ class StageSettings(DloOptions):
         "fails fails the start, naming why",
         choices=WARM_UPS,
     )
+    lora_dir: str = option(
+        "",
+        "folder of LoRA adapters a stage holding a diffusers transformer registers at start (each "
+        "NAME.safetensors file, or folder NAME holding one, as adapter NAME) and LoadAdapter reads from; "
+        'empty: none at start, and LoadAdapter is refused (OPERATIONS.md, "LoRA adapters")',
+    )
+    max_device_adapters: int = option(
+        0,
+        "most LoRA adapters each worker keeps on its device; past it the least recently used move to "
+        "host memory and come back when a request names them; 0: no bound",
+    )
     hang_timeout_s: float = option(
         30.0,
         "a worker process silent this long (no heartbeat, which it sends every second even "
@@ -187,6 +198,14 @@ class StageSettings(DloOptions):
         if self.warm_up not in WARM_UPS:
             raise ValueError(f"warm_up = {self.warm_up!r}: allowed: {', '.join(WARM_UPS)}")
         _check_defaults_within_limits(self)
+        if (
+            isinstance(self.max_device_adapters, bool)
+            or not isinstance(self.max_device_adapters, int)
+            or (self.max_device_adapters < 0)
+        ):
+            raise ValueError(
+                f"max_device_adapters = {self.max_device_adapters!r}: allowed a whole number, 0 (no bound) or more"
+            )
         super().__post_init__()  # refused DLO combinations fail at start, saying what to change
         acceleration.validate(self)
         if self.dp_size > 1 and self.workers not in (1, self.dp_size):

@@ -93,6 +93,8 @@ class Ready:
     supports_init_image: bool = False
     # The worker's start-up phases (core.startup records), for the stage's start-up report.
     phases: tuple[dict[str, Any], ...] = ()
+    # The LoRA adapters it registered from lora_dir; None: the runner applies no adapters.
+    adapters: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,13 @@ from typing import Any
 
 from stagemesh.core import logs, startup
 from stagemesh.stage_service import platform
+from stagemesh.stage_service.models import adapters
 from stagemesh.stage_service.models.acceleration import Acceleration
 from stagemesh.stage_service.models.batch_invariance import BATCHED_KINDS, run_items_alone
 from stagemesh.stage_service.models.contract import ItemError, Runner
 from stagemesh.stage_service.settings import HEARTBEAT_S, DloOptions
 from stagemesh.stage_service.transport import ipc, protocol
+from stagemesh.stage_service.worker.adapter_loads import BackgroundLoads
 from stagemesh.stage_service.worker.async_output import AsyncOutputThread, ResultWriter, new_output_id
 from stagemesh.stage_service.worker.sleep import SleepController
 from stagemesh.stage_service.worker.warm_up import WarmUpFailed, warm_up
@@ -123,12 +125,16 @@ class Worker:
                 bytes=self.sleep.weight_bytes,
                 seconds=round(time.perf_counter() - started, 3),
             )
+        # LoRA adapters of a diffusers transformer (lora_dir's at start), after the sleep controller
+        # has named the base weights by their checkpoint keys (peft renames the layers it wraps).
+        self.adapters = adapters.for_runner(runner, settings, device, spec.rank)
         self.spec = spec
         self.runner = runner
         self.device = device
         # compile, FP8 and step caching (models.acceleration); a bare runner gets the no-op one.
         self.acceleration = acceleration or Acceleration(None, settings, device)
         self.inbox = _Inbox(requests, self._answer_dropped)
+        self.loads = BackgroundLoads(self.adapters, requests.put) if self.adapters is not None else None
         self.writer = ResultWriter(results)
         # A rank that is not its group's output rank runs every batch with it (same collectives,
         # same order); the output rank alone reports progress and outputs.
@@ -187,6 +193,8 @@ class Worker:
             started = platform.DeviceEvent(self.device, timing=True).record()
             on_step = progress if self.spec.output_rank else None
             run = functools.partial(self.acceleration.run, self.runner.run)  # one step-cache count per run
+            if self.adapters is not None:  # a batch shares its adapter set (the batch key)
+                self.adapters.apply(items[0].params.adapters)
             if self.items_alone:
                 outputs = run_items_alone(run, items, on_step)
             else:
@@ -224,7 +232,11 @@ class Worker:
         self.writer.put(protocol.Failure(msg.rpc_id, "cancelled by the caller", cancelled=True))
 
     def control(self, msg: protocol.Control) -> None:
-        """Control calls answer with an Ack straight away; they never go through the output path."""
+        """Control calls answer with an Ack straight away; they never go through the output path.
+        An adapter load answers once a thread has read it and this loop has added it."""
+        if msg.op == "adapter_load" and self.loads is not None:
+            self.loads.start(msg)
+            return
         try:
             result = self._control_ops()[msg.op](**msg.args)
             self.writer.put(protocol.Ack(msg.rpc_id, result=result, stats=self.stats()))
@@ -242,7 +254,10 @@ class Worker:
         )
 
     def _control_ops(self) -> dict[str, Any]:
-        return {"ping": self._ping, "drain": self._drain, "sleep": self._sleep, "wake": self._wake}
+        ops = {"ping": self._ping, "drain": self._drain, "sleep": self._sleep, "wake": self._wake}
+        if self.adapters is not None:
+            ops.update(adapters.control_ops(self.adapters, self.loads.attach if self.loads else None))
+        return ops
 
     def _ping(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -266,7 +281,9 @@ class Worker:
         if not drained:
             raise RuntimeError("async outputs still in flight after 10 s; not sleeping")
         # DLO: the runner's offload engine frees its device slots within the same measurement.
-        result = self.sleep.sleep(level, holders=self.runner.device_holders())
+        adapters = [self.adapters.for_sleep(level)] if self.adapters is not None else []
+        holders = [*self.runner.device_holders(), *adapters]
+        result = self.sleep.sleep(level, holders=holders)
         return {"level": result.level, "freed_bytes": result.freed_bytes, "latency_ms": result.latency_ms}
 
     def _wake(self) -> dict[str, Any]:
@@ -357,6 +374,7 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
             supports_negative_prompt=runner.supports_negative_prompt,
             supports_init_image=runner.supports_init_image,
             phases=tuple(startup.records()),
+            adapters=tuple(worker.adapters.names()) if worker.adapters is not None else None,
         )
     )
     worker.serve()

@@ -13,7 +13,9 @@ from stagemesh.client.channel import DEFAULT_RETRY, Connection, RetryPolicy
 from stagemesh.client.errors import raising_call_errors
 from stagemesh.client.requests import GenerateOptions, ImageListOptions, OneImageOptions, generation_params
 from stagemesh.client.results import ControlResult, GenerationResult, ProgressCallback, StageListing
-from stagemesh.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
+from stagemesh.core import converters
+from stagemesh.core.adapters import AdapterInfo
+from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2
 
 
 class AsyncClient:
@@ -180,6 +182,37 @@ class AsyncClient:
                 timeout=self.connection.deadline(timeout),
                 metadata=self.connection.metadata(control=True),
             )
+
+    async def load_adapter(self, name: str, path: str, *, timeout: float | None = None) -> list[AdapterInfo]:
+        """Load a LoRA adapter on every stage holding the diffusion transformer, from `path`
+        inside each stage's lora_dir; one AdapterInfo per worker. Needs the control token."""
+        with raising_call_errors():
+            reply = await self._stub.LoadAdapter(
+                control_pb2.LoadAdapterRequest(name=name, path=path),
+                timeout=self.connection.deadline(timeout),
+                metadata=self.connection.metadata(control=True),
+            )
+        return [converters.adapter_info_from_proto(a) for a in reply.adapters]
+
+    async def unload_adapter(self, name: str, *, timeout: float | None = None) -> list[int]:
+        """Drop a LoRA adapter everywhere; the ids of the stages that held it (NotFoundError: none)."""
+        with raising_call_errors():
+            reply = await self._stub.UnloadAdapter(
+                control_pb2.UnloadAdapterRequest(name=name),
+                timeout=self.connection.deadline(timeout),
+                metadata=self.connection.metadata(control=True),
+            )
+        return list(reply.stage_ids)
+
+    async def list_adapters(self, *, timeout: float | None = None) -> list[AdapterInfo]:
+        """Every LoRA adapter as each worker holds it (bytes, on the device or in host memory)."""
+        with raising_call_errors():
+            reply = await self._stub.ListAdapters(
+                control_pb2.ListAdaptersRequest(),
+                timeout=self.connection.deadline(timeout),
+                metadata=self.connection.metadata(control=True),
+            )
+        return [converters.adapter_info_from_proto(a) for a in reply.adapters]
 
     async def _stage_ids(self, stage_ids: Iterable[int] | None, timeout: float | None) -> list[int]:
         if stage_ids is not None:

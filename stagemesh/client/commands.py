@@ -68,6 +68,7 @@ def generate(args) -> int:
                 negative_prompt=args.negative_prompt,
                 init_image=args.init_image,
                 strength=args.strength,
+                adapters=args.adapter,
                 on_progress=_print_progress,
             )
         except CallError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Required, TypeAlias, TypedDict, Unpack
 
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
 OutputFormat: TypeAlias = Literal["png", "jpeg", "webp", "tensor"]
 # Encoded bytes, a path to an image file, or a PIL image (sent as PNG).
 InitImage: TypeAlias = "bytes | bytearray | memoryview | str | os.PathLike[str] | Image.Image"
+# LoRA adapters by name: {name: scale}, or names (scale 1.0) and (name, scale) pairs.
+Adapters: TypeAlias = "Mapping[str, float] | Sequence[str | tuple[str, float]]"
 DEFAULT_OUTPUT_FORMAT: OutputFormat = "png"
 
 
@@ -33,6 +36,7 @@ class _Options(TypedDict, total=False):
     quality: int | None
     init_image: InitImage | None
     strength: float | None
+    adapters: Adapters | None
     # The call's own, not GenerationParams' fields.
     request_id: str | None
     timeout: float | None
@@ -61,7 +65,7 @@ KEYWORDS = GenerateOptions.__optional_keys__ | GenerateOptions.__required_keys__
 # Keywords that name a GenerationParams field otherwise.
 _FIELD_NAMES = {"steps": "num_inference_steps"}
 # Keywords that are not set on GenerationParams as they are given.
-_NOT_COPIED = frozenset({"output_format", "init_image", "request_id", "timeout"})
+_NOT_COPIED = frozenset({"output_format", "init_image", "adapters", "request_id", "timeout"})
 
 
 def generation_params(prompt: str, **options: Unpack[GenerateOptions]) -> generation_pb2.GenerationParams:
@@ -83,7 +87,20 @@ def generation_params(prompt: str, **options: Unpack[GenerateOptions]) -> genera
     init_image = options.get("init_image")
     if init_image is not None:
         params.init_image = init_image_bytes(init_image)
+    params.adapters.extend(adapter_choices(options.get("adapters")))
     return params
+
+
+def adapter_choices(adapters: Adapters | None) -> list[generation_pb2.AdapterChoice]:
+    """GenerationParams.adapters from {name: scale}, names, or (name, scale) pairs."""
+    if adapters is None:
+        return []
+    if isinstance(adapters, str):
+        raise TypeError(f"adapters: give a list of names or a {{name: scale}} mapping, not the string {adapters!r}")
+    pairs = (
+        adapters.items() if isinstance(adapters, Mapping) else ((a, 1.0) if isinstance(a, str) else a for a in adapters)
+    )
+    return [generation_pb2.AdapterChoice(name=name, scale=float(scale)) for name, scale in pairs]
 
 
 def init_image_bytes(image: InitImage) -> bytes:

@@ -4,9 +4,12 @@ a pair, X_to_proto beside X_from_proto, so that what one side writes the other r
 
 from __future__ import annotations
 
+import dataclasses
+
 from stagemesh.core import formats
 from stagemesh.core import params as gp
 from stagemesh.core.acks import WorkerAck
+from stagemesh.core.adapters import AdapterInfo
 from stagemesh.core.errors import InvalidArgument
 from stagemesh.core.events import DenoisingStep, StageStarted
 from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2, stage_pb2
@@ -70,7 +73,24 @@ def params_from_proto(
         init_image=init_image,
         step_cache=msg.step_cache if msg.HasField("step_cache") else None,
         step_cache_threshold=_decimal(msg.step_cache_threshold) if msg.HasField("step_cache_threshold") else None,
+        adapters=adapters_from_proto(msg.adapters),
     )
+
+
+def adapters_from_proto(choices) -> tuple[gp.AdapterChoice, ...]:
+    return tuple(gp.AdapterChoice(c.name, _decimal(c.scale) if c.HasField("scale") else 1.0) for c in choices)
+
+
+def adapters_to_proto(choices: tuple[gp.AdapterChoice, ...]) -> list[generation_pb2.AdapterChoice]:
+    return [generation_pb2.AdapterChoice(name=c.name, scale=c.scale) for c in choices]
+
+
+def adapter_info_to_proto(info: AdapterInfo) -> control_pb2.AdapterInfo:
+    return control_pb2.AdapterInfo(**dataclasses.asdict(info))
+
+
+def adapter_info_from_proto(msg: control_pb2.AdapterInfo) -> AdapterInfo:
+    return AdapterInfo(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(AdapterInfo)})
 
 
 def params_to_proto(p: gp.Params) -> generation_pb2.GenerationParams:
@@ -89,6 +109,7 @@ def params_to_proto(p: gp.Params) -> generation_pb2.GenerationParams:
         strength=p.strength,
         step_cache=p.step_cache,
         step_cache_threshold=p.step_cache_threshold,
+        adapters=adapters_to_proto(p.adapters),
     )
 
 

@@ -73,6 +73,10 @@ class UpstreamError(StagemeshError):
         super().__init__(message)
 
 
+class NotFound(StagemeshError):
+    """A named thing (an adapter) that the target does not hold."""
+
+
 class Unauthenticated(StagemeshError):
     """A control call without the configured bearer token, or with a wrong one."""
 
@@ -88,6 +92,7 @@ _STATUS_NAMES: dict[type[StagemeshError], str] = {
     ResourceExhausted: "RESOURCE_EXHAUSTED",
     Cancelled: "CANCELLED",
     Unauthenticated: "UNAUTHENTICATED",
+    NotFound: "NOT_FOUND",
 }
 
 

@@ -7,6 +7,7 @@ Shared by the gateway (refuses bad input before any stage is called) and the sta
 from __future__ import annotations
 
 import math
+import re
 import secrets
 from dataclasses import dataclass, field
 
@@ -55,6 +56,8 @@ class Limits:
     supports_init_image: bool = False
     # Step caches the denoising stage offers (the gateway, which does not know, accepts every name).
     step_caches: tuple[str, ...] = STEP_CACHES
+    # Whether a stage of the pipeline applies LoRA adapters (a diffusers transformer).
+    supports_adapters: bool = False
 
 
 # What requests sampled together must share, in the order of Params.batch_key().
@@ -66,7 +69,23 @@ BATCH_KEY_FIELDS = (
     "strength",
     "step_cache",
     "step_cache_threshold",
+    "adapters",  # requests with different adapter sets never share a transformer pass
 )
+
+
+# LoRA adapters one request may name, and the scale each may take (diffusers' set_adapters weight).
+MAX_ADAPTERS_PER_REQUEST = 4
+MAX_ADAPTER_SCALE = 8.0
+# An adapter's name: what a stage registers it under (its file's or folder's name in lora_dir).
+ADAPTER_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+
+
+@dataclass(frozen=True)
+class AdapterChoice:
+    """One LoRA adapter a request applies, by the name a stage registered it under, at `scale`."""
+
+    name: str
+    scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -101,6 +120,8 @@ class Params:
     # Step caching for this request; None: the stage's own setting (its step_cache options).
     step_cache: str | None = None
     step_cache_threshold: float | None = None
+    # LoRA adapters applied to the transformer, in the order given; () means the base model.
+    adapters: tuple[AdapterChoice, ...] = ()
 
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one diffusion batch (or one DP wave)."""
@@ -237,6 +258,48 @@ def _check_step_cache(name: str | None, threshold: float | None, limits: Limits,
         )
 
 
+def check_adapter_name(name: str, field: str) -> None:
+    """An adapter name a stage can register (a file name without its suffix)."""
+    if not re.fullmatch(ADAPTER_NAME_PATTERN, name):
+        raise InvalidArgument.field(
+            field,
+            f"{name!r} is not an adapter name; allowed: 1 to 64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit",
+        )
+
+
+def _check_adapters(adapters: tuple[AdapterChoice, ...], limits: Limits, out: list[FieldViolation]) -> None:
+    if not adapters:
+        return
+    if not limits.supports_adapters:
+        out.append(FieldViolation("params.adapters", "this pipeline applies no LoRA adapters; allowed: empty"))
+        return
+    if len(adapters) > MAX_ADAPTERS_PER_REQUEST:
+        out.append(
+            FieldViolation(
+                "params.adapters", f"names {len(adapters)} adapters; allowed: at most {MAX_ADAPTERS_PER_REQUEST}"
+            )
+        )
+    seen: set[str] = set()
+    for i, choice in enumerate(adapters):
+        try:
+            check_adapter_name(choice.name, f"params.adapters[{i}].name")
+        except InvalidArgument as exc:
+            out.extend(exc.violations)
+        if choice.name in seen:
+            out.append(
+                FieldViolation(f"params.adapters[{i}].name", f"{choice.name!r} is named twice; allowed: each once")
+            )
+        seen.add(choice.name)
+        if not (math.isfinite(choice.scale) and -MAX_ADAPTER_SCALE <= choice.scale <= MAX_ADAPTER_SCALE):
+            out.append(
+                FieldViolation(
+                    f"params.adapters[{i}].scale",
+                    f"{choice.scale:g} is out of range; allowed: {-MAX_ADAPTER_SCALE:g} to {MAX_ADAPTER_SCALE:g}",
+                )
+            )
+
+
 def _check_outputs(
     output_format: str, num_images: int, quality: int | None, limits: Limits, out: list[FieldViolation]
 ) -> None:
@@ -283,6 +346,7 @@ def resolve(
     init_image: InitImage | None = None,
     step_cache: str | None = None,
     step_cache_threshold: float | None = None,
+    adapters: tuple[AdapterChoice, ...] = (),
 ) -> Params:
     """Fill defaults (None means default) and validate; raises InvalidArgument listing every bad field."""
     violations: list[FieldViolation] = []
@@ -311,6 +375,7 @@ def resolve(
     num_images = 1 if num_images is None else num_images
     _check_outputs(output_format, num_images, quality, limits, violations)
     _check_step_cache(step_cache, step_cache_threshold, limits, violations)
+    _check_adapters(adapters, limits, violations)
     if violations:
         raise InvalidArgument(violations)
     return Params(
@@ -328,4 +393,5 @@ def resolve(
         init_image=init_image,
         step_cache=step_cache,
         step_cache_threshold=None if step_cache_threshold is None else float(step_cache_threshold),
+        adapters=tuple(adapters),
     )

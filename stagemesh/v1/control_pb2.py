@@ -24,17 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astagemesh/v1/control.proto\x12\x0cstagemesh.v1\"\x9b\x01\n\tWorkerAck\x12\x10\n\x08stage_id\x18\x01 \x01(\x05\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\'\n\x06status\x18\x03 \x01(\x0e\x32\x17.stagemesh.v1.AckStatus\x12\x13\n\x0b\x66reed_bytes\x18\x04 \x01(\x03\x12\x12\n\nlatency_ms\x18\x05 \x01(\x01\x12\r\n\x05level\x18\x06 \x01(\x05\x12\r\n\x05\x65rror\x18\x07 \x01(\t*\x81\x01\n\rControlStatus\x12\x1e\n\x1a\x43ONTROL_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x43ONTROL_STATUS_SUCCESS\x10\x01\x12\x1a\n\x16\x43ONTROL_STATUS_SKIPPED\x10\x02\x12\x18\n\x14\x43ONTROL_STATUS_ERROR\x10\x03*U\n\tAckStatus\x12\x1a\n\x16\x41\x43K_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12\x41\x43K_STATUS_SUCCESS\x10\x01\x12\x14\n\x10\x41\x43K_STATUS_ERROR\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astagemesh/v1/control.proto\x12\x0cstagemesh.v1\"\x9b\x01\n\tWorkerAck\x12\x10\n\x08stage_id\x18\x01 \x01(\x05\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\'\n\x06status\x18\x03 \x01(\x0e\x32\x17.stagemesh.v1.AckStatus\x12\x13\n\x0b\x66reed_bytes\x18\x04 \x01(\x03\x12\x12\n\nlatency_ms\x18\x05 \x01(\x01\x12\r\n\x05level\x18\x06 \x01(\x05\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"}\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x10\n\x08stage_id\x18\x03 \x01(\x05\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x11\n\ton_device\x18\x06 \x01(\x08\x12\x0e\n\x06layers\x18\x07 \x01(\x05\"0\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"B\n\x13LoadAdapterResponse\x12+\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x19.stagemesh.v1.AdapterInfo\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"*\n\x15UnloadAdapterResponse\x12\x11\n\tstage_ids\x18\x01 \x03(\x05\"\x15\n\x13ListAdaptersRequest\"C\n\x14ListAdaptersResponse\x12+\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x19.stagemesh.v1.AdapterInfo*\x81\x01\n\rControlStatus\x12\x1e\n\x1a\x43ONTROL_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x43ONTROL_STATUS_SUCCESS\x10\x01\x12\x1a\n\x16\x43ONTROL_STATUS_SKIPPED\x10\x02\x12\x18\n\x14\x43ONTROL_STATUS_ERROR\x10\x03*U\n\tAckStatus\x12\x1a\n\x16\x41\x43K_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12\x41\x43K_STATUS_SUCCESS\x10\x01\x12\x14\n\x10\x41\x43K_STATUS_ERROR\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stagemesh.v1.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CONTROLSTATUS']._serialized_start=203
-  _globals['_CONTROLSTATUS']._serialized_end=332
-  _globals['_ACKSTATUS']._serialized_start=334
-  _globals['_ACKSTATUS']._serialized_end=419
+  _globals['_CONTROLSTATUS']._serialized_start=622
+  _globals['_CONTROLSTATUS']._serialized_end=751
+  _globals['_ACKSTATUS']._serialized_start=753
+  _globals['_ACKSTATUS']._serialized_end=838
   _globals['_WORKERACK']._serialized_start=45
   _globals['_WORKERACK']._serialized_end=200
+  _globals['_ADAPTERINFO']._serialized_start=202
+  _globals['_ADAPTERINFO']._serialized_end=327
+  _globals['_LOADADAPTERREQUEST']._serialized_start=329
+  _globals['_LOADADAPTERREQUEST']._serialized_end=377
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=379
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=445
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=447
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=483
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=485
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=527
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=529
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=550
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=552
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=619
 # @@protoc_insertion_point(module_scope)

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from stagemesh.v1 import control_pb2 as stagemesh_dot_v1_dot_control__pb2
 from stagemesh.v1 import gateway_pb2 as stagemesh_dot_v1_dot_gateway__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -70,6 +71,21 @@ class GatewayServiceStub:
                 request_serializer=stagemesh_dot_v1_dot_gateway__pb2.ResumeGenerationRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_gateway__pb2.ResumeGenerationResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/stagemesh.v1.GatewayService/LoadAdapter',
+                request_serializer=stagemesh_dot_v1_dot_control__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_control__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/stagemesh.v1.GatewayService/UnloadAdapter',
+                request_serializer=stagemesh_dot_v1_dot_control__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_control__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/stagemesh.v1.GatewayService/ListAdapters',
+                request_serializer=stagemesh_dot_v1_dot_control__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_control__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer:
@@ -122,6 +138,25 @@ class GatewayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoRA adapters, on every stage that holds the diffusion transformer (token-guarded like Sleep).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +194,21 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.ResumeGeneration,
                     request_deserializer=stagemesh_dot_v1_dot_gateway__pb2.ResumeGenerationRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_gateway__pb2.ResumeGenerationResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=stagemesh_dot_v1_dot_control__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_control__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=stagemesh_dot_v1_dot_control__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_control__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=stagemesh_dot_v1_dot_control__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_control__pb2.ListAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -351,6 +401,87 @@ class GatewayService:
             '/stagemesh.v1.GatewayService/ResumeGeneration',
             stagemesh_dot_v1_dot_gateway__pb2.ResumeGenerationRequest.SerializeToString,
             stagemesh_dot_v1_dot_gateway__pb2.ResumeGenerationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.GatewayService/LoadAdapter',
+            stagemesh_dot_v1_dot_control__pb2.LoadAdapterRequest.SerializeToString,
+            stagemesh_dot_v1_dot_control__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.GatewayService/UnloadAdapter',
+            stagemesh_dot_v1_dot_control__pb2.UnloadAdapterRequest.SerializeToString,
+            stagemesh_dot_v1_dot_control__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.GatewayService/ListAdapters',
+            stagemesh_dot_v1_dot_control__pb2.ListAdaptersRequest.SerializeToString,
+            stagemesh_dot_v1_dot_control__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -22,7 +22,7 @@ OUTPUT_FORMAT_JPEG: OutputFormat
 OUTPUT_FORMAT_WEBP: OutputFormat
 
 class GenerationParams(_message.Message):
-    __slots__ = ("prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "output_format", "negative_prompt", "num_images", "quality", "init_image", "strength", "step_cache", "step_cache_threshold")
+    __slots__ = ("prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "output_format", "negative_prompt", "num_images", "quality", "init_image", "strength", "step_cache", "step_cache_threshold", "adapters")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class GenerationParams(_message.Message):
     STRENGTH_FIELD_NUMBER: _ClassVar[int]
     STEP_CACHE_FIELD_NUMBER: _ClassVar[int]
     STEP_CACHE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     width: int
     height: int
@@ -51,7 +52,16 @@ class GenerationParams(_message.Message):
     strength: float
     step_cache: str
     step_cache_threshold: float
-    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., negative_prompt: _Optional[str] = ..., num_images: _Optional[int] = ..., quality: _Optional[int] = ..., init_image: _Optional[bytes] = ..., strength: _Optional[float] = ..., step_cache: _Optional[str] = ..., step_cache_threshold: _Optional[float] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterChoice]
+    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., negative_prompt: _Optional[str] = ..., num_images: _Optional[int] = ..., quality: _Optional[int] = ..., init_image: _Optional[bytes] = ..., strength: _Optional[float] = ..., step_cache: _Optional[str] = ..., step_cache_threshold: _Optional[float] = ..., adapters: _Optional[_Iterable[_Union[AdapterChoice, _Mapping]]] = ...) -> None: ...
+
+class AdapterChoice(_message.Message):
+    __slots__ = ("name", "scale")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    scale: float
+    def __init__(self, name: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
 
 class GenerationResult(_message.Message):
     __slots__ = ("request_id", "output_format", "width", "height", "seed", "png", "tensor", "jpeg", "webp", "stage_latency_ms", "index", "step_cache_skipped", "step_cache_passes", "step_cache")

@@ -102,7 +102,7 @@ class DescribeStageRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeStageResponse(_message.Message):
-    __slots__ = ("stage_id", "kind", "ready", "limits", "device", "device_memory_bytes", "workers", "max_batch_size", "supports_sleep", "sleep_level", "supports_negative_prompt", "supports_init_image", "queue_depth", "batches", "batched_requests")
+    __slots__ = ("stage_id", "kind", "ready", "limits", "device", "device_memory_bytes", "workers", "max_batch_size", "supports_sleep", "sleep_level", "supports_negative_prompt", "supports_init_image", "queue_depth", "batches", "batched_requests", "supports_adapters")
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class DescribeStageResponse(_message.Message):
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     BATCHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     stage_id: int
     kind: str
     ready: bool
@@ -133,4 +134,5 @@ class DescribeStageResponse(_message.Message):
     queue_depth: int
     batches: int
     batched_requests: int
-    def __init__(self, stage_id: _Optional[int] = ..., kind: _Optional[str] = ..., ready: _Optional[bool] = ..., limits: _Optional[_Union[StageLimits, _Mapping]] = ..., device: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., supports_sleep: _Optional[bool] = ..., sleep_level: _Optional[int] = ..., supports_negative_prompt: _Optional[bool] = ..., supports_init_image: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., batches: _Optional[int] = ..., batched_requests: _Optional[int] = ...) -> None: ...
+    supports_adapters: bool
+    def __init__(self, stage_id: _Optional[int] = ..., kind: _Optional[str] = ..., ready: _Optional[bool] = ..., limits: _Optional[_Union[StageLimits, _Mapping]] = ..., device: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., supports_sleep: _Optional[bool] = ..., sleep_level: _Optional[int] = ..., supports_negative_prompt: _Optional[bool] = ..., supports_init_image: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., batches: _Optional[int] = ..., batched_requests: _Optional[int] = ..., supports_adapters: _Optional[bool] = ...) -> None: ...

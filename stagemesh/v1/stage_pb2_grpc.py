@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from stagemesh.v1 import control_pb2 as stagemesh_dot_v1_dot_control__pb2
 from stagemesh.v1 import stage_pb2 as stagemesh_dot_v1_dot_stage__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -55,6 +56,21 @@ class StageServiceStub:
                 request_serializer=stagemesh_dot_v1_dot_stage__pb2.WakeUpStageRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_stage__pb2.WakeUpStageResponse.FromString,
                 _registered_method=True)
+        self.LoadStageAdapter = channel.unary_unary(
+                '/stagemesh.v1.StageService/LoadStageAdapter',
+                request_serializer=stagemesh_dot_v1_dot_control__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_control__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadStageAdapter = channel.unary_unary(
+                '/stagemesh.v1.StageService/UnloadStageAdapter',
+                request_serializer=stagemesh_dot_v1_dot_control__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_control__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListStageAdapters = channel.unary_unary(
+                '/stagemesh.v1.StageService/ListStageAdapters',
+                request_serializer=stagemesh_dot_v1_dot_control__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_control__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class StageServiceServicer:
@@ -88,6 +104,25 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadStageAdapter(self, request, context):
+        """LoRA adapters of a stage holding a diffusers transformer: every worker loads, drops or lists.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadStageAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListStageAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +145,21 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.WakeUpStage,
                     request_deserializer=stagemesh_dot_v1_dot_stage__pb2.WakeUpStageRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_stage__pb2.WakeUpStageResponse.SerializeToString,
+            ),
+            'LoadStageAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadStageAdapter,
+                    request_deserializer=stagemesh_dot_v1_dot_control__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_control__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadStageAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadStageAdapter,
+                    request_deserializer=stagemesh_dot_v1_dot_control__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_control__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'ListStageAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListStageAdapters,
+                    request_deserializer=stagemesh_dot_v1_dot_control__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_control__pb2.ListAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +271,87 @@ class StageService:
             '/stagemesh.v1.StageService/WakeUpStage',
             stagemesh_dot_v1_dot_stage__pb2.WakeUpStageRequest.SerializeToString,
             stagemesh_dot_v1_dot_stage__pb2.WakeUpStageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadStageAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.StageService/LoadStageAdapter',
+            stagemesh_dot_v1_dot_control__pb2.LoadAdapterRequest.SerializeToString,
+            stagemesh_dot_v1_dot_control__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadStageAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.StageService/UnloadStageAdapter',
+            stagemesh_dot_v1_dot_control__pb2.UnloadAdapterRequest.SerializeToString,
+            stagemesh_dot_v1_dot_control__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListStageAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.StageService/ListStageAdapters',
+            stagemesh_dot_v1_dot_control__pb2.ListAdaptersRequest.SerializeToString,
+            stagemesh_dot_v1_dot_control__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -77,3 +77,14 @@ def test_a_misspelled_keyword_is_refused_at_run_time_too():
 def test_left_out_and_none_are_the_same():
     assert generation_params("a") == generation_params("a", width=None, seed=None, timeout=None, request_id=None)
     assert generation_params("a").output_format == generation_params("a", output_format="png").output_format
+
+
+def test_adapters_are_a_mapping_or_names_and_pairs():
+    def sent(adapters) -> list[tuple[str, float]]:
+        return [(a.name, a.scale) for a in generation_params("a", adapters=adapters).adapters]
+
+    assert sent({"ink": 0.5, "film": 1.5}) == [("ink", 0.5), ("film", 1.5)]
+    assert sent(["ink", ("film", 0.25)]) == [("ink", 1.0), ("film", 0.25)]
+    assert sent(None) == [] and sent([]) == []
+    with pytest.raises(TypeError, match="not the string 'ink'"):
+        generation_params("a", adapters="ink")

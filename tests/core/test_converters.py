@@ -14,8 +14,9 @@ from PIL import Image
 from stagemesh.client.requests import OutputFormat
 from stagemesh.core import converters, formats
 from stagemesh.core.acks import WorkerAck
+from stagemesh.core.adapters import AdapterInfo
 from stagemesh.core.events import DenoisingStep, StageStarted
-from stagemesh.core.params import InitImage, Limits, resolve
+from stagemesh.core.params import AdapterChoice, InitImage, Limits, resolve
 from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2, stage_pb2
 
 int32s = st.integers(-(2**31), 2**31 - 1)
@@ -66,11 +67,12 @@ limits = st.builds(
     max_num_images=st.integers(1, 64),
     supports_negative_prompt=st.booleans(),
     supports_init_image=st.booleans(),
+    supports_adapters=st.booleans(),
 )
 
 
 def test_stagelimits_leaves_out_what_travels_beside_it_and_the_gateways_own_bound():
-    assert _OFF_THE_WIRE == {"max_num_images", "supports_negative_prompt", "supports_init_image"}
+    assert _OFF_THE_WIRE == {"max_num_images", "supports_negative_prompt", "supports_init_image", "supports_adapters"}
 
 
 @given(limits)
@@ -104,6 +106,24 @@ def test_only_a_success_status_reads_as_ok(status):
     assert ack.ok == (status == control_pb2.ACK_STATUS_SUCCESS)
 
 
+# ---- adapters ---------------------------------------------------------------------------------------
+adapter_infos = st.builds(
+    AdapterInfo,
+    name=texts,
+    source=texts,
+    stage_id=int32s,
+    rank=int32s,
+    bytes=st.integers(-(2**63), 2**63 - 1),
+    on_device=st.booleans(),
+    layers=int32s,
+)
+
+
+@given(adapter_infos)
+def test_an_adapter_info_round_trips_through_proto(info):
+    assert converters.adapter_info_from_proto(converters.adapter_info_to_proto(info)) == info
+
+
 # ---- progress events ------------------------------------------------------------------------------
 progress_events = st.builds(StageStarted, int32s, texts) | st.builds(DenoisingStep, int32s, int32s, int32s, int32s)
 
@@ -127,6 +147,7 @@ FULL = Limits(
     max_num_images=4,
     supports_negative_prompt=True,
     supports_init_image=True,
+    supports_adapters=True,
 )
 sides = st.integers(1, FULL.max_pixels_side // FULL.pixel_multiple).map(lambda n: n * FULL.pixel_multiple)
 
@@ -138,6 +159,10 @@ def params(draw):
     steps = draw(st.integers(1, FULL.max_inference_steps))
     guidance = draw(st.floats(1.0, FULL.max_guidance_scale, width=32))
     output_format = draw(st.sampled_from(formats.NAMES))
+    # Distinct adapter names, each at a scale a client writes (a decimal of up to 4 digits).
+    names = draw(st.lists(st.from_regex(r"[a-z][a-z0-9_-]{0,8}", fullmatch=True), max_size=4, unique=True))
+    scales = [draw(st.integers(-8000, 8000)) / 1000 for _ in names]
+    adapters = tuple(AdapterChoice(n, s) for n, s in zip(names, scales))
     strength = None
     if image is not None:
         # As a client writes it: a decimal of up to 6 digits, leaving at least one denoising step.
@@ -156,6 +181,7 @@ def params(draw):
         quality=draw(st.integers(1, 100)) if output_format in formats.LOSSY_NAMES else None,
         strength=strength,
         init_image=image,
+        adapters=adapters,
     )
 
 
