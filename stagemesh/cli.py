@@ -130,9 +130,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_synthesize(sub) -> None:
-    from stagemesh.stage_service.models.diffusers_adapter import SYNTHETIC_FAMILIES
+# The families `stagemesh synthesize` writes (the diffusers adapter's synthetic.TINY_FAMILIES,
+# named here since the parser imports nothing that needs torch).
+SYNTHETIC_FAMILIES = ("flux", "sd3", "zimage", "qwen-image", "flux2-klein")
 
+
+def _add_synthesize(sub) -> None:
     p = sub.add_parser(
         "synthesize", help="write a diffusers-format folder of a model family with random weights (no download)"
     )

@@ -17,14 +17,10 @@ from stagemesh.stage_service.models.diffusers_adapter.folder import (
     open_folder,
 )
 
-# The families `stagemesh synthesize` writes (families.py's names; light, for the command line).
-SYNTHETIC_FAMILIES = ("flux", "sd3", "zimage", "qwen-image", "flux2-klein")
-
 __all__ = [
     "FOLDER_ONLY_KINDS",
     "MODEL_INDEX",
     "STAGE_KINDS",
-    "SYNTHETIC_FAMILIES",
     "CheckpointFolder",
     "FolderError",
     "build_runner",

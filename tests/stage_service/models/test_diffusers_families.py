@@ -165,7 +165,8 @@ def test_a_negative_prompt_on_flux2_klein_is_invalid_argument_naming_it(meshes):
 def test_a_starting_image_where_the_family_takes_none_is_invalid_argument(meshes):
     start = encode_png(torch.rand(32, 32, 3).numpy())
     with pytest.raises(grpc.RpcError) as refused:
-        _generate(meshes["zimage"], _params(CASES["zimage"][0], init_image=start, strength=0.5))
+        # FLUX.2 [klein] declares no image-to-image class.
+        _generate(meshes["flux2-klein"], _params(CASES["flux2-klein"][0], init_image=start, strength=0.5))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
     assert "params.init_image" in field_violations(refused.value)
 

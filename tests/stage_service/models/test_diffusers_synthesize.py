@@ -33,6 +33,15 @@ def _synthesize(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def test_the_command_offers_every_family_synthetic_builds():
+    from stagemesh.cli import SYNTHETIC_FAMILIES
+    from stagemesh.stage_service.models.diffusers_adapter.families import BY_NAME
+    from stagemesh.stage_service.models.diffusers_adapter.synthetic import TINY_FAMILIES
+
+    assert list(SYNTHETIC_FAMILIES) == list(TINY_FAMILIES) and set(TINY_FAMILIES) == set(BY_NAME)
+    assert all(BY_NAME[name].pipeline_class == cls for name, (cls, _) in TINY_FAMILIES.items())
+
+
 def test_the_command_writes_a_tiny_folder_diffusers_loads(tmp_path):
     out = tmp_path / "klein"
     done = _synthesize("--family", "flux2-klein", "--size", "tiny", str(out))
