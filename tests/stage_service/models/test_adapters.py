@@ -197,3 +197,34 @@ def test_sleep_level_1_keeps_adapters_on_the_host_and_level_2_reads_them_again(f
     level_2.restore_device()
     assert {i.name: i for i in registry.infos()} == before  # the same places, read again from the files
     assert torch.equal(_image(encoder, runner, registry, ("film", 1.0)), want)
+
+
+def test_an_sd3_adapter_gives_diffusers_own_image(tmp_path):
+    """SD3's loader returns no network alphas (FLUX's does): the other branch of the file reading."""
+    from stagemesh.stage_service.models.adapters import AdapterRegistry
+    from stagemesh.stage_service.models.adapters.synthetic import write_random_lora
+    from stagemesh.stage_service.models.diffusers_adapter.synthetic import write_tiny
+    from stagemesh.stage_service.models.runners import build_runner
+
+    folder = write_tiny(tmp_path / "sd3", "sd3")
+    lora = write_random_lora(
+        tmp_path / "loras" / "ink.safetensors",
+        diffusers.SD3Transformer2DModel.from_pretrained(folder / "transformer"),
+        rank=4,
+        seed=5,
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(folder, local_files_only=True)
+        pipe.load_lora_weights(str(lora), adapter_name="ink")
+        pipe.set_adapters(["ink"], [0.7])
+        want = pipe(prompt="a red fox", width=32, height=32, num_inference_steps=2, guidance_scale=3.5,
+                    output_type="pt", generator=torch.Generator().manual_seed(1)).images[0]  # fmt: skip
+        encoder, runner = build_runner("encoder", folder), build_runner("diffusion", folder)
+        registry = AdapterRegistry(runner.pipe, runner.transformer, "cpu", lora_dir=str(tmp_path / "loras"))
+        registry.load_dir()
+        got = _image(encoder, runner, registry, ("ink", 0.7))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, want.permute(1, 2, 0).float())
