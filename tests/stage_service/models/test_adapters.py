@@ -228,3 +228,40 @@ def test_an_sd3_adapter_gives_diffusers_own_image(tmp_path):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(got, want.permute(1, 2, 0).float())
+
+
+def test_a_kohya_format_file_is_converted_as_load_lora_weights_converts_it(folders, encoder, tmp_path):
+    """A community format (kohya's names for FLUX: fused qkv, lora_down / lora_up, alpha): read
+    through the pipeline's own lora_state_dict, the image equals diffusers' load_lora_weights'."""
+    from safetensors.torch import save_file
+
+    from stagemesh.stage_service.models.adapters import AdapterRegistry
+    from stagemesh.stage_service.models.runners import build_runner
+
+    dim, rank = 32, 4  # the tiny FLUX: 2 heads of 16
+    g = torch.Generator().manual_seed(7)
+    kohya = {}
+    for part, out in (("img_attn_qkv", 3 * dim), ("img_attn_proj", dim), ("txt_attn_qkv", 3 * dim)):
+        key = f"lora_unet_double_blocks_0_{part}"
+        kohya[f"{key}.lora_down.weight"] = torch.randn(rank, dim, generator=g) * 0.3
+        kohya[f"{key}.lora_up.weight"] = torch.randn(out, rank, generator=g) * 0.3
+        kohya[f"{key}.alpha"] = torch.tensor(2.0)
+    lora_dir = tmp_path / "kohya"
+    lora_dir.mkdir()
+    save_file(kohya, str(lora_dir / "sketch.safetensors"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pipe = diffusers.FluxPipeline.from_pretrained(folders["flux"], local_files_only=True)
+        pipe.load_lora_weights(str(lora_dir / "sketch.safetensors"), adapter_name="sketch")
+        pipe.set_adapters(["sketch"], [1.2])
+        want = pipe(prompt="a red fox", width=32, height=32, num_inference_steps=2, guidance_scale=3.5,
+                    output_type="pt", generator=torch.Generator().manual_seed(1)).images[0]  # fmt: skip
+        runner = build_runner("diffusion", folders["flux"])
+        registry = AdapterRegistry(runner.pipe, runner.transformer, "cpu", lora_dir=str(lora_dir))
+        [info] = registry.load_dir()
+        assert (info.name, info.layers) == ("sketch", 7)  # qkv split into to_q, to_k, to_v, twice
+        got = _image(encoder, runner, registry, ("sketch", 1.2))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, want.permute(1, 2, 0).float())
