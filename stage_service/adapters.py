@@ -5,6 +5,7 @@ admission (NOT_FOUND) instead of failing its batch."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from stagemesh.core import errors, logs
@@ -20,8 +21,16 @@ class StageAdapters:
     """`names`: what lora_dir gave every worker at start (None: the stage applies no adapters).
     Adapters loaded at run time are loaded again into a restarted group."""
 
-    def __init__(self, stage_name: str, engine: Engine, executor: Executor, names: list[str] | None = None):
+    def __init__(
+        self,
+        stage_name: str,
+        engine: Engine,
+        executor: Executor,
+        names: list[str] | None = None,
+        sleep_level: Callable[[], int] = lambda: 0,
+    ):
         self._stage_name = stage_name
+        self._sleep_level = sleep_level
         self._engine = engine
         self._executor = executor
         self.supported = names is not None
@@ -65,6 +74,9 @@ class StageAdapters:
                 "path", "is empty; allowed: a file or folder inside the stage's lora_dir"
             )
         async with self._lock:
+            if self._sleep_level():
+                # Its layers would land on a device the stage has given back.
+                raise errors.FailedPrecondition(f"{self._stage_name} is asleep; call WakeUp, then LoadAdapter")
             if name in self._names:
                 raise errors.InvalidArgument.field("name", f"{name!r} is loaded already; unload it first")
             answers = await self._fan_out("adapter_load", name=name, path=path)

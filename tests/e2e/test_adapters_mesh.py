@@ -218,6 +218,9 @@ def test_adapters_survive_sleep_and_unload_drops_one(mesh, folders):
         gateway = mesh.gateway(channel)
         for level in (1, 2):
             gateway.Sleep(gateway_pb2.SleepRequest(stage_ids=[1], level=level), timeout=RPC_TIMEOUT_S, metadata=AUTH)
+            with pytest.raises(grpc.RpcError) as asleep:
+                _load(mesh, "late", "ink.safetensors")
+            assert asleep.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "WakeUp" in asleep.value.details()
             gateway.WakeUp(gateway_pb2.WakeUpRequest(stage_ids=[1]), timeout=RPC_TIMEOUT_S, metadata=AUTH)
             assert _png(mesh, ("ink", 0.8)) == want, level
         (folders["loras"] / "extra").mkdir(exist_ok=True)
