@@ -265,3 +265,43 @@ def test_a_kohya_format_file_is_converted_as_load_lora_weights_converts_it(folde
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(got, want.permute(1, 2, 0).float())
+
+
+def test_a_load_reads_on_a_thread_and_attaches_when_the_main_loop_takes_it(folders):
+    """The worker's main loop only starts a load: the file is read on a thread (here held until
+    released, as a slow disk would), and the adapter joins the transformer when the loop takes the
+    message the thread posts, between two batches."""
+    import queue
+    import threading
+
+    from stagemesh.stage_service.models.runners import build_runner
+    from stagemesh.stage_service.transport import protocol
+    from stagemesh.stage_service.worker.adapter_loads import ATTACH_OP, BackgroundLoads
+
+    runner = build_runner("diffusion", folders["flux"])
+    registry = _registry(runner, folders)
+    registry.unload("ink")
+    release = threading.Event()
+    reading = registry.prepare
+
+    def slow_prepare(name, path):
+        release.wait(timeout=60)
+        return reading(name, path)
+
+    registry.prepare = slow_prepare
+    posted: queue.Queue = queue.Queue()
+    loads = BackgroundLoads(registry, posted.put)
+    loads.start(protocol.Control("rpc-1", "adapter_load", {"name": "ink", "path": "ink.safetensors"}))
+    # The loop is free: batches run meanwhile, and nothing has changed under them.
+    assert posted.empty() and "ink" not in registry.names()
+    release.set()
+    message = posted.get(timeout=60)
+    assert (message.rpc_id, message.op, message.args) == ("rpc-1", ATTACH_OP, {"rpc_id": "rpc-1"})
+    assert "ink" not in registry.names()  # read, not yet added
+    [info] = loads.attach("rpc-1")
+    assert info.name == "ink" and "ink" in registry.names()
+
+    loads.start(protocol.Control("rpc-2", "adapter_load", {"name": "bad", "path": "../x.safetensors"}))
+    posted.get(timeout=60)
+    with pytest.raises(ValueError, match="outside"):
+        loads.attach("rpc-2")  # what the thread met is the call's answer
