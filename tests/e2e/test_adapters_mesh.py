@@ -331,6 +331,22 @@ def test_the_command_line_generates_with_adapters(mesh, tmp_path):
     )
     assert refused.returncode == 1 and "'nope'" in refused.stderr
 
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    token.chmod(0o600)
+
+    def adapters(*flags: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "stagemesh", "adapters", "--address", mesh.address, "--token-file", str(token)]
+        return subprocess.run([*command, *flags], capture_output=True, text=True, timeout=RPC_TIMEOUT_S)
+
+    loaded = adapters("--load", "ink7=ink.safetensors")
+    assert loaded.returncode == 0 and loaded.stdout.startswith("ink7  stage 1 rank 0"), loaded.stderr
+    listed = adapters().stdout.splitlines()
+    assert any(line.startswith("ink7 ") and line.endswith("ink.safetensors") for line in listed), listed
+    assert adapters("--unload", "ink7").stdout.strip() == "unloaded ink7 from stage(s) 1"
+    gone = adapters("--unload", "ink7")
+    assert gone.returncode == 1 and "'ink7'" in gone.stderr
+
 
 @pytest.mark.mesh
 def test_a_restarted_worker_holds_what_the_stage_holds(mesh):
