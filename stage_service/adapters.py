@@ -35,7 +35,8 @@ class StageAdapters:
         self._executor = executor
         self.supported = names is not None
         self._names: set[str] = set(names or ())
-        self._loaded_at_runtime: dict[str, str] = {}  # name -> path, replayed into restarted groups
+        # name -> (path as given, source as the workers read it), replayed into restarted groups
+        self._loaded_at_runtime: dict[str, tuple[str, str]] = {}
         self._lock = asyncio.Lock()  # one load or unload at a time
         chained = engine.on_worker_restarted
 
@@ -86,9 +87,10 @@ class StageAdapters:
                 took = [g for g, a in answers.items() if "adapters" in a]
                 await self._fan_out("adapter_unload", groups=took, name=name)
                 raise errors.InvalidArgument.field("path", f"{path!r}: {refused[0]['refused']}")
+            infos = [info for a in answers.values() for info in a["adapters"]]
             self._names.add(name)
-            self._loaded_at_runtime[name] = path
-            return [info for a in answers.values() for info in a["adapters"]]
+            self._loaded_at_runtime[name] = (path, infos[0].source if infos else path)
+            return infos
 
     async def unload(self, name: str) -> bool:
         """False when this stage does not hold it (the gateway answers NOT_FOUND if none did)."""
@@ -125,16 +127,23 @@ class StageAdapters:
         return out
 
     async def _replay(self, group: int) -> None:
-        """A restarted group has lora_dir's adapters: it drops those unloaded since the start and
-        loads again those loaded since, so it holds what the stage's other groups hold."""
+        """A restarted group has lora_dir's adapters: it drops those unloaded since the start (and
+        those lora_dir gives under a name loaded since from another file) and loads again those
+        loaded since, so it holds what the stage's other groups hold."""
         try:
             listed = await asyncio.wrap_future(self._executor.control(group, "adapter_list"))
-            held = {info.name for a in listed.values() for info in a.get("adapters", ())}
-            for name in sorted(held - self._names):
-                await asyncio.wrap_future(self._executor.control(group, "adapter_unload", name=name))
+            held = {info.name: info.source for a in listed.values() for info in a.get("adapters", ())}
+            for name, source in sorted(held.items()):
+                runtime = self._loaded_at_runtime.get(name)
+                if name not in self._names or (runtime is not None and runtime[1] != source):
+                    await asyncio.wrap_future(self._executor.control(group, "adapter_unload", name=name))
+                    del held[name]
         except (errors.StagemeshError, RuntimeError) as exc:
             log.error("adapters of a restarted group not listed", error=str(exc))
-        for name, path in list(self._loaded_at_runtime.items()):
+            held = {}
+        for name, (path, _) in list(self._loaded_at_runtime.items()):
+            if name in held:
+                continue
             try:
                 answer = await asyncio.wrap_future(self._executor.control(group, "adapter_load", name=name, path=path))
                 refused = [a["refused"] for a in answer.values() if "refused" in a]
