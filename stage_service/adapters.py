@@ -5,6 +5,7 @@ admission (NOT_FOUND) instead of failing its batch."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from stagemesh.core import errors, logs
@@ -20,13 +21,22 @@ class StageAdapters:
     """`names`: what lora_dir gave every worker at start (None: the stage applies no adapters).
     Adapters loaded at run time are loaded again into a restarted group."""
 
-    def __init__(self, stage_name: str, engine: Engine, executor: Executor, names: list[str] | None = None):
+    def __init__(
+        self,
+        stage_name: str,
+        engine: Engine,
+        executor: Executor,
+        names: list[str] | None = None,
+        sleep_level: Callable[[], int] = lambda: 0,
+    ):
         self._stage_name = stage_name
+        self._sleep_level = sleep_level
         self._engine = engine
         self._executor = executor
         self.supported = names is not None
         self._names: set[str] = set(names or ())
-        self._loaded_at_runtime: dict[str, str] = {}  # name -> path, replayed into restarted groups
+        # name -> (path as given, source as the workers read it), replayed into restarted groups
+        self._loaded_at_runtime: dict[str, tuple[str, str]] = {}
         self._lock = asyncio.Lock()  # one load or unload at a time
         chained = engine.on_worker_restarted
 
@@ -65,6 +75,9 @@ class StageAdapters:
                 "path", "is empty; allowed: a file or folder inside the stage's lora_dir"
             )
         async with self._lock:
+            if self._sleep_level():
+                # Its layers would land on a device the stage has given back.
+                raise errors.FailedPrecondition(f"{self._stage_name} is asleep; call WakeUp, then LoadAdapter")
             if name in self._names:
                 raise errors.InvalidArgument.field("name", f"{name!r} is loaded already; unload it first")
             answers = await self._fan_out("adapter_load", name=name, path=path)
@@ -74,9 +87,10 @@ class StageAdapters:
                 took = [g for g, a in answers.items() if "adapters" in a]
                 await self._fan_out("adapter_unload", groups=took, name=name)
                 raise errors.InvalidArgument.field("path", f"{path!r}: {refused[0]['refused']}")
+            infos = [info for a in answers.values() for info in a["adapters"]]
             self._names.add(name)
-            self._loaded_at_runtime[name] = path
-            return [info for a in answers.values() for info in a["adapters"]]
+            self._loaded_at_runtime[name] = (path, infos[0].source if infos else path)
+            return infos
 
     async def unload(self, name: str) -> bool:
         """False when this stage does not hold it (the gateway answers NOT_FOUND if none did)."""
@@ -113,16 +127,23 @@ class StageAdapters:
         return out
 
     async def _replay(self, group: int) -> None:
-        """A restarted group has lora_dir's adapters: it drops those unloaded since the start and
-        loads again those loaded since, so it holds what the stage's other groups hold."""
+        """A restarted group has lora_dir's adapters: it drops those unloaded since the start (and
+        those lora_dir gives under a name loaded since from another file) and loads again those
+        loaded since, so it holds what the stage's other groups hold."""
         try:
             listed = await asyncio.wrap_future(self._executor.control(group, "adapter_list"))
-            held = {info.name for a in listed.values() for info in a.get("adapters", ())}
-            for name in sorted(held - self._names):
-                await asyncio.wrap_future(self._executor.control(group, "adapter_unload", name=name))
+            held = {info.name: info.source for a in listed.values() for info in a.get("adapters", ())}
+            for name, source in sorted(held.items()):
+                runtime = self._loaded_at_runtime.get(name)
+                if name not in self._names or (runtime is not None and runtime[1] != source):
+                    await asyncio.wrap_future(self._executor.control(group, "adapter_unload", name=name))
+                    del held[name]
         except (errors.StagemeshError, RuntimeError) as exc:
             log.error("adapters of a restarted group not listed", error=str(exc))
-        for name, path in list(self._loaded_at_runtime.items()):
+            held = {}
+        for name, (path, _) in list(self._loaded_at_runtime.items()):
+            if name in held:
+                continue
             try:
                 answer = await asyncio.wrap_future(self._executor.control(group, "adapter_load", name=name, path=path))
                 refused = [a["refused"] for a in answer.values() if "refused" in a]

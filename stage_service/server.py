@@ -176,7 +176,7 @@ async def serve_stage(settings: StageSettings) -> None:
         executor, settings.kind, settings.max_batch_size, settings.max_queue, on_health, settings.batch_invariant
     )
     control = StageControl(executor.stage_name, engine, executor, settings.enable_sleep)
-    adapters = StageAdapters(executor.stage_name, engine, executor)
+    adapters = StageAdapters(executor.stage_name, engine, executor, sleep_level=lambda: control.level)
     servicer = StageServicer(settings, engine, executor, control, adapters)
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, host.server)
     metrics.add_readings(stage_readings(engine, executor, control, lambda: servicer.ready and engine.serving))

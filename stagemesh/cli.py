@@ -56,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
         ("wakeup", "wake sleeping stages"),
         ("pause", "stop admitting Generate calls"),
         ("resume", "admit Generate calls again"),
+        ("adapters", "list, load or unload the LoRA adapters of the stages holding the transformer"),
     ):
         p = sub.add_parser(name, help=text)
         p.add_argument(
@@ -70,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
             metavar="PEM",
             help="CA bundle that verifies a gateway serving TLS (default: $STAGEMESH_TLS_CA; neither: plaintext)",
         )
-        if name in ("sleep", "wakeup", "pause", "resume"):
+        if name in ("sleep", "wakeup", "pause", "resume", "adapters"):
             p.add_argument(
                 "--token-file",
                 default=None,
@@ -93,6 +94,15 @@ def _parser() -> argparse.ArgumentParser:
                 "--stage", type=int, action="append", default=[], help="stage id; repeat for several stages"
             )
             targets.add_argument("--all", action="store_true", help="every stage the gateway lists")
+        if name == "adapters":
+            change = p.add_mutually_exclusive_group()
+            change.add_argument(
+                "--load",
+                metavar="NAME=PATH",
+                default=None,
+                help="load adapter NAME from PATH, inside each stage's lora_dir (default: list them)",
+            )
+            change.add_argument("--unload", metavar="NAME", default=None, help="drop adapter NAME everywhere")
         if name == "sleep":
             p.add_argument(
                 "--level",

@@ -1,5 +1,5 @@
 """Client commands of the CLI, over stagemesh.Client: `stagemesh generate` (with a progress bar),
-`status`, `sleep`, `wakeup`, `pause` and `resume`."""
+`status`, `sleep`, `wakeup`, `pause`, `resume` and `adapters`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,17 @@ from stagemesh.client.results import ControlResult, DenoisingStep, ProgressEvent
 from stagemesh.client.sync import Client
 from stagemesh.core import auth
 
-__all__ = ["ADDRESS_ENV", "DEFAULT_ADDRESS", "default_address", "generate", "pause", "resume", "sleep", "status"]
+__all__ = [
+    "ADDRESS_ENV",
+    "DEFAULT_ADDRESS",
+    "adapters",
+    "default_address",
+    "generate",
+    "pause",
+    "resume",
+    "sleep",
+    "status",
+]
 
 
 def _client(args, *, control: bool = False) -> Client:
@@ -152,4 +162,34 @@ def resume(args) -> int:
             print(exc.describe(), file=sys.stderr)
             return 1
     print("ok")
+    return 0
+
+
+def _print_adapters(infos) -> None:
+    for a in infos:
+        place = "on device" if a.on_device else "in host memory"
+        print(
+            f"{a.name}  stage {a.stage_id} rank {a.rank}  {a.bytes / 2**20:.1f} MiB {place}  "
+            f"{a.layers} layers  {a.source}"
+        )
+
+
+def adapters(args) -> int:
+    """No option lists them; --load NAME=PATH or --unload NAME changes them."""
+    with _client(args, control=True) as client:
+        try:
+            if args.load is not None:
+                name, sep, path = args.load.partition("=")
+                if not sep:
+                    print(f"stagemesh adapters: --load {args.load!r}: expected NAME=PATH", file=sys.stderr)
+                    return 2
+                _print_adapters(client.load_adapter(name, path))
+            elif args.unload is not None:
+                stages = client.unload_adapter(args.unload)
+                print(f"unloaded {args.unload} from stage(s) {', '.join(map(str, stages))}")
+            else:
+                _print_adapters(client.list_adapters())
+        except CallError as exc:
+            print(exc.describe(), file=sys.stderr)
+            return 1
     return 0

@@ -78,7 +78,8 @@ def mesh(folders, tmp_path_factory):
     (root / "token").chmod(0o600)
     m = start_mesh(config, root / "mesh.log", ("--model", str(folders["flux"])))
     yield m
-    m.stop()
+    assert m.stop() == 0, m.logs()[-3000:]
+    assert "Traceback" not in m.logs()
 
 
 def _reference(folder: Path, adapters: list[tuple[Path, str, float]]) -> bytes:
@@ -190,10 +191,10 @@ def test_bad_adapter_input_is_refused_naming_it(mesh, folders):
         assert too_many.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "at most 4" in field_violations(too_many.value)["params.adapters"]
 
-        (folders["loras"] / "extra").mkdir(exist_ok=True)
-        shutil.copy(folders["spare"] / "wrong.safetensors", folders["loras"] / "extra" / "wrong.safetensors")
+        (folders["loras"] / "_runtime").mkdir(exist_ok=True)
+        shutil.copy(folders["spare"] / "wrong.safetensors", folders["loras"] / "_runtime" / "wrong.safetensors")
         with pytest.raises(grpc.RpcError) as mismatch:
-            load = control_pb2.LoadAdapterRequest(name="wrong", path="extra/wrong.safetensors")
+            load = control_pb2.LoadAdapterRequest(name="wrong", path="_runtime/wrong.safetensors")
             gateway(channel).LoadAdapter(load, metadata=AUTH)
         assert mismatch.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         # SD3's first adapted layer; FLUX's blocks have no context_pre_only attention there.
@@ -218,11 +219,14 @@ def test_adapters_survive_sleep_and_unload_drops_one(mesh, folders):
         gateway = mesh.gateway(channel)
         for level in (1, 2):
             gateway.Sleep(gateway_pb2.SleepRequest(stage_ids=[1], level=level), timeout=RPC_TIMEOUT_S, metadata=AUTH)
+            with pytest.raises(grpc.RpcError) as asleep:
+                _load(mesh, "late", "ink.safetensors")
+            assert asleep.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "WakeUp" in asleep.value.details()
             gateway.WakeUp(gateway_pb2.WakeUpRequest(stage_ids=[1]), timeout=RPC_TIMEOUT_S, metadata=AUTH)
             assert _png(mesh, ("ink", 0.8)) == want, level
-        (folders["loras"] / "extra").mkdir(exist_ok=True)
-        shutil.copy(folders["loras"] / "ink.safetensors", folders["loras"] / "extra" / "ink2.safetensors")
-        _load(mesh, "ink2", "extra/ink2.safetensors")
+        (folders["loras"] / "_runtime").mkdir(exist_ok=True)
+        shutil.copy(folders["loras"] / "ink.safetensors", folders["loras"] / "_runtime" / "ink2.safetensors")
+        _load(mesh, "ink2", "_runtime/ink2.safetensors")
         assert gateway.UnloadAdapter(control_pb2.UnloadAdapterRequest(name="ink2"), metadata=AUTH).stage_ids == [1]
         with pytest.raises(grpc.RpcError) as gone:
             _png(mesh, ("ink2", 1.0))
@@ -328,6 +332,22 @@ def test_the_command_line_generates_with_adapters(mesh, tmp_path):
     )
     assert refused.returncode == 1 and "'nope'" in refused.stderr
 
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    token.chmod(0o600)
+
+    def adapters(*flags: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "stagemesh", "adapters", "--address", mesh.address, "--token-file", str(token)]
+        return subprocess.run([*command, *flags], capture_output=True, text=True, timeout=RPC_TIMEOUT_S)
+
+    loaded = adapters("--load", "ink7=ink.safetensors")
+    assert loaded.returncode == 0 and loaded.stdout.startswith("ink7  stage 1 rank 0"), loaded.stderr
+    listed = adapters().stdout.splitlines()
+    assert any(line.startswith("ink7 ") and line.endswith("ink.safetensors") for line in listed), listed
+    assert adapters("--unload", "ink7").stdout.strip() == "unloaded ink7 from stage(s) 1"
+    gone = adapters("--unload", "ink7")
+    assert gone.returncode == 1 and "'ink7'" in gone.stderr
+
 
 @pytest.mark.mesh
 def test_a_restarted_worker_holds_what_the_stage_holds(mesh):
@@ -358,3 +378,4 @@ def test_a_restarted_worker_holds_what_the_stage_holds(mesh):
     assert png == want
     listed = _listed(mesh)
     assert "ink6" in listed and "ink" not in listed
+    assert "adapter not restored" not in mesh.logs()

@@ -197,3 +197,111 @@ def test_sleep_level_1_keeps_adapters_on_the_host_and_level_2_reads_them_again(f
     level_2.restore_device()
     assert {i.name: i for i in registry.infos()} == before  # the same places, read again from the files
     assert torch.equal(_image(encoder, runner, registry, ("film", 1.0)), want)
+
+
+def test_an_sd3_adapter_gives_diffusers_own_image(tmp_path):
+    """SD3's loader returns no network alphas (FLUX's does): the other branch of the file reading."""
+    from stagemesh.stage_service.models.adapters import AdapterRegistry
+    from stagemesh.stage_service.models.adapters.synthetic import write_random_lora
+    from stagemesh.stage_service.models.diffusers_adapter.synthetic import write_tiny
+    from stagemesh.stage_service.models.runners import build_runner
+
+    folder = write_tiny(tmp_path / "sd3", "sd3")
+    lora = write_random_lora(
+        tmp_path / "loras" / "ink.safetensors",
+        diffusers.SD3Transformer2DModel.from_pretrained(folder / "transformer"),
+        rank=4,
+        seed=5,
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(folder, local_files_only=True)
+        pipe.load_lora_weights(str(lora), adapter_name="ink")
+        pipe.set_adapters(["ink"], [0.7])
+        want = pipe(prompt="a red fox", width=32, height=32, num_inference_steps=2, guidance_scale=3.5,
+                    output_type="pt", generator=torch.Generator().manual_seed(1)).images[0]  # fmt: skip
+        encoder, runner = build_runner("encoder", folder), build_runner("diffusion", folder)
+        registry = AdapterRegistry(runner.pipe, runner.transformer, "cpu", lora_dir=str(tmp_path / "loras"))
+        registry.load_dir()
+        got = _image(encoder, runner, registry, ("ink", 0.7))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, want.permute(1, 2, 0).float())
+
+
+def test_a_kohya_format_file_is_converted_as_load_lora_weights_converts_it(folders, encoder, tmp_path):
+    """A community format (kohya's names for FLUX: fused qkv, lora_down / lora_up, alpha): read
+    through the pipeline's own lora_state_dict, the image equals diffusers' load_lora_weights'."""
+    from safetensors.torch import save_file
+
+    from stagemesh.stage_service.models.adapters import AdapterRegistry
+    from stagemesh.stage_service.models.runners import build_runner
+
+    dim, rank = 32, 4  # the tiny FLUX: 2 heads of 16
+    g = torch.Generator().manual_seed(7)
+    kohya = {}
+    for part, out in (("img_attn_qkv", 3 * dim), ("img_attn_proj", dim), ("txt_attn_qkv", 3 * dim)):
+        key = f"lora_unet_double_blocks_0_{part}"
+        kohya[f"{key}.lora_down.weight"] = torch.randn(rank, dim, generator=g) * 0.3
+        kohya[f"{key}.lora_up.weight"] = torch.randn(out, rank, generator=g) * 0.3
+        kohya[f"{key}.alpha"] = torch.tensor(2.0)
+    lora_dir = tmp_path / "kohya"
+    lora_dir.mkdir()
+    save_file(kohya, str(lora_dir / "sketch.safetensors"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pipe = diffusers.FluxPipeline.from_pretrained(folders["flux"], local_files_only=True)
+        pipe.load_lora_weights(str(lora_dir / "sketch.safetensors"), adapter_name="sketch")
+        pipe.set_adapters(["sketch"], [1.2])
+        want = pipe(prompt="a red fox", width=32, height=32, num_inference_steps=2, guidance_scale=3.5,
+                    output_type="pt", generator=torch.Generator().manual_seed(1)).images[0]  # fmt: skip
+        runner = build_runner("diffusion", folders["flux"])
+        registry = AdapterRegistry(runner.pipe, runner.transformer, "cpu", lora_dir=str(lora_dir))
+        [info] = registry.load_dir()
+        assert (info.name, info.layers) == ("sketch", 7)  # qkv split into to_q, to_k, to_v, twice
+        got = _image(encoder, runner, registry, ("sketch", 1.2))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, want.permute(1, 2, 0).float())
+
+
+def test_a_load_reads_on_a_thread_and_attaches_when_the_main_loop_takes_it(folders):
+    """The worker's main loop only starts a load: the file is read on a thread (here held until
+    released, as a slow disk would), and the adapter joins the transformer when the loop takes the
+    message the thread posts, between two batches."""
+    import queue
+    import threading
+
+    from stagemesh.stage_service.models.runners import build_runner
+    from stagemesh.stage_service.transport import protocol
+    from stagemesh.stage_service.worker.adapter_loads import ATTACH_OP, BackgroundLoads
+
+    runner = build_runner("diffusion", folders["flux"])
+    registry = _registry(runner, folders)
+    registry.unload("ink")
+    release = threading.Event()
+    reading = registry.prepare
+
+    def slow_prepare(name, path):
+        release.wait(timeout=60)
+        return reading(name, path)
+
+    registry.prepare = slow_prepare
+    posted: queue.Queue = queue.Queue()
+    loads = BackgroundLoads(registry, posted.put)
+    loads.start(protocol.Control("rpc-1", "adapter_load", {"name": "ink", "path": "ink.safetensors"}))
+    # The loop is free: batches run meanwhile, and nothing has changed under them.
+    assert posted.empty() and "ink" not in registry.names()
+    release.set()
+    message = posted.get(timeout=60)
+    assert (message.rpc_id, message.op, message.args) == ("rpc-1", ATTACH_OP, {"rpc_id": "rpc-1"})
+    assert "ink" not in registry.names()  # read, not yet added
+    [info] = loads.attach("rpc-1")
+    assert info.name == "ink" and "ink" in registry.names()
+
+    loads.start(protocol.Control("rpc-2", "adapter_load", {"name": "bad", "path": "../x.safetensors"}))
+    posted.get(timeout=60)
+    with pytest.raises(ValueError, match="outside"):
+        loads.attach("rpc-2")  # what the thread met is the call's answer
