@@ -22,7 +22,8 @@ def output_format_to_proto(name: str) -> generation_pb2.OutputFormat:
 
 
 def output_format_from_proto(value: int) -> str | None:
-    """The format's name (UNSPECIFIED reads as the default, PNG); None for an unknown value."""
+    """The format's name (UNSPECIFIED reads as the default, PNG: params_from_proto makes it MP4
+    for a video model); None for an unknown value."""
     fmt = formats.by_wire(value)
     return None if fmt is None else fmt.name
 
@@ -48,6 +49,8 @@ def params_from_proto(
     """`init_image`: the starting image as its reader found it (the gateway probes the bytes of
     msg.init_image; a stage measures its INIT_IMAGE_INPUT); bytes in msg.init_image alone are refused."""
     fmt = output_format_from_proto(msg.output_format)
+    if msg.output_format == generation_pb2.OUTPUT_FORMAT_UNSPECIFIED and limits.video:
+        fmt = formats.DEFAULT_VIDEO.name
     if msg.init_image and init_image is None:
         raise InvalidArgument.field(
             "params.init_image",
@@ -68,6 +71,8 @@ def params_from_proto(
         quality=msg.quality if msg.HasField("quality") else None,
         strength=_decimal(msg.strength) if msg.HasField("strength") else None,
         init_image=init_image,
+        num_frames=msg.num_frames if msg.HasField("num_frames") else None,
+        fps=msg.fps if msg.HasField("fps") else None,
     )
 
 
@@ -85,6 +90,8 @@ def params_to_proto(p: gp.Params) -> generation_pb2.GenerationParams:
         num_images=p.num_images,
         quality=p.quality if p.output_format in gp.LOSSY_FORMATS else None,
         strength=p.strength,
+        num_frames=p.num_frames or None,
+        fps=p.fps or None,
     )
 
 

@@ -17,11 +17,13 @@ OUTPUT_PNG = formats.PNG.name
 OUTPUT_TENSOR = formats.TENSOR.name
 OUTPUT_JPEG = formats.JPEG.name
 OUTPUT_WEBP = formats.WEBP.name
+OUTPUT_MP4 = formats.MP4.name
 OUTPUT_FORMATS = formats.NAMES
 # Formats that take a quality.
 LOSSY_FORMATS = formats.LOSSY_NAMES
 DEFAULT_QUALITY = 90
 MAX_QUALITY = 100
+MAX_FPS = 120
 # Image-to-image without a strength: how far from the starting image (diffusers' default).
 DEFAULT_STRENGTH = 0.8
 # The id travels to every stage as x-request-id metadata: printable ASCII, bounded.
@@ -47,10 +49,20 @@ class Limits:
     # What the pipeline (at the gateway) or the stage's model can use beyond a prompt.
     supports_negative_prompt: bool = False
     supports_init_image: bool = False
+    # Video models: num_frames is frame_step * k + 1, from 1 to max_num_frames (0: the model
+    # draws images and refuses video parameters).
+    frame_step: int = 0
+    max_num_frames: int = 0
+    default_num_frames: int = 0
+    default_fps: int = 0
+
+    @property
+    def video(self) -> bool:
+        return self.frame_step > 0
 
 
 # What requests sampled together must share, in the order of Params.batch_key().
-BATCH_KEY_FIELDS = ("width", "height", "num_inference_steps", "guidance_scale", "strength")
+BATCH_KEY_FIELDS = ("width", "height", "num_inference_steps", "guidance_scale", "strength", "num_frames")
 
 
 @dataclass(frozen=True)
@@ -80,8 +92,16 @@ class Params:
     quality: int = DEFAULT_QUALITY
     # Image-to-image: how far from the starting image, in (0, 1]; None means text-to-image.
     strength: float | None = None
-    # Image-to-image: the starting image (set exactly when strength is).
+    # Image-to-image: the starting image (set exactly when strength is); image-to-video: the
+    # first frame (strength unset).
     init_image: InitImage | None = None
+    # A video's frames and frame rate; 0 for an image.
+    num_frames: int = 0
+    fps: int = 0
+
+    @property
+    def video(self) -> bool:
+        return self.num_frames > 0
 
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one diffusion batch (or one DP wave)."""
@@ -173,7 +193,22 @@ def _check_guidance_inputs(negative_prompt: str, guidance: float, limits: Limits
 def _resolve_strength(
     strength: float | None, image: InitImage | None, steps: int, limits: Limits, out: list[FieldViolation]
 ) -> float | None:
-    """The strength of an image-to-image request (default DEFAULT_STRENGTH); None without an image."""
+    """The strength of an image-to-image request (default DEFAULT_STRENGTH); None without an image
+    and for a video model (its starting image is the first frame)."""
+    if limits.video:
+        if strength is not None:
+            out.append(
+                FieldViolation(
+                    "params.strength",
+                    f"{strength:g} given to a video model, which starts from init_image as its first frame; "
+                    "allowed: unset",
+                )
+            )
+        if image is not None and not limits.supports_init_image:
+            out.append(
+                FieldViolation("params.init_image", "this video model cannot start from an image; allowed: empty")
+            )
+        return None
     if image is None:
         if strength is not None:
             out.append(
@@ -203,11 +238,15 @@ def _resolve_strength(
 def _check_outputs(
     output_format: str, num_images: int, quality: int | None, limits: Limits, out: list[FieldViolation]
 ) -> None:
-    if output_format not in OUTPUT_FORMATS:
+    allowed = formats.VIDEO_NAMES if limits.video else formats.IMAGE_NAMES
+    what = "a video model" if limits.video else "an image model"
+    if output_format not in allowed:
+        known = output_format in OUTPUT_FORMATS
         out.append(
             FieldViolation(
                 "params.output_format",
-                f"unknown output format {output_format!r}; allowed: {', '.join(map(str.upper, OUTPUT_FORMATS))}",
+                f"{output_format.upper() if known else repr(output_format)} is "
+                f"{'not an output of ' + what if known else 'unknown'}; allowed: {', '.join(map(str.upper, allowed))}",
             )
         )
     if not 1 <= num_images <= limits.max_num_images:
@@ -229,6 +268,37 @@ def _check_outputs(
         out.append(FieldViolation("params.quality", f"{quality} is out of range; allowed: 1 to {MAX_QUALITY}"))
 
 
+def frame_counts(limits: Limits) -> str:
+    """The frame counts a video model takes, as error messages name them."""
+    step, top = limits.frame_step, limits.max_num_frames
+    counts = list(range(1, top + 1, step))
+    listed = ", ".join(map(str, counts[:4])) + (f", ... {counts[-1]}" if len(counts) > 4 else "")
+    return f"{step}k + 1 from 1 to {top} ({listed})"
+
+
+def _resolve_video(
+    num_frames: int | None, fps: int | None, limits: Limits, out: list[FieldViolation]
+) -> tuple[int, int]:
+    """(num_frames, fps) of a video model's request, defaults filled; (0, 0) for an image model,
+    which refuses both."""
+    if not limits.video:
+        for name, value in (("num_frames", num_frames), ("fps", fps)):
+            if value is not None:
+                out.append(
+                    FieldViolation(
+                        f"params.{name}", f"{value} given to an image model, which draws no video; allowed: unset"
+                    )
+                )
+        return 0, 0
+    frames = limits.default_num_frames if num_frames is None else num_frames
+    if not (1 <= frames <= limits.max_num_frames and (frames - 1) % limits.frame_step == 0):
+        out.append(FieldViolation("params.num_frames", f"{frames} frames; allowed: {frame_counts(limits)}"))
+    rate = limits.default_fps if fps is None else fps
+    if not 1 <= rate <= MAX_FPS:
+        out.append(FieldViolation("params.fps", f"{rate} is out of range; allowed: 1 to {MAX_FPS}"))
+    return frames, rate
+
+
 def resolve(
     *,
     prompt: str,
@@ -244,6 +314,8 @@ def resolve(
     quality: int | None = None,
     strength: float | None = None,
     init_image: InitImage | None = None,
+    num_frames: int | None = None,
+    fps: int | None = None,
 ) -> Params:
     """Fill defaults (None means default) and validate; raises InvalidArgument listing every bad field."""
     violations: list[FieldViolation] = []
@@ -271,6 +343,7 @@ def resolve(
     strength = _resolve_strength(strength, init_image, steps, limits, violations)
     num_images = 1 if num_images is None else num_images
     _check_outputs(output_format, num_images, quality, limits, violations)
+    frames, rate = _resolve_video(num_frames, fps, limits, violations)
     if violations:
         raise InvalidArgument(violations)
     return Params(
@@ -286,4 +359,6 @@ def resolve(
         quality=DEFAULT_QUALITY if quality is None else quality,
         strength=strength,
         init_image=init_image,
+        num_frames=frames,
+        fps=rate,
     )

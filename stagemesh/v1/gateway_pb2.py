@@ -26,15 +26,15 @@ from stagemesh.v1 import control_pb2 as stagemesh_dot_v1_dot_control__pb2
 from stagemesh.v1 import generation_pb2 as stagemesh_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astagemesh/v1/gateway.proto\x12\x0cstagemesh.v1\x1a\x1astagemesh/v1/control.proto\x1a\x1dstagemesh/v1/generation.proto\"?\n\x0cSleepRequest\x12\x11\n\tstage_ids\x18\x01 \x03(\x05\x12\x12\n\x05level\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\x08\n\x06_level\"c\n\rSleepResponse\x12+\n\x06status\x18\x01 \x01(\x0e\x32\x1b.stagemesh.v1.ControlStatus\x12%\n\x04\x61\x63ks\x18\x02 \x03(\x0b\x32\x17.stagemesh.v1.WorkerAck\"\"\n\rWakeUpRequest\x12\x11\n\tstage_ids\x18\x01 \x03(\x05\"t\n\x0eWakeUpResponse\x12+\n\x06status\x18\x01 \x01(\x0e\x32\x1b.stagemesh.v1.ControlStatus\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12%\n\x04\x61\x63ks\x18\x03 \x03(\x0b\x32\x17.stagemesh.v1.WorkerAck\"\x18\n\x16PauseGenerationRequest\"\x19\n\x17PauseGenerationResponse\"\x19\n\x17ResumeGenerationRequest\"\x1a\n\x18ResumeGenerationResponse\"U\n\x0fGenerateRequest\x12.\n\x06params\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.GenerationParams\x12\x12\n\nrequest_id\x18\x02 \x01(\t\".\n\x0cStageStarted\x12\x10\n\x08stage_id\x18\x01 \x01(\x05\x12\x0c\n\x04kind\x18\x02 \x01(\t\"M\n\rDenoisingStep\x12\x10\n\x08stage_id\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x05\x12\r\n\x05total\x18\x03 \x01(\x05\x12\r\n\x05index\x18\x04 \x01(\x05\"\xb9\x01\n\x10GenerateResponse\x12\x33\n\rstage_started\x18\x01 \x01(\x0b\x32\x1a.stagemesh.v1.StageStartedH\x00\x12\x35\n\x0e\x64\x65noising_step\x18\x02 \x01(\x0b\x32\x1b.stagemesh.v1.DenoisingStepH\x00\x12\x30\n\x06result\x18\x03 \x01(\x0b\x32\x1e.stagemesh.v1.GenerationResultH\x00\x42\x07\n\x05\x65vent\"Z\n\x14GenerateUnaryRequest\x12.\n\x06params\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.GenerationParams\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"x\n\x15GenerateUnaryResponse\x12.\n\x06result\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.GenerationResult\x12/\n\x07results\x18\x02 \x03(\x0b\x32\x1e.stagemesh.v1.GenerationResult\"\x97\x02\n\tStageInfo\x12\x10\n\x08stage_id\x18\x01 \x01(\x05\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08replicas\x18\x03 \x01(\x05\x12\'\n\x05state\x18\x04 \x01(\x0e\x32\x18.stagemesh.v1.StageState\x12\x13\n\x0bsleep_level\x18\x05 \x01(\x05\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x06 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x0f\n\x07workers\x18\x08 \x01(\x05\x12\x16\n\x0esupports_sleep\x18\t \x01(\x08\x12\x16\n\x0emax_batch_size\x18\n \x01(\x05\x12\x13\n\x0bqueue_depth\x18\x0b \x01(\x05\x12\x17\n\x0fmean_batch_size\x18\x0c \x01(\x01\"\x13\n\x11ListStagesRequest\"X\n\x12ListStagesResponse\x12\'\n\x06stages\x18\x01 \x03(\x0b\x32\x17.stagemesh.v1.StageInfo\x12\x19\n\x11generation_paused\x18\x02 \x01(\x08*\xaa\x01\n\nStageState\x12\x1b\n\x17STAGE_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13STAGE_STATE_SERVING\x10\x01\x12\x17\n\x13STAGE_STATE_LOADING\x10\x02\x12\x1b\n\x17STAGE_STATE_UNAVAILABLE\x10\x03\x12\x18\n\x14STAGE_STATE_SLEEPING\x10\x04\x12\x16\n\x12STAGE_STATE_PAUSED\x10\x05\x32\xd2\x04\n\x0eGatewayService\x12K\n\x08Generate\x12\x1d.stagemesh.v1.GenerateRequest\x1a\x1e.stagemesh.v1.GenerateResponse0\x01\x12X\n\rGenerateUnary\x12\".stagemesh.v1.GenerateUnaryRequest\x1a#.stagemesh.v1.GenerateUnaryResponse\x12O\n\nListStages\x12\x1f.stagemesh.v1.ListStagesRequest\x1a .stagemesh.v1.ListStagesResponse\x12@\n\x05Sleep\x12\x1a.stagemesh.v1.SleepRequest\x1a\x1b.stagemesh.v1.SleepResponse\x12\x43\n\x06WakeUp\x12\x1b.stagemesh.v1.WakeUpRequest\x1a\x1c.stagemesh.v1.WakeUpResponse\x12^\n\x0fPauseGeneration\x12$.stagemesh.v1.PauseGenerationRequest\x1a%.stagemesh.v1.PauseGenerationResponse\x12\x61\n\x10ResumeGeneration\x12%.stagemesh.v1.ResumeGenerationRequest\x1a&.stagemesh.v1.ResumeGenerationResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astagemesh/v1/gateway.proto\x12\x0cstagemesh.v1\x1a\x1astagemesh/v1/control.proto\x1a\x1dstagemesh/v1/generation.proto\"?\n\x0cSleepRequest\x12\x11\n\tstage_ids\x18\x01 \x03(\x05\x12\x12\n\x05level\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\x08\n\x06_level\"c\n\rSleepResponse\x12+\n\x06status\x18\x01 \x01(\x0e\x32\x1b.stagemesh.v1.ControlStatus\x12%\n\x04\x61\x63ks\x18\x02 \x03(\x0b\x32\x17.stagemesh.v1.WorkerAck\"\"\n\rWakeUpRequest\x12\x11\n\tstage_ids\x18\x01 \x03(\x05\"t\n\x0eWakeUpResponse\x12+\n\x06status\x18\x01 \x01(\x0e\x32\x1b.stagemesh.v1.ControlStatus\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12%\n\x04\x61\x63ks\x18\x03 \x03(\x0b\x32\x17.stagemesh.v1.WorkerAck\"\x18\n\x16PauseGenerationRequest\"\x19\n\x17PauseGenerationResponse\"\x19\n\x17ResumeGenerationRequest\"\x1a\n\x18ResumeGenerationResponse\"U\n\x0fGenerateRequest\x12.\n\x06params\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.GenerationParams\x12\x12\n\nrequest_id\x18\x02 \x01(\t\".\n\x0cStageStarted\x12\x10\n\x08stage_id\x18\x01 \x01(\x05\x12\x0c\n\x04kind\x18\x02 \x01(\t\"M\n\rDenoisingStep\x12\x10\n\x08stage_id\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x05\x12\r\n\x05total\x18\x03 \x01(\x05\x12\r\n\x05index\x18\x04 \x01(\x05\"\xec\x01\n\x10GenerateResponse\x12\x33\n\rstage_started\x18\x01 \x01(\x0b\x32\x1a.stagemesh.v1.StageStartedH\x00\x12\x35\n\x0e\x64\x65noising_step\x18\x02 \x01(\x0b\x32\x1b.stagemesh.v1.DenoisingStepH\x00\x12\x30\n\x06result\x18\x03 \x01(\x0b\x32\x1e.stagemesh.v1.GenerationResultH\x00\x12\x31\n\x0cresult_chunk\x18\x10 \x01(\x0b\x32\x19.stagemesh.v1.ResultChunkH\x00\x42\x07\n\x05\x65vent\"Z\n\x14GenerateUnaryRequest\x12.\n\x06params\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.GenerationParams\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"x\n\x15GenerateUnaryResponse\x12.\n\x06result\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.GenerationResult\x12/\n\x07results\x18\x02 \x03(\x0b\x32\x1e.stagemesh.v1.GenerationResult\"\x97\x02\n\tStageInfo\x12\x10\n\x08stage_id\x18\x01 \x01(\x05\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08replicas\x18\x03 \x01(\x05\x12\'\n\x05state\x18\x04 \x01(\x0e\x32\x18.stagemesh.v1.StageState\x12\x13\n\x0bsleep_level\x18\x05 \x01(\x05\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x06 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x0f\n\x07workers\x18\x08 \x01(\x05\x12\x16\n\x0esupports_sleep\x18\t \x01(\x08\x12\x16\n\x0emax_batch_size\x18\n \x01(\x05\x12\x13\n\x0bqueue_depth\x18\x0b \x01(\x05\x12\x17\n\x0fmean_batch_size\x18\x0c \x01(\x01\"\x13\n\x11ListStagesRequest\"X\n\x12ListStagesResponse\x12\'\n\x06stages\x18\x01 \x03(\x0b\x32\x17.stagemesh.v1.StageInfo\x12\x19\n\x11generation_paused\x18\x02 \x01(\x08*\xaa\x01\n\nStageState\x12\x1b\n\x17STAGE_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13STAGE_STATE_SERVING\x10\x01\x12\x17\n\x13STAGE_STATE_LOADING\x10\x02\x12\x1b\n\x17STAGE_STATE_UNAVAILABLE\x10\x03\x12\x18\n\x14STAGE_STATE_SLEEPING\x10\x04\x12\x16\n\x12STAGE_STATE_PAUSED\x10\x05\x32\xd2\x04\n\x0eGatewayService\x12K\n\x08Generate\x12\x1d.stagemesh.v1.GenerateRequest\x1a\x1e.stagemesh.v1.GenerateResponse0\x01\x12X\n\rGenerateUnary\x12\".stagemesh.v1.GenerateUnaryRequest\x1a#.stagemesh.v1.GenerateUnaryResponse\x12O\n\nListStages\x12\x1f.stagemesh.v1.ListStagesRequest\x1a .stagemesh.v1.ListStagesResponse\x12@\n\x05Sleep\x12\x1a.stagemesh.v1.SleepRequest\x1a\x1b.stagemesh.v1.SleepResponse\x12\x43\n\x06WakeUp\x12\x1b.stagemesh.v1.WakeUpRequest\x1a\x1c.stagemesh.v1.WakeUpResponse\x12^\n\x0fPauseGeneration\x12$.stagemesh.v1.PauseGenerationRequest\x1a%.stagemesh.v1.PauseGenerationResponse\x12\x61\n\x10ResumeGeneration\x12%.stagemesh.v1.ResumeGenerationRequest\x1a&.stagemesh.v1.ResumeGenerationResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stagemesh.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STAGESTATE']._serialized_start=1541
-  _globals['_STAGESTATE']._serialized_end=1711
+  _globals['_STAGESTATE']._serialized_start=1592
+  _globals['_STAGESTATE']._serialized_end=1762
   _globals['_SLEEPREQUEST']._serialized_start=103
   _globals['_SLEEPREQUEST']._serialized_end=166
   _globals['_SLEEPRESPONSE']._serialized_start=168
@@ -58,17 +58,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DENOISINGSTEP']._serialized_start=666
   _globals['_DENOISINGSTEP']._serialized_end=743
   _globals['_GENERATERESPONSE']._serialized_start=746
-  _globals['_GENERATERESPONSE']._serialized_end=931
-  _globals['_GENERATEUNARYREQUEST']._serialized_start=933
-  _globals['_GENERATEUNARYREQUEST']._serialized_end=1023
-  _globals['_GENERATEUNARYRESPONSE']._serialized_start=1025
-  _globals['_GENERATEUNARYRESPONSE']._serialized_end=1145
-  _globals['_STAGEINFO']._serialized_start=1148
-  _globals['_STAGEINFO']._serialized_end=1427
-  _globals['_LISTSTAGESREQUEST']._serialized_start=1429
-  _globals['_LISTSTAGESREQUEST']._serialized_end=1448
-  _globals['_LISTSTAGESRESPONSE']._serialized_start=1450
-  _globals['_LISTSTAGESRESPONSE']._serialized_end=1538
-  _globals['_GATEWAYSERVICE']._serialized_start=1714
-  _globals['_GATEWAYSERVICE']._serialized_end=2308
+  _globals['_GENERATERESPONSE']._serialized_end=982
+  _globals['_GENERATEUNARYREQUEST']._serialized_start=984
+  _globals['_GENERATEUNARYREQUEST']._serialized_end=1074
+  _globals['_GENERATEUNARYRESPONSE']._serialized_start=1076
+  _globals['_GENERATEUNARYRESPONSE']._serialized_end=1196
+  _globals['_STAGEINFO']._serialized_start=1199
+  _globals['_STAGEINFO']._serialized_end=1478
+  _globals['_LISTSTAGESREQUEST']._serialized_start=1480
+  _globals['_LISTSTAGESREQUEST']._serialized_end=1499
+  _globals['_LISTSTAGESRESPONSE']._serialized_start=1501
+  _globals['_LISTSTAGESRESPONSE']._serialized_end=1589
+  _globals['_GATEWAYSERVICE']._serialized_start=1765
+  _globals['_GATEWAYSERVICE']._serialized_end=2359
 # @@protoc_insertion_point(module_scope)

@@ -37,6 +37,9 @@ class Family:
     guided_inputs: tuple[str, ...] = ()  # embeddings the sampler needs when guidance_scale > 1
     supports_negative_prompt = False
     negative_prompt_refusal = ""  # why not, where it is not supported
+    # Video families run the pipeline itself (video.py); the sampling methods below are the
+    # image families' only.
+    video = False
 
     def offload_plan(self):
         from stagemesh.stage_service.offload.plan import OffloadPlan
@@ -188,7 +191,50 @@ class SD3Family(Family):
         return uncond + guidance_scale * (text - uncond)
 
 
-FAMILIES: dict[str, Family] = {f.pipeline_class: f for f in (FluxFamily(), SD3Family())}
+class WanFamily(Family):
+    """Wan 2.1 / 2.2 text-to-video: one UMT5 encoder; the diffusion stage runs WanPipeline with
+    the embeddings passed in (video.py), over `transformer` and, for Wan 2.2's two experts, the
+    low-noise `transformer_2` below boundary_ratio. Classifier-free guidance above 1, on the
+    negative prompt ("" when none)."""
+
+    pipeline_class = "WanPipeline"
+    block_attrs = ("blocks",)
+    guided_inputs = ("negative_prompt_embeds",)
+    supports_negative_prompt = True
+    video = True
+    experts = ("transformer", "transformer_2")
+    takes_image = False  # the first frame, image-to-video
+    # WanPipeline.__call__'s defaults: 81 frames at 16 fps (the Wan 2.2 A14B exports).
+    default_num_frames = 81
+    default_fps = 16
+
+    def encode(self, pipe, params: Params, device) -> Tensors:
+        # As WanPipeline.__call__ calls it: max_sequence_length 512, guided above scale 1.
+        embeds, negative = pipe.encode_prompt(
+            prompt=params.prompt,
+            negative_prompt=params.negative_prompt or None,
+            do_classifier_free_guidance=params.guidance_scale > 1,
+            num_videos_per_prompt=1,
+            max_sequence_length=512,
+            device=device,
+        )
+        named = {"prompt_embeds": embeds}
+        if negative is not None:
+            named["negative_prompt_embeds"] = negative
+        return named
+
+
+class WanImageToVideoFamily(WanFamily):
+    """Wan 2.2 image-to-video: the start image (init_image) reaches the diffusion stage, whose
+    pipeline VAE-encodes it as the first frame (Wan 2.1's CLIP image encoder is not served)."""
+
+    pipeline_class = "WanImageToVideoPipeline"
+    takes_image = True
+
+
+FAMILIES: dict[str, Family] = {
+    f.pipeline_class: f for f in (FluxFamily(), SD3Family(), WanFamily(), WanImageToVideoFamily())
+}
 
 
 def family_of(folder: CheckpointFolder) -> Family:
@@ -209,6 +255,10 @@ def vae_scale_factor(folder: CheckpointFolder) -> int:
 def pixel_multiple(folder: CheckpointFolder) -> int:
     """Width and height must be multiples of this (the pipelines' own check_inputs rule)."""
     family = family_of(folder)
+    if family.video:  # the VAE's spatial stride times the transformer's patch
+        vae = folder.component_config("vae")
+        patch = folder.component_config("transformer")["patch_size"]
+        return int(vae.get("scale_factor_spatial", 8)) * int(patch[1])
     if family.packs_2x2:
         patch = 2
     elif "transformer" in folder.components and (folder.path / "transformer").is_dir():
