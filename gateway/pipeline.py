@@ -18,6 +18,7 @@ from stagemesh.gateway.fanout import merged
 from stagemesh.gateway.images import decode_init_image, encode, probe_init_image
 from stagemesh.gateway.settings import DEFAULT_MAX_IMAGES_PER_REQUEST
 from stagemesh.gateway.stages import StageClient
+from stagemesh.gateway.videos import encode_video
 from stagemesh.v1 import gateway_pb2, generation_pb2, tensor_pb2
 
 log = logs.get_logger("stagemesh.gateway")
@@ -31,6 +32,8 @@ INLINE_ENCODE_PIXELS = 64 * 64
 DENOISING_KINDS = ("diffusion", "denoise")
 _SEEDS = 2**64  # a seed is a uint64: image i's seed + i wraps around
 EXECUTE_METHOD = "stagemesh.v1.StageService/Execute"
+# A video model's last stage names its frames so (float32 [frames, height, width, 3] in [0, 1]).
+VIDEO_OUTPUT = "video"
 
 
 class _AllStarted:
@@ -167,6 +170,7 @@ class Pipeline:
             if tracing.ON and position > 0:
                 _relay_span(self.stages[position - 1], stage, inputs, arrived_ns, index)
             attributes = _call_attributes(stage, request_id, index) if tracing.ON else None
+            outputs: dict[str, tensor_pb2.Tensor] = {}
             with tracing.span(EXECUTE_METHOD, kind="client", attributes=attributes) as call:
                 async for response in stage.execute(
                     request_id, wire, inputs, remaining, first, request.num_images, call
@@ -174,17 +178,20 @@ class Pipeline:
                     if response.HasField("progress"):
                         if stage.kind in DENOISING_KINDS:  # denoising steps, not encoder items
                             yield DenoisingStep(stage.stage_id, response.progress.step, response.progress.total, index)
-                    else:
-                        inputs = dict(response.outputs.outputs)
+                    else:  # a large output (a video) comes in several messages, in row order
+                        for name, piece in response.outputs.outputs.items():
+                            outputs[name] = codec.join_rows(outputs.get(name), piece, f"outputs[{name}]")
                         arrived_ns = time.time_ns() if call is not None else 0
+            inputs = outputs
             latency[str(stage.stage_id)] = (time.perf_counter() - started) * 1e3
-        if "image" not in inputs:
-            raise errors.StagemeshError(f"the last stage returned no image (outputs: {sorted(inputs)})")
+        picture = VIDEO_OUTPUT if params.video else "image"
+        if picture not in inputs:
+            raise errors.StagemeshError(f"the last stage returned no {picture} (outputs: {sorted(inputs)})")
         with tracing.span("encode image", attributes={"stagemesh.output_format": params.output_format}):
-            if params.width * params.height <= INLINE_ENCODE_PIXELS:
-                result = self._result(request_id, params, index, inputs["image"], latency)
+            if params.width * params.height <= INLINE_ENCODE_PIXELS and not params.video:
+                result = self._result(request_id, params, index, inputs[picture], latency)
             else:
-                result = await asyncio.to_thread(self._result, request_id, params, index, inputs["image"], latency)
+                result = await asyncio.to_thread(self._result, request_id, params, index, inputs[picture], latency)
         yield result
 
     @staticmethod
@@ -198,8 +205,14 @@ class Pipeline:
             stage_latency_ms=latency,
             index=index,
         )
+        if params.video:
+            result.num_frames, result.fps = params.num_frames, params.fps
         if params.output_format == OUTPUT_TENSOR:
             result.tensor.CopyFrom(image_proto)
+        elif params.video:
+            frames = codec.to_array(image_proto, VIDEO_OUTPUT)
+            data = encode_video(frames, params.output_format, params.fps, params.quality)
+            setattr(result, params.output_format, data)
         else:
             data = encode(codec.to_array(image_proto, "image"), params.output_format, params.quality)
             setattr(result, params.output_format, data)  # a format's name is its field of the oneof

@@ -50,4 +50,8 @@ class EncoderRunner(RunnerBase):
         return outputs
 
     def limits(self) -> dict:
+        if self.family.video:  # it is told the request's num_frames, which it checks as the others
+            from stagemesh.stage_service.models.diffusers_adapter.video import video_limits
+
+            return video_limits(self.folder, self.family)
         return {}
