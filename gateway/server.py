@@ -160,7 +160,14 @@ def _http_listener(settings: GatewaySettings, pipeline: Pipeline, control: Contr
     from stagemesh.gateway.http.app import HttpSettings, create_app
     from stagemesh.gateway.http.listener import HttpListener
 
-    http = HttpSettings(settings.max_request_bytes, control_token=token, api_key=api_key)
+    http = HttpSettings(
+        settings.max_request_bytes,
+        control_token=token,
+        api_key=api_key,
+        max_video_jobs=settings.max_video_jobs,
+        video_job_timeout_s=settings.video_job_timeout_s,
+        video_retention_s=settings.video_retention_s,
+    )
     return HttpListener(
         create_app(pipeline, control, http),
         settings.host,

@@ -91,7 +91,7 @@ def http_param(domain_field: str) -> str:
     return _HTTP_PARAMS.get(name, name)
 
 
-def _size(text: str | None) -> tuple[int, int] | None:
+def parse_size(text: str | None) -> tuple[int, int] | None:
     if text is None or text == "auto":
         return None
     match = _SIZE.match(text)
@@ -126,7 +126,7 @@ def to_generation_params(request: ImageRequest, init_image: bytes = b"") -> gene
         output_format=converters.output_format_to_proto(request.output_format or formats.DEFAULT.name),
         init_image=init_image,
     )
-    size = _size(request.size)
+    size = parse_size(request.size)
     if size is not None:
         params.width, params.height = size
     if request.n is not None:

@@ -64,6 +64,10 @@ class Cancelled(StagemeshError):
     pass
 
 
+class NotFound(StagemeshError):
+    """What the request names does not exist (or no longer: an expired video job)."""
+
+
 class UpstreamError(StagemeshError):
     """A status received from the next hop, passed on unchanged (code, message, details)."""
 
@@ -88,6 +92,7 @@ _STATUS_NAMES: dict[type[StagemeshError], str] = {
     ResourceExhausted: "RESOURCE_EXHAUSTED",
     Cancelled: "CANCELLED",
     Unauthenticated: "UNAUTHENTICATED",
+    NotFound: "NOT_FOUND",
 }
 
 
