@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
         p.set_defaults(service_main=main_module)
 
     for name, text in (
-        ("generate", "generate one image through a gateway"),
+        ("generate", "generate one image (or with --video one video) through a gateway"),
         ("status", "list the stages behind a gateway and their state"),
         ("sleep", "put stages to sleep (free their device memory)"),
         ("wakeup", "wake sleeping stages"),
@@ -106,7 +106,19 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the stage's)")
             p.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the stage's)")
             p.add_argument("--seed", type=_seed, default=None, help=f"seed, 0 to {MAX_SEED} (default: random, printed)")
-            p.add_argument("-o", "--output", default="out.png", help="PNG file to write (default: out.png)")
+            p.add_argument(
+                "-o", "--output", default=None, help="file to write (default: out.png; with --video, out.mp4)"
+            )
+            p.add_argument(
+                "--video",
+                action="store_true",
+                help="generate a video (a video model): -o's suffix picks MP4 (.mp4) or animated WebP (.webp)",
+            )
+            p.add_argument("--frames", type=int, default=None, help="--video: frames (default: the model's)")
+            p.add_argument("--fps", type=int, default=None, help="--video: frames per second (default: the model's)")
+            p.add_argument(
+                "--image", default=None, help="--video: the first frame, an image file (image-to-video models)"
+            )
     return parser
 
 

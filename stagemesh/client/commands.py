@@ -52,27 +52,56 @@ def _output_problem(path: Path) -> str | None:
 
 
 def generate(args) -> int:
-    problem = _output_problem(Path(args.output))
+    if args.output is None:
+        args.output = "out.mp4" if args.video else "out.png"
+    problem = _output_problem(Path(args.output)) or _video_problem(args)
     if problem:
         print(f"stagemesh generate: {problem}", file=sys.stderr)
         return 2
+    sizes = {
+        "width": args.width if args.width is not None else args.size,
+        "height": args.height if args.height is not None else args.size,
+        "steps": args.steps,
+        "guidance_scale": args.guidance,
+        "seed": args.seed,
+    }
     with _client(args) as client:
         try:
-            result = client.generate(
-                args.prompt,
-                width=args.width if args.width is not None else args.size,
-                height=args.height if args.height is not None else args.size,
-                steps=args.steps,
-                guidance_scale=args.guidance,
-                seed=args.seed,
-                on_progress=_print_progress,
-            )
+            if args.video:
+                result = client.generate_video(
+                    args.prompt,
+                    num_frames=args.frames,
+                    fps=args.fps,
+                    output_format="webp" if Path(args.output).suffix.lower() == ".webp" else "mp4",
+                    init_image=args.image,
+                    on_progress=_print_progress,
+                    **sizes,
+                )
+            else:
+                result = client.generate(args.prompt, on_progress=_print_progress, **sizes)
         except CallError as exc:
             print(exc.describe(), file=sys.stderr)
             return 1
     Path(args.output).write_bytes(result.bytes)
-    print(f"wrote {args.output} ({result.width}x{result.height}, seed {result.seed}, request {result.request_id})")
+    frames = f", {result.num_frames} frames at {result.fps} fps" if result.num_frames else ""
+    print(
+        f"wrote {args.output} ({result.width}x{result.height}{frames}, seed {result.seed}, request {result.request_id})"
+    )
     return 0
+
+
+def _video_problem(args) -> str | None:
+    """Video options without --video, or a video file name the gateway cannot write."""
+    if not args.video:
+        given = [
+            flag for flag, value in (("--frames", args.frames), ("--fps", args.fps), ("--image", args.image)) if value
+        ]
+        return f"{', '.join(given)} need --video" if given else None
+    if Path(args.output).suffix.lower() not in (".mp4", ".webp"):
+        return f"-o {args.output}: a video is written as .mp4 or .webp"
+    if args.image is not None and not Path(args.image).is_file():
+        return f"--image {args.image}: no such file"
+    return None
 
 
 def status(args) -> int:

@@ -17,6 +17,7 @@ from stagemesh.stage_service.models.diffusers_adapter.folder import (
     open_folder,
 )
 
+
 def _is_video(model_dir) -> bool:
     from stagemesh.stage_service.models.diffusers_adapter.families import family_of
 

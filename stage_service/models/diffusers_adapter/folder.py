@@ -39,7 +39,12 @@ class CheckpointFolder:
             return self.text_components()
         if kind in ("diffusion", "denoise"):  # the VAE's encoder takes image-to-image's start
             # Wan 2.2's low-noise expert, where the checkpoint lists one.
-            return ["transformer", *(["transformer_2"] if "transformer_2" in self.components else []), "scheduler", "vae"]
+            return [
+                "transformer",
+                *(["transformer_2"] if "transformer_2" in self.components else []),
+                "scheduler",
+                "vae",
+            ]
         if kind == "decode":
             return ["vae"]
         raise FolderError(

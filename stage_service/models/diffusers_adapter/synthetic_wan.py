@@ -71,9 +71,7 @@ def wan_components(i2v: bool = False, transformer_overrides: dict | None = None)
         "tokenizer": tok,
         "text_encoder": _umt5(len(tok)),
         "vae": d.AutoencoderKLWan(**TINY_WAN_VAE),
-        "scheduler": d.UniPCMultistepScheduler(
-            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
-        ),
+        "scheduler": d.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0),
         "transformer": d.WanTransformer3DModel(**config),
         "transformer_2": d.WanTransformer3DModel(**config),
         "boundary_ratio": BOUNDARY_RATIO,
