@@ -291,7 +291,7 @@ class StageSettings(DloOptions):
         )
 
 
-def _video_limits(runner_limits: dict[str, Any], max_frames: int) -> dict[str, int]:
+def _video_limits(runner_limits: dict[str, Any], max_frames: int) -> dict[str, Any]:
     """A video model's frame rule (runner_limits' frame_step, default_num_frames, default_fps)
     capped by max_frames: the largest count it takes at or below both; {} for an image model."""
     step = int(runner_limits.get("frame_step", 0))
@@ -304,6 +304,7 @@ def _video_limits(runner_limits: dict[str, Any], max_frames: int) -> dict[str, i
         "max_num_frames": top,
         "default_num_frames": min(default, top),
         "default_fps": int(runner_limits.get("default_fps", 16)),
+        "requires_init_image": bool(runner_limits.get("requires_init_image", False)),
     }
 
 

@@ -55,6 +55,8 @@ class Limits:
     max_num_frames: int = 0
     default_num_frames: int = 0
     default_fps: int = 0
+    # An image-to-video model: it cannot draw without a start image.
+    requires_init_image: bool = False
 
     @property
     def video(self) -> bool:
@@ -208,6 +210,13 @@ def _resolve_strength(
             out.append(
                 FieldViolation("params.init_image", "this video model cannot start from an image; allowed: empty")
             )
+        if image is None and limits.requires_init_image:
+            out.append(
+                FieldViolation(
+                    "params.init_image",
+                    "is empty; this image-to-video model starts from it; allowed: a PNG, JPEG or WebP image",
+                )
+            )
         return None
     if image is None:
         if strength is not None:
@@ -256,7 +265,7 @@ def _check_outputs(
     if quality is None:
         return
     if output_format not in LOSSY_FORMATS:
-        lossy = [name.upper() for name in LOSSY_FORMATS]
+        lossy = [name.upper() for name in LOSSY_FORMATS if name in allowed]
         out.append(
             FieldViolation(
                 "params.quality",

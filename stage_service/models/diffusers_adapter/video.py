@@ -40,6 +40,7 @@ def video_limits(folder: CheckpointFolder, family: Family) -> dict:
         "frame_step": int(vae.get("scale_factor_temporal", 4)),
         "default_num_frames": getattr(family, "default_num_frames", 81),
         "default_fps": getattr(family, "default_fps", 16),
+        "requires_init_image": bool(getattr(family, "takes_image", False)),
     }
 
 
