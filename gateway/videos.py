@@ -72,7 +72,7 @@ def decode_mp4(data: bytes) -> tuple[np.ndarray, float]:
     tests read a result back."""
     import av
 
-    with av.open(io.BytesIO(data)) as container:
+    with av.open(io.BytesIO(data), mode="r") as container:
         stream = container.streams.video[0]
         frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
         rate = float(stream.average_rate or 0)

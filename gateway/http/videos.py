@@ -83,10 +83,11 @@ async def _read(request: Request) -> tuple[schema.VideoRequest, bytes]:
     if request.headers.get("content-type", "").startswith("multipart/form-data"):
         form = await request.form()
         try:
-            files = form.getlist(START_IMAGE_FIELD)
-            if len(files) > 1 or any(not isinstance(f, UploadFile) for f in files):
+            given = form.getlist(START_IMAGE_FIELD)
+            files = [f for f in given if isinstance(f, UploadFile)]
+            if len(given) > 1 or len(files) != len(given):
                 raise errors.InvalidArgument.field(
-                    START_IMAGE_FIELD, f"give at most one image file (PNG, JPEG or WebP); got {len(files)} fields"
+                    START_IMAGE_FIELD, f"give at most one image file (PNG, JPEG or WebP); got {len(given)} fields"
                 )
             fields = {k: v for k, v in form.multi_items() if k != START_IMAGE_FIELD and isinstance(v, str)}
             image = await files[0].read() if files else b""

@@ -91,7 +91,7 @@ class GenerationResult:
         if self.format == formats.MP4.name:
             import av
 
-            with av.open(io.BytesIO(self._encoded)) as container:
+            with av.open(io.BytesIO(self._encoded), mode="r") as container:
                 return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
         from PIL import Image, ImageSequence
 

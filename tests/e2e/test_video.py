@@ -189,8 +189,10 @@ def test_large_result_streams_in_chunks_with_progress(meshes, folders):
     result event without payload; the client puts them back together."""
     case = CASES[1]
     with meshes["t2v"].channel() as channel:
-        stream = meshes["t2v"].gateway(channel).Generate(
-            gateway_pb2.GenerateRequest(params=_params(case)), timeout=RPC_TIMEOUT_S
+        stream = (
+            meshes["t2v"]
+            .gateway(channel)
+            .Generate(gateway_pb2.GenerateRequest(params=_params(case)), timeout=RPC_TIMEOUT_S)
         )
         events = list(stream)
     chunks = [e.result_chunk for e in events if e.HasField("result_chunk")]
@@ -384,8 +386,8 @@ def test_deleting_a_running_job_frees_its_stage(meshes):
 @pytest.mark.mesh
 def test_cli_generate_video(meshes, tmp_path):
     out = tmp_path / "fox.mp4"
-    command = [sys.executable, "-m", "stagemesh", "generate", "a red fox", "--video", "--address",
-               meshes["t2v"].address, "--size", "32", "--frames", "5", "--steps", "2", "--seed", "1", "-o", str(out)]  # fmt: skip
+    flags = ["--video", "--size", "32", "--frames", "5", "--steps", "2", "--seed", "1", "-o", str(out)]
+    command = [sys.executable, "-m", "stagemesh", "generate", "a red fox", "--address", meshes["t2v"].address, *flags]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=RPC_TIMEOUT_S)
     assert done.returncode == 0, done.stderr
     assert "denoising [" in done.stderr and "5 frames at 16 fps" in done.stdout

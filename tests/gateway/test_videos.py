@@ -90,8 +90,12 @@ class _Generations:
 
 
 async def _settle(jobs: VideoJobs, job_id: str, status: str) -> None:
-    while jobs.get(job_id).status != status:
+    """Let the job's task run until it reaches `status` (the event loop's turns, no clock)."""
+    for _ in range(100):
+        if jobs.get(job_id).status == status:
+            return
         await asyncio.sleep(0)
+    raise AssertionError(f"job {job_id} is {jobs.get(job_id).status}, not {status}")
 
 
 def test_a_job_reports_progress_then_its_result():
