@@ -62,11 +62,11 @@ def _sync(device: torch.device) -> None:
 
 def _family(model, rank: int, world: int):
     """What a stage with sp_size = world samples with (the diffusers adapter's own wrapper)."""
-    from stagemesh.stage_service.models.diffusers_adapter.families import FluxFamily
+    from stagemesh.stage_service.models.diffusers_adapter.families import FLUX
     from stagemesh.stage_service.models.diffusers_adapter.parallel import for_sampling
     from stagemesh.stage_service.models.parallel import form_axes
 
-    return for_sampling(FluxFamily(), model, form_axes(world, 1, rank))
+    return for_sampling(FLUX, model, form_axes(world, 1, rank))
 
 
 def _denoise(family, model, inputs: dict, steps: int) -> tuple[torch.Tensor, torch.Tensor]:

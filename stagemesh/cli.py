@@ -106,6 +106,19 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the stage's)")
             p.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the stage's)")
             p.add_argument("--seed", type=_seed, default=None, help=f"seed, 0 to {MAX_SEED} (default: random, printed)")
+            p.add_argument("--negative-prompt", default=None, help="what to steer away from (models with guidance)")
+            p.add_argument(
+                "--init-image",
+                default=None,
+                metavar="FILE",
+                help="image file to start from (image-to-image; with --video, an image-to-video model's first frame)",
+            )
+            p.add_argument(
+                "--strength",
+                type=float,
+                default=None,
+                help="with --init-image: how far from it to go, above 0 and at most 1 (default: the model's)",
+            )
             p.add_argument(
                 "-o", "--output", default=None, help="file to write (default: out.png; with --video, out.mp4)"
             )
@@ -116,9 +129,6 @@ def _parser() -> argparse.ArgumentParser:
             )
             p.add_argument("--frames", type=int, default=None, help="--video: frames (default: the model's)")
             p.add_argument("--fps", type=int, default=None, help="--video: frames per second (default: the model's)")
-            p.add_argument(
-                "--image", default=None, help="--video: the first frame, an image file (image-to-video models)"
-            )
     return parser
 
 

@@ -32,6 +32,7 @@ from stagemesh.stage_service.models.weights import (
     load_dit,
     load_lm,
     read_config,
+    trained_size,
 )
 from stagemesh.stage_service.settings import DloOptions
 
@@ -270,6 +271,7 @@ class DiffusionRunner(RunnerBase):
             "cond_dim": dit.cond_dim,
             "latent_channels": dit.latent_channels,
             "vae_scale": dit.vae_scale,
+            **({"native_size": size} if (size := trained_size(self.model_dir)) else {}),
         }
 
 

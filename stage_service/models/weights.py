@@ -152,6 +152,15 @@ def write_model_dir(target: Path, config: PipelineConfig, lm: CausalLM, dit: DiT
     (target / CONFIG_FILE).write_text(json.dumps(_config_json(config), indent=2, sort_keys=True) + "\n")
 
 
+def trained_size(model_dir: Path) -> int | None:
+    """The picture side the folder's weights were trained at (its training.json), or None for
+    random weights: a stage's requests default to it."""
+    try:
+        return int(json.loads((Path(model_dir) / RECIPE_FILE).read_text())["image_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _trained_source(config: PipelineConfig) -> Path | None:
     """The shipped folder whose trained weights `config` gets, or None (random weights). Its
     files are checked against its SHA256SUMS when copied."""

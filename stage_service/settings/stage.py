@@ -21,6 +21,8 @@ IMAGE_PARALLEL_KINDS = ("diffusion", "denoise")
 # When a worker prepares the level-1 sleep host buffer: by the first level-1 sleep, before it
 # reports ready, or on threads once its model is loaded (worker/sleep.py).
 SLEEP_HOST_BUFFERS = ("first_sleep", "at_start", "background")
+# Requests leaving width/height unset, where neither default_size nor the model names a size.
+FALLBACK_SIZE = 256
 # How often a serving worker says it is alive, even in the middle of a batch; hang_timeout_s
 # must span two of them.
 HEARTBEAT_S = 1.0
@@ -117,7 +119,12 @@ class StageSettings(DloOptions):
     )
     max_steps: int = option(100, "largest num_inference_steps accepted")
     max_prompt_bytes: int = option(2048, "longest prompt accepted, in UTF-8 bytes")
-    default_size: int = option(256, "width/height used when a request leaves them unset")
+    default_size: int | None = option(
+        None,
+        "width/height used when a request leaves them unset; unset: the model's own (64 for the embedded "
+        "trained model, else 256), at most max_size",
+        type=int,
+    )
     default_steps: int = option(8, "num_inference_steps used when a request leaves it unset")
     default_guidance: float = option(4.0, "guidance_scale used when a request leaves it unset")
     max_guidance: float = option(30.0, "largest guidance_scale accepted")
@@ -283,12 +290,21 @@ class StageSettings(DloOptions):
             max_prompt_bytes=min(
                 self.max_prompt_bytes, int(runner_limits.get("max_prompt_bytes", self.max_prompt_bytes))
             ),
-            default_size=self.default_size,
+            default_size=self._default_size(runner_limits),
             default_inference_steps=self.default_steps,
             default_guidance_scale=self.default_guidance,
             max_guidance_scale=self.max_guidance,
             **_video_limits(runner_limits, self.max_frames),
         )
+
+    def _default_size(self, runner_limits: dict[str, Any]) -> int:
+        """The size set, else the model's own (where it was trained), capped at max_size and
+        rounded down to the pixel multiple."""
+        if self.default_size is not None:
+            return self.default_size
+        multiple = int(runner_limits.get("pixel_multiple", 16))
+        size = min(int(runner_limits.get("native_size", FALLBACK_SIZE)), self.max_size)
+        return max(multiple, size - size % multiple)
 
 
 def _video_limits(runner_limits: dict[str, Any], max_frames: int) -> dict[str, Any]:
@@ -340,6 +356,8 @@ _AT_LEAST_ONE = (
 def _check_counts(settings: StageSettings) -> None:
     for name in _AT_LEAST_ONE:
         value = getattr(settings, name)
+        if value is None and name == "default_size":
+            continue  # unset: the model's own
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} = {value!r}: must be a whole number of at least 1")
 
@@ -351,7 +369,8 @@ def _check_defaults_within_limits(settings: StageSettings) -> None:
         ("default_steps", "max_steps"),
         ("default_guidance", "max_guidance"),
     ):
-        if getattr(settings, default) > getattr(settings, limit):
+        value = getattr(settings, default)
+        if value is not None and value > getattr(settings, limit):
             raise ValueError(
                 f"{default} = {getattr(settings, default)!r} is above {limit} = {getattr(settings, limit)!r}: "
                 f"every request leaving it unset would be refused; lower {default} or raise {limit}"

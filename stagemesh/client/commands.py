@@ -58,12 +58,14 @@ def generate(args) -> int:
     if problem:
         print(f"stagemesh generate: {problem}", file=sys.stderr)
         return 2
-    sizes = {
+    shared = {
         "width": args.width if args.width is not None else args.size,
         "height": args.height if args.height is not None else args.size,
         "steps": args.steps,
         "guidance_scale": args.guidance,
         "seed": args.seed,
+        "negative_prompt": args.negative_prompt,
+        "init_image": args.init_image,
     }
     with _client(args) as client:
         try:
@@ -73,12 +75,11 @@ def generate(args) -> int:
                     num_frames=args.frames,
                     fps=args.fps,
                     output_format="webp" if Path(args.output).suffix.lower() == ".webp" else "mp4",
-                    init_image=args.image,
                     on_progress=_print_progress,
-                    **sizes,
+                    **shared,
                 )
             else:
-                result = client.generate(args.prompt, on_progress=_print_progress, **sizes)
+                result = client.generate(args.prompt, strength=args.strength, on_progress=_print_progress, **shared)
         except CallError as exc:
             print(exc.describe(), file=sys.stderr)
             return 1
@@ -91,16 +92,14 @@ def generate(args) -> int:
 
 
 def _video_problem(args) -> str | None:
-    """Video options without --video, or a video file name the gateway cannot write."""
+    """Video options without --video, or what a video cannot take."""
     if not args.video:
-        given = [
-            flag for flag, value in (("--frames", args.frames), ("--fps", args.fps), ("--image", args.image)) if value
-        ]
+        given = [flag for flag, value in (("--frames", args.frames), ("--fps", args.fps)) if value is not None]
         return f"{', '.join(given)} need --video" if given else None
+    if args.strength is not None:
+        return "--strength is image-to-image's; a video starts from --init-image as its first frame"
     if Path(args.output).suffix.lower() not in (".mp4", ".webp"):
         return f"-o {args.output}: a video is written as .mp4 or .webp"
-    if args.image is not None and not Path(args.image).is_file():
-        return f"--image {args.image}: no such file"
     return None
 
 

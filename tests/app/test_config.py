@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from stagemesh import config
+from stagemesh.stage_service.settings import StageSettings
 
 
 def test_no_file_gives_the_embedded_two_stage_pipeline():
@@ -74,3 +75,25 @@ def test_bad_gateway_http_options_are_refused_naming_the_key(tmp_path, text):
     path.write_text(f"[gateway]\n{text}\n")
     with pytest.raises(ValueError, match=r"\[gateway\] (http_port|api_key_file)"):
         config.load(path)
+
+
+@pytest.mark.parametrize(
+    "set_size,runner_limits,expected",
+    [
+        (None, {"native_size": 64, "pixel_multiple": 16}, 64),  # the trained embedded model
+        (None, {"pixel_multiple": 16}, 256),  # random weights: no size of its own
+        (None, {"native_size": 1328, "pixel_multiple": 16}, 1024),  # capped at max_size
+        (None, {"native_size": 200, "pixel_multiple": 16}, 192),  # down to the pixel multiple
+        (128, {"native_size": 64, "pixel_multiple": 16}, 128),  # set: wins over the model's
+    ],
+)
+def test_default_size_is_the_models_own_unless_set(set_size, runner_limits, expected):
+    settings = StageSettings(stage_id=1, kind="diffusion", default_size=set_size)
+    assert settings.limits(runner_limits).default_size == expected
+
+
+def test_the_trained_model_reports_its_size_and_random_weights_none(tiny_model, random_tiny_model):
+    from stagemesh.stage_service.models.runners import build_runner
+
+    assert build_runner("diffusion", tiny_model, "cpu").limits()["native_size"] == 64
+    assert "native_size" not in build_runner("diffusion", random_tiny_model, "cpu").limits()

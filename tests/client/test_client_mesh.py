@@ -122,6 +122,21 @@ def test_the_cli_generates_through_the_client(client_mesh, tmp_path, capsys, mon
     assert Image.open(out).size == (32, 32)
 
 
+def test_the_cli_passes_negative_prompt_init_image_and_strength(client_mesh, client, tmp_path, monkeypatch):
+    monkeypatch.delenv("STAGEMESH_TOKEN_FILE", raising=False)
+    start = tmp_path / "start.png"
+    start.write_bytes(client.generate("a start", width=32, height=32, steps=2, seed=5).bytes)
+    wanted = {"width": 32, "height": 32, "steps": 2, "seed": 6, "guidance_scale": 4.0}
+    plain = client.generate("a boat", **wanted).bytes
+    steered = client.generate("a boat", negative_prompt="fog", init_image=str(start), strength=0.5, **wanted).bytes
+    assert steered != plain
+    argv = ["generate", "a boat", "--address", client_mesh.address, "--size", "32", "--steps", "2", "--seed", "6"]
+    argv += ["--guidance", "4", "--negative-prompt", "fog", "--init-image", str(start), "--strength", "0.5"]
+    out = tmp_path / "cli.png"
+    assert cli.main([*argv, "-o", str(out)]) == 0
+    assert out.read_bytes() == steered
+
+
 # ---- x-request-id in response metadata ------------------------------------------------------------
 def _echoed(metadata) -> str | None:
     return dict(metadata or ()).get("x-request-id")

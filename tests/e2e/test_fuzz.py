@@ -168,7 +168,7 @@ def test_generate_fields_round_trip_or_name_the_bad_field(stub, request_id, seed
         assert result.request_id == request_id
     if seed is not None:
         assert result.seed == seed  # uint64 edges survive every hop
-    assert (result.width, result.height) == (side or 256, side or 256)
+    assert (result.width, result.height) == (side or 64, side or 64)  # 64: the trained model's size
     if output_format == generation_pb2.OUTPUT_FORMAT_TENSOR:
         assert list(result.tensor.shape) == [result.height, result.width, 3]
     else:

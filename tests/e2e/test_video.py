@@ -36,7 +36,7 @@ diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("av")
 pytest.importorskip("ftfy")  # WanImageToVideoPipeline's prompt cleaning
 
-from stagemesh.stage_service.models.diffusers_adapter.synthetic_wan import write_tiny_wan  # noqa: E402
+from stagemesh.stage_service.models.diffusers_adapter.synthetic import write_tiny  # noqa: E402
 
 # The openai SDK warns on every videos call that OpenAI's own hosted video API is to close.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -84,7 +84,7 @@ def _start_image(width: int, height: int) -> bytes:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("wan")
-    return {"t2v": write_tiny_wan(root / "t2v"), "i2v": write_tiny_wan(root / "i2v", i2v=True)}
+    return {"t2v": write_tiny(root / "t2v", "wan"), "i2v": write_tiny(root / "i2v", "wan-i2v")}
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from stagemesh.stage_service.models.diffusers_adapter.folder import (
 
 
 def _is_video(model_dir) -> bool:
+    """Whether the folder's family draws videos (reads model_index.json only)."""
     from stagemesh.stage_service.models.diffusers_adapter.families import family_of
 
     return family_of(open_folder(model_dir)).video

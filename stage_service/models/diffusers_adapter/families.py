@@ -1,14 +1,20 @@
-"""What differs between pipeline classes: how a prompt becomes named embeddings, the latent
-layout the transformer takes, the noise schedule, one guided transformer evaluation, which block
-lists stream under DLO, and the pixel multiple. The sampling loop itself is shared (sampling.py).
+"""Each served pipeline class as a declaration: its class names, which components each stage
+loads, how the encoder stage calls the pipeline's `encode_prompt`, which keywords hand the
+embeddings back to the pipeline's `__call__`, what it supports, the transformer's block lists
+that stream under DLO, and the VAE tail a separate "decode" stage runs.
 
-Each method calls the components' public interfaces (`encode_prompt`, the transformer's forward,
-the scheduler's `set_timesteps`) with the values the pipeline's own `__call__` passes, so a
-stage's image equals that of the unsplit pipeline for the same seed.
+The diffusion stage calls the pipeline itself with the embeddings passed in, so its image is the
+unsplit pipeline's by construction. Only sequence and CFG parallelism need the denoising loop
+written out (split_families.py + sampling.py), and only FLUX.1 and SD3 declare them. Video
+families (Wan) declare `video`: their denoising and decode stages are video.py's runners, which
+call the pipeline the same way and hand on frames.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,30 +22,44 @@ import torch
 from stagemesh.core.params import Params
 from stagemesh.stage_service.models.diffusers_adapter.folder import CheckpointFolder, FolderError
 
-Tensors = dict[str, torch.Tensor]
+Tensors = dict[str, Any]  # name -> tensor, or a list of per-prompt tensors (Z-Image)
+Encode = Callable[[Any, Params, Any], Tensors]
+Decode = Callable[[Any, torch.Tensor, Params], torch.Tensor]
 
 
-def _shift_for_length(seq_len: int, config: Any, max_shift_default: float) -> float:
-    """Resolution-dependent schedule shift: linear in the number of image tokens between the
-    scheduler's (base_image_seq_len, base_shift) and (max_image_seq_len, max_shift)."""
-    base_len = config.get("base_image_seq_len", 256)
-    max_len = config.get("max_image_seq_len", 4096)
-    base_shift = config.get("base_shift", 0.5)
-    max_shift = config.get("max_shift", max_shift_default)
-    slope = (max_shift - base_shift) / (max_len - base_len)
-    return seq_len * slope + (base_shift - slope * base_len)
-
-
+@dataclass(frozen=True)
 class Family:
-    pipeline_class = ""
+    name: str  # what `stagemesh synthesize --family` and the docs call it
+    pipeline_class: str
+    encode: Encode  # (pipe, params, device) -> named [1, ...] embeddings of one request
+    decode: Decode  # (pipe, latents [B, ...] as output_type="latent" gives them, params) -> VAE output
+    embeddings: tuple[str, ...]  # what the encoder stage always hands on
+    # what it hands on when the request guides (those present are passed to the pipeline)
+    negative_embeddings: tuple[str, ...] = ()
+    optional_embeddings: tuple[str, ...] = ()  # handed on when the encoder produced them
+    guidance_keyword: str = "guidance_scale"  # the __call__ keyword params.guidance_scale fills
+    cfg_above: float = 1.0  # guidance scales above this run the unconditional pass
+    img2img_class: str | None = None  # the Img2Img pipeline image-to-image runs (from_pipe)
+    supports_negative_prompt: bool = False
+    negative_prompt_refusal: str = ""  # why not, where it is not supported
     block_attrs: tuple[str, ...] = ()  # the transformer's block lists, in execution order
-    packs_2x2 = False  # latents are packed in 2x2 patches (sizes a multiple of 2 * vae scale)
-    guided_inputs: tuple[str, ...] = ()  # embeddings the sampler needs when guidance_scale > 1
-    supports_negative_prompt = False
-    negative_prompt_refusal = ""  # why not, where it is not supported
-    # Video families run the pipeline itself (video.py); the sampling methods below are the
-    # image families' only.
-    video = False
+    packs_2x2: bool = False  # sizes a multiple of 2 * the VAE scale
+    ragged: bool = False  # embeddings go to the pipeline as a list of per-prompt tensors
+    sequence_parallel: bool = False
+    cfg_parallel: bool = False
+    components: dict[str, tuple[str, ...]] = field(default_factory=dict)  # stage kind -> extra loads
+    # Video: the pipeline returns frames (video.py); its transformers (Wan 2.2's two experts, the
+    # second below boundary_ratio) each resident or under DLO; whether init_image is the first
+    # frame (image-to-video, required); the pipeline's own num_frames and the rate it is shown at.
+    video: bool = False
+    experts: tuple[str, ...] = ("transformer",)
+    start_image: bool = False
+    default_num_frames: int = 0
+    default_fps: int = 0
+
+    @property
+    def supports_image_input(self) -> bool:
+        return self.img2img_class is not None
 
     def offload_plan(self):
         from stagemesh.stage_service.offload.plan import OffloadPlan
@@ -47,194 +67,215 @@ class Family:
         # Any block list may keep its leading blocks resident (dlo_resident_layers).
         return OffloadPlan(block_attrs={"": self.block_attrs}, resident_paths=self.block_attrs)
 
-    def encode(self, pipe, params: Params, device) -> Tensors:
-        """Named [1, ...] embeddings of one request's prompt (and negative prompt)."""
-        raise NotImplementedError
-
-    def latent_size(self, pixels: int, vae_scale: int) -> int:
-        return pixels // vae_scale
-
-    def latent_channels(self, transformer) -> int:
-        return int(transformer.config.in_channels)
-
-    def to_model(self, latents: torch.Tensor) -> torch.Tensor:
-        """VAE-space latents [B, C, h, w] -> the layout the transformer takes."""
-        return latents
-
-    def to_vae(self, latents: torch.Tensor, h: int, w: int) -> torch.Tensor:
-        """The inverse of `to_model`, for a latent grid of h x w."""
-        return latents
-
-    def set_schedule(self, scheduler, steps: int, h: int, w: int, transformer, device) -> None:
-        raise NotImplementedError
-
-    def conditioning(self, transformer, embeds: Tensors, guidance_scale: float, h: int, w: int) -> Tensors:
-        """What every step passes to the transformer beside the latents, built once per batch."""
-        raise NotImplementedError
-
-    def predict(self, transformer, latents: torch.Tensor, t: torch.Tensor, cond: Tensors, guidance_scale: float):
-        """The guided velocity at timestep `t`."""
-        raise NotImplementedError
-
-
-class FluxFamily(Family):
-    """FLUX.1: latents packed in 2x2 patches with positional ids; the guidance scale is an
-    embedding the transformer was distilled with (no unconditional pass, so no negative prompt)."""
-
-    pipeline_class = "FluxPipeline"
-    block_attrs = ("transformer_blocks", "single_transformer_blocks")
-    packs_2x2 = True
-    negative_prompt_refusal = "its guidance scale is distilled into the model, which has no unconditional pass"
-
-    def encode(self, pipe, params: Params, device) -> Tensors:
-        # FluxPipeline.__call__ defaults: prompt_2 = prompt, max_sequence_length 512.
-        embeds, pooled, _text_ids = pipe.encode_prompt(
-            prompt=params.prompt, prompt_2=None, device=device, num_images_per_prompt=1, max_sequence_length=512
-        )
-        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
-
-    def latent_size(self, pixels: int, vae_scale: int) -> int:
-        return 2 * (pixels // (vae_scale * 2))
-
-    def latent_channels(self, transformer) -> int:
-        return int(transformer.config.in_channels) // 4
-
-    def to_model(self, latents: torch.Tensor) -> torch.Tensor:
-        b, c, h, w = latents.shape
-        patches = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-        return patches.reshape(b, (h // 2) * (w // 2), c * 4)
-
-    def to_vae(self, latents: torch.Tensor, h: int, w: int) -> torch.Tensor:
-        b, _, packed = latents.shape
-        c = packed // 4
-        grid = latents.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
-        return grid.reshape(b, c, h, w)
-
-    def set_schedule(self, scheduler, steps: int, h: int, w: int, transformer, device) -> None:
-        import numpy as np
-
-        mu = _shift_for_length((h // 2) * (w // 2), scheduler.config, 1.15)
-        if scheduler.config.get("use_flow_sigmas"):
-            scheduler.set_timesteps(steps, device=device, mu=mu)
-        else:
-            # FLUX's own sigmas, linear from 1 to 1/steps, shifted by the scheduler.
-            scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), device=device, mu=mu)
-
-    def conditioning(self, transformer, embeds: Tensors, guidance_scale: float, h: int, w: int) -> Tensors:
-        text = embeds["prompt_embeds"]
-        device, dtype = text.device, text.dtype
-        ids = torch.zeros(h // 2, w // 2, 3)
-        ids[..., 1] += torch.arange(h // 2)[:, None]
-        ids[..., 2] += torch.arange(w // 2)[None, :]
-        cond = {
-            "encoder_hidden_states": text,
-            "pooled_projections": embeds["pooled_prompt_embeds"],
-            "txt_ids": torch.zeros(text.shape[1], 3, device=device, dtype=dtype),
-            "img_ids": ids.reshape(-1, 3).to(device=device, dtype=dtype),
+    def call_arguments(self, params: Params) -> dict[str, Any]:
+        """The keywords of the pipeline's __call__ that come from the request's params."""
+        arguments = {
+            "height": params.height,
+            "width": params.width,
+            "num_inference_steps": params.num_inference_steps,
+            self.guidance_keyword: params.guidance_scale,
         }
-        if transformer.config.guidance_embeds:
-            cond["guidance"] = torch.full([1], guidance_scale, device=device, dtype=torch.float32).expand(text.shape[0])
-        return cond
-
-    def predict(self, transformer, latents: torch.Tensor, t: torch.Tensor, cond: Tensors, guidance_scale: float):
-        # The transformer takes the timestep in [0, 1], in the latents' dtype.
-        timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
-        return transformer(hidden_states=latents, timestep=timestep, return_dict=False, **cond)[0]
+        if self.video:
+            arguments["num_frames"] = params.num_frames
+        return arguments
 
 
-class SD3Family(Family):
-    """Stable Diffusion 3: classifier-free guidance above guidance_scale 1, unconditional on the
-    negative prompt ("" when none)."""
-
-    pipeline_class = "StableDiffusion3Pipeline"
-    block_attrs = ("transformer_blocks",)
-    guided_inputs = ("negative_prompt_embeds", "negative_pooled_prompt_embeds")
-    supports_negative_prompt = True
-
-    def encode(self, pipe, params: Params, device) -> Tensors:
-        guided = params.guidance_scale > 1
-        out = pipe.encode_prompt(
-            prompt=params.prompt,
-            prompt_2=None,
-            prompt_3=None,
-            negative_prompt=params.negative_prompt,  # unused unless guided; "" is the empty prompt
-            device=device,
-            num_images_per_prompt=1,
-            do_classifier_free_guidance=guided,
-            clip_skip=None,
-            max_sequence_length=256,
-        )
-        names = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
-        return {n: t for n, t in zip(names, out) if t is not None}
-
-    def set_schedule(self, scheduler, steps: int, h: int, w: int, transformer, device) -> None:
-        extra = {}
-        if scheduler.config.get("use_dynamic_shifting"):
-            patch = transformer.config.patch_size
-            extra["mu"] = _shift_for_length((h // patch) * (w // patch), scheduler.config, 1.16)
-        scheduler.set_timesteps(steps, device=device, **extra)
-
-    def conditioning(self, transformer, embeds: Tensors, guidance_scale: float, h: int, w: int) -> Tensors:
-        text, pooled = embeds["prompt_embeds"], embeds["pooled_prompt_embeds"]
-        if guidance_scale > 1:  # one pass over [unconditional; conditional]
-            text = torch.cat([embeds["negative_prompt_embeds"], text])
-            pooled = torch.cat([embeds["negative_pooled_prompt_embeds"], pooled])
-        return {"encoder_hidden_states": text, "pooled_projections": pooled}
-
-    def predict(self, transformer, latents: torch.Tensor, t: torch.Tensor, cond: Tensors, guidance_scale: float):
-        guided = guidance_scale > 1
-        both = torch.cat([latents, latents]) if guided else latents
-        out = transformer(hidden_states=both, timestep=t.expand(both.shape[0]), return_dict=False, **cond)[0]
-        if not guided:
-            return out
-        uncond, text = out.chunk(2)
-        return uncond + guidance_scale * (text - uncond)
+def _named(names: tuple[str, ...], values) -> Tensors:
+    return {n: v for n, v in zip(names, values) if v is not None and not (isinstance(v, list) and not v)}
 
 
-class WanFamily(Family):
-    """Wan 2.1 / 2.2 text-to-video: one UMT5 encoder; the diffusion stage runs WanPipeline with
-    the embeddings passed in (video.py), over `transformer` and, for Wan 2.2's two experts, the
-    low-noise `transformer_2` below boundary_ratio. Classifier-free guidance above 1, on the
-    negative prompt ("" when none)."""
-
-    pipeline_class = "WanPipeline"
-    block_attrs = ("blocks",)
-    guided_inputs = ("negative_prompt_embeds",)
-    supports_negative_prompt = True
-    video = True
-    experts = ("transformer", "transformer_2")
-    takes_image = False  # the first frame, image-to-video
-    # WanPipeline.__call__'s defaults: 81 frames at 16 fps (the Wan 2.2 A14B exports).
-    default_num_frames = 81
-    default_fps = 16
-
-    def encode(self, pipe, params: Params, device) -> Tensors:
-        # As WanPipeline.__call__ calls it: max_sequence_length 512, guided above scale 1.
-        embeds, negative = pipe.encode_prompt(
-            prompt=params.prompt,
-            negative_prompt=params.negative_prompt or None,
-            do_classifier_free_guidance=params.guidance_scale > 1,
-            num_videos_per_prompt=1,
-            max_sequence_length=512,
-            device=device,
-        )
-        named = {"prompt_embeds": embeds}
-        if negative is not None:
-            named["negative_prompt_embeds"] = negative
-        return named
+def _encode_flux(pipe, params: Params, device) -> Tensors:
+    # FluxPipeline.__call__'s defaults: prompt_2 = prompt, max_sequence_length 512.
+    embeds, pooled, _text_ids = pipe.encode_prompt(
+        prompt=params.prompt, prompt_2=None, device=device, num_images_per_prompt=1, max_sequence_length=512
+    )
+    return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
 
-class WanImageToVideoFamily(WanFamily):
-    """Wan 2.2 image-to-video: the start image (init_image) reaches the diffusion stage, whose
-    pipeline VAE-encodes it as the first frame (Wan 2.1's CLIP image encoder is not served)."""
+def _encode_sd3(pipe, params: Params, device) -> Tensors:
+    out = pipe.encode_prompt(
+        prompt=params.prompt,
+        prompt_2=None,
+        prompt_3=None,
+        negative_prompt=params.negative_prompt,  # unused unless guided; "" is the empty prompt
+        device=device,
+        num_images_per_prompt=1,
+        do_classifier_free_guidance=params.guidance_scale > 1,
+        clip_skip=None,
+        max_sequence_length=256,
+    )
+    names = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+    return _named(names, out)
 
-    pipeline_class = "WanImageToVideoPipeline"
-    takes_image = True
+
+def _encode_zimage(pipe, params: Params, device) -> Tensors:
+    # Lists of one [tokens, dim] tensor each: Z-Image keeps every prompt at its own length.
+    embeds, negative = pipe.encode_prompt(
+        prompt=params.prompt,
+        device=device,
+        do_classifier_free_guidance=params.guidance_scale > 0,  # ZImagePipeline's own rule
+        negative_prompt=params.negative_prompt or None,
+        max_sequence_length=512,
+    )
+    return _named(("prompt_embeds", "negative_prompt_embeds"), (embeds, negative))
 
 
-FAMILIES: dict[str, Family] = {
-    f.pipeline_class: f for f in (FluxFamily(), SD3Family(), WanFamily(), WanImageToVideoFamily())
-}
+def _encode_qwen(pipe, params: Params, device) -> Tensors:
+    def encode(prompt: str, prefix: str) -> Tensors:
+        embeds, mask = pipe.encode_prompt(prompt=prompt, device=device, max_sequence_length=512)
+        # encode_prompt drops an all-ones mask; handed on, it spares the pipeline's warning and
+        # the pipeline drops it again, so the call is the same.
+        if mask is None:
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        return {f"{prefix}prompt_embeds": embeds, f"{prefix}prompt_embeds_mask": mask}
+
+    out = encode(params.prompt, "")
+    # True CFG runs only with a negative prompt (QwenImagePipeline's rule), so it is encoded then.
+    if params.negative_prompt and params.guidance_scale > 1:
+        out.update(encode(params.negative_prompt, "negative_"))
+    return out
+
+
+def _encode_flux2_klein(pipe, params: Params, device) -> Tensors:
+    embeds, _text_ids = pipe.encode_prompt(prompt=params.prompt, device=device, max_sequence_length=512)
+    out = {"prompt_embeds": embeds}
+    if params.guidance_scale > 1 and not pipe.config.is_distilled:
+        # Flux2KleinPipeline's unconditional input is always the empty prompt.
+        out["negative_prompt_embeds"] = pipe.encode_prompt(prompt="", device=device, max_sequence_length=512)[0]
+    return out
+
+
+def _encode_wan(pipe, params: Params, device) -> Tensors:
+    # As WanPipeline.__call__ (and the image-to-video one) call it: max_sequence_length 512,
+    # the negative prompt ("" when none) encoded when guided.
+    out = pipe.encode_prompt(
+        prompt=params.prompt,
+        negative_prompt=params.negative_prompt or None,
+        do_classifier_free_guidance=params.guidance_scale > 1,
+        num_videos_per_prompt=1,
+        max_sequence_length=512,
+        device=device,
+    )
+    return _named(("prompt_embeds", "negative_prompt_embeds"), out)
+
+
+def _scaled(pipe, latents: torch.Tensor) -> torch.Tensor:
+    config = pipe.vae.config
+    return latents / config.scaling_factor + (config.shift_factor or 0.0)
+
+
+def _decode_sd3(pipe, latents: torch.Tensor, params: Params) -> torch.Tensor:
+    return pipe.vae.decode(_scaled(pipe, latents.to(pipe.vae.dtype)), return_dict=False)[0]
+
+
+def _decode_flux(pipe, latents: torch.Tensor, params: Params) -> torch.Tensor:
+    unpacked = pipe._unpack_latents(latents, params.height, params.width, pipe.vae_scale_factor)
+    return pipe.vae.decode(_scaled(pipe, unpacked), return_dict=False)[0]
+
+
+def _decode_qwen(pipe, latents: torch.Tensor, params: Params) -> torch.Tensor:
+    z = pipe._unpack_latents(latents, params.height, params.width, pipe.vae_scale_factor).to(pipe.vae.dtype)
+    config = pipe.vae.config
+    mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(z.device, z.dtype)
+    inverse_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(z.device, z.dtype)
+    return pipe.vae.decode(z / inverse_std + mean, return_dict=False)[0][:, :, 0]
+
+
+def _decode_wan(pipe, latents: torch.Tensor, params: Params) -> torch.Tensor:
+    """[B, C, frames, h, w] latents -> the VAE's [B, 3, frames, H, W], as WanPipeline ends."""
+    z = latents.to(pipe.vae.dtype)
+    config = pipe.vae.config
+    mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(z.device, z.dtype)
+    inverse_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(z.device, z.dtype)
+    return pipe.vae.decode(z / inverse_std + mean, return_dict=False)[0]
+
+
+def _decode_plain(pipe, latents: torch.Tensor, params: Params) -> torch.Tensor:
+    # FLUX.2 hands back latents already unpacked and de-normalised for its VAE.
+    return pipe.vae.decode(latents, return_dict=False)[0]
+
+
+_NO_CFG = "its guidance scale is distilled into the model, which has no unconditional pass"
+FLUX = Family(
+    name="flux",
+    pipeline_class="FluxPipeline",
+    encode=_encode_flux,
+    decode=_decode_flux,
+    embeddings=("prompt_embeds", "pooled_prompt_embeds"),
+    img2img_class="FluxImg2ImgPipeline",
+    negative_prompt_refusal=_NO_CFG,
+    block_attrs=("transformer_blocks", "single_transformer_blocks"),
+    packs_2x2=True,
+    sequence_parallel=True,
+)
+SD3 = Family(
+    name="sd3",
+    pipeline_class="StableDiffusion3Pipeline",
+    encode=_encode_sd3,
+    decode=_decode_sd3,
+    embeddings=("prompt_embeds", "pooled_prompt_embeds"),
+    negative_embeddings=("negative_prompt_embeds", "negative_pooled_prompt_embeds"),
+    img2img_class="StableDiffusion3Img2ImgPipeline",
+    supports_negative_prompt=True,
+    block_attrs=("transformer_blocks",),
+    cfg_parallel=True,
+)
+ZIMAGE = Family(
+    name="zimage",
+    pipeline_class="ZImagePipeline",
+    encode=_encode_zimage,
+    decode=_decode_sd3,
+    embeddings=("prompt_embeds",),
+    negative_embeddings=("negative_prompt_embeds",),
+    cfg_above=0.0,
+    supports_negative_prompt=True,
+    block_attrs=("noise_refiner", "context_refiner", "layers"),
+    packs_2x2=True,
+    ragged=True,
+)
+QWEN_IMAGE = Family(
+    name="qwen-image",
+    pipeline_class="QwenImagePipeline",
+    encode=_encode_qwen,
+    decode=_decode_qwen,
+    embeddings=("prompt_embeds", "prompt_embeds_mask"),
+    optional_embeddings=("negative_prompt_embeds", "negative_prompt_embeds_mask"),
+    guidance_keyword="true_cfg_scale",
+    supports_negative_prompt=True,
+    block_attrs=("transformer_blocks",),
+    packs_2x2=True,
+)
+FLUX2_KLEIN = Family(
+    name="flux2-klein",
+    pipeline_class="Flux2KleinPipeline",
+    encode=_encode_flux2_klein,
+    decode=_decode_plain,
+    embeddings=("prompt_embeds",),
+    optional_embeddings=("negative_prompt_embeds",),  # none when the checkpoint is distilled
+    negative_prompt_refusal="Flux2KleinPipeline's unconditional input is always the empty prompt",
+    block_attrs=("transformer_blocks", "single_transformer_blocks"),
+    packs_2x2=True,
+)
+WAN = Family(
+    name="wan",
+    pipeline_class="WanPipeline",
+    encode=_encode_wan,
+    decode=_decode_wan,
+    embeddings=("prompt_embeds",),
+    negative_embeddings=("negative_prompt_embeds",),
+    supports_negative_prompt=True,
+    block_attrs=("blocks",),
+    video=True,
+    experts=("transformer", "transformer_2"),
+    # WanPipeline.__call__'s 81 frames, shown at 16 fps as Wan 2.2 A14B's examples export them
+    default_num_frames=81,
+    default_fps=16,
+)
+# Wan 2.2's image-to-video: the start image goes to the diffusion stage, whose pipeline encodes it
+# with the VAE as the first frame (Wan 2.1's CLIP image encoder is not served).
+WAN_I2V = dataclasses.replace(WAN, name="wan-i2v", pipeline_class="WanImageToVideoPipeline", start_image=True)
+FAMILIES: dict[str, Family] = {f.pipeline_class: f for f in (FLUX, SD3, ZIMAGE, QWEN_IMAGE, FLUX2_KLEIN, WAN, WAN_I2V)}
+BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES.values()}
 
 
 def family_of(folder: CheckpointFolder) -> Family:
@@ -242,14 +283,18 @@ def family_of(folder: CheckpointFolder) -> Family:
         return FAMILIES[folder.pipeline_class]
     except KeyError:
         raise FolderError(
-            f"checkpoint {folder.path}: pipeline class {folder.pipeline_class!r} "
-            f"is not supported; supported: {sorted(FAMILIES)}"
+            f"checkpoint {folder.path}: pipeline class {folder.pipeline_class!r} is not supported "
+            f"(model_index.json's _class_name); supported: {sorted(FAMILIES)}"
         ) from None
 
 
 def vae_scale_factor(folder: CheckpointFolder) -> int:
-    """As the pipelines compute it: 2 ** (number of VAE resolution levels - 1)."""
-    return 2 ** (len(folder.component_config("vae")["block_out_channels"]) - 1)
+    """As the pipelines compute it: 2 ** (number of VAE resolution levels - 1); Qwen-Image's
+    VAE lists its downsampling steps instead."""
+    config = folder.component_config("vae")
+    if "temperal_downsample" in config:
+        return 2 ** len(config["temperal_downsample"])
+    return 2 ** (len(config["block_out_channels"]) - 1)
 
 
 def pixel_multiple(folder: CheckpointFolder) -> int:

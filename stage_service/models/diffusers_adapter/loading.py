@@ -101,17 +101,21 @@ def load_transformer(
 
     if not opts.enable_dlo:
         return ordinary().to(device).eval().requires_grad_(False), None
+    from accelerate import init_empty_weights
+
     from stagemesh.stage_service.offload import quant
     from stagemesh.stage_service.offload.checkpoint import load_or_fallback
     from stagemesh.stage_service.offload.streamer import LayerwiseOffload
 
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # built in its dtype: no float32 copy on meta either
-    try:
-        with torch.device("meta"):
-            model = cls.from_config(cls.load_config(where))
-    finally:
-        torch.set_default_dtype(saved)
+    # Parameters on meta (no storage), buffers and the tensors some modules keep as plain
+    # attributes (Qwen-Image's rotary tables) computed as diffusers' own loader computes them:
+    # in float32, then the registered ones cast with the model.
+    with init_empty_weights(include_buffers=False):
+        model = cls.from_config(cls.load_config(where))
+    # torch's own cast, as the loader built the model in `dtype` before: diffusers' `to` warns
+    # about modules it would keep in float32 (a checkpoint storing them so takes the
+    # ordinary loader: the mmap plan refuses the dtype mismatch).
+    nn.Module.to(model, dtype)
     loaded: dict[str, Any] = {}
     if opts.dlo_checkpoint_mmap:
         reason = load_or_fallback(

@@ -1,7 +1,9 @@
 """Splitting a diffusers pipeline's denoising across ranks (models/parallel.py has the ranks'
 layout): FLUX by sequence (sp_size), SD3 by its two guidance passes (cfg_parallel).
 
-The sampling loop stays sampling.sample: it is handed a family that wraps the checkpoint's own.
+These are the families that declare `sequence_parallel` / `cfg_parallel`; their split runs the
+written-out loop (sampling.sample over split_families), handed a family that wraps the
+checkpoint's own.
 
 - FLUX, sequence parallel: each rank passes the transformer its slice of the packed image
   tokens and of their position ids, and every attention runs through `SequenceParallelFluxAttn`
@@ -19,29 +21,34 @@ from typing import Any
 
 import torch
 
-from stagemesh.stage_service.models.diffusers_adapter.families import Family, FluxFamily, Tensors
+from stagemesh.stage_service.models.diffusers_adapter.families import FAMILIES, Family
+from stagemesh.stage_service.models.diffusers_adapter.split_families import SPLIT, SamplingFamily, Tensors
 from stagemesh.stage_service.models.parallel import Axis, ImageParallel, exchange_passes
 from stagemesh.stage_service.models.sequence_parallel import Shard, attention
 
 
-def for_sampling(family: Family, transformer, parallel: ImageParallel) -> Family:
-    """The family `sample` runs on this rank; refuses a split the pipeline does not have."""
+def for_sampling(family: Family, transformer, parallel: ImageParallel) -> SamplingFamily:
+    """The written-out denoising `sample` runs on this rank; refuses a split the family does
+    not declare."""
+    if parallel.sp.split and not family.sequence_parallel:
+        covered = [f.pipeline_class for f in FAMILIES.values() if f.sequence_parallel]
+        raise ValueError(
+            f"sp_size = {parallel.sp.size} with {family.pipeline_class}: sequence parallelism covers "
+            f"{', '.join(covered)} and the embedded DiT; set sp_size = 1"
+        )
+    if parallel.cfg.split and not family.cfg_parallel:
+        why = family.negative_prompt_refusal or "CFG parallelism is not declared for it"
+        raise ValueError(
+            f"cfg_parallel = true with {family.pipeline_class}: {why}; set cfg_parallel = false "
+            "(sp_size splits one image of it)"
+        )
+    sampling = SPLIT[family.pipeline_class]
     if parallel.sp.split:
-        if not isinstance(family, FluxFamily):
-            raise ValueError(
-                f"sp_size = {parallel.sp.size} with {family.pipeline_class}: sequence parallelism covers "
-                "FluxPipeline and the embedded DiT; set sp_size = 1"
-            )
         transformer.set_attn_processor(SequenceParallelFluxAttn())
-        family = FluxSequenceParallel(family, parallel.sp)
+        sampling = FluxSequenceParallel(sampling, parallel.sp)
     if parallel.cfg.split:
-        if not family.guided_inputs:
-            raise ValueError(
-                f"cfg_parallel = true with {family.pipeline_class}: {family.negative_prompt_refusal}; "
-                "set cfg_parallel = false (sp_size splits one image of it)"
-            )
-        family = CfgParallel(family, parallel.cfg)
-    return family
+        sampling = CfgParallel(sampling, parallel.cfg)
+    return sampling
 
 
 def runs_unconditional(guidance_scale: float) -> bool:
@@ -49,23 +56,14 @@ def runs_unconditional(guidance_scale: float) -> bool:
     return guidance_scale > 1
 
 
-class _Wrapped(Family):
+class _Wrapped(SamplingFamily):
     """A family that does what `inner` does, except where a subclass says otherwise."""
 
-    def __init__(self, inner: Family) -> None:
+    def __init__(self, inner: SamplingFamily) -> None:
         self.inner = inner
         self.pipeline_class = inner.pipeline_class
-        self.block_attrs = inner.block_attrs
         self.packs_2x2 = inner.packs_2x2
         self.guided_inputs = inner.guided_inputs
-        self.supports_negative_prompt = inner.supports_negative_prompt
-        self.negative_prompt_refusal = inner.negative_prompt_refusal
-
-    def offload_plan(self):
-        return self.inner.offload_plan()
-
-    def encode(self, pipe, params, device) -> Tensors:
-        return self.inner.encode(pipe, params, device)
 
     def latent_size(self, pixels: int, vae_scale: int) -> int:
         return self.inner.latent_size(pixels, vae_scale)
@@ -92,7 +90,7 @@ class _Wrapped(Family):
 class FluxSequenceParallel(_Wrapped):
     """Each evaluation on this rank's slice of the packed image tokens [B, N, C]."""
 
-    def __init__(self, inner: Family, sp: Axis) -> None:
+    def __init__(self, inner: SamplingFamily, sp: Axis) -> None:
         super().__init__(inner)
         self.sp = sp
 
@@ -166,7 +164,7 @@ class CfgParallel(_Wrapped):
     """Guided evaluations split over a CFG pair: the family's [unconditional; conditional] rows
     halved (rank 0 keeps the unconditional ones), each rank's prediction exchanged."""
 
-    def __init__(self, inner: Family, cfg: Axis) -> None:
+    def __init__(self, inner: SamplingFamily, cfg: Axis) -> None:
         super().__init__(inner)
         self.cfg = cfg
 

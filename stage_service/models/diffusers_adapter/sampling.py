@@ -1,7 +1,7 @@
-"""The sampling procedure the diffusers-backed stages share across families: the starting latents
-(noise for text-to-image; for image-to-image the VAE-encoded starting image, noised to the
-timestep where `strength` starts), the denoising loop over the scheduler's remaining timesteps,
-and the VAE decode.
+"""The denoising loop written out, which sequence and CFG parallelism split (parallel.py); a
+stage without such a split calls the pipeline itself. The starting latents (noise for
+text-to-image; for image-to-image the VAE-encoded starting image, noised to the timestep where
+`strength` starts), then the denoising loop over the scheduler's remaining timesteps.
 
 Every random draw comes from the item's own generator, in the order the pipelines draw
 (image-to-image: the VAE's latent sample, then the noise), so an item's noise does not depend on
@@ -17,7 +17,7 @@ import torch
 
 from stagemesh.core.params import Params
 from stagemesh.stage_service.models.contract import Progress
-from stagemesh.stage_service.models.diffusers_adapter.families import Family, Tensors
+from stagemesh.stage_service.models.diffusers_adapter.split_families import SamplingFamily, Tensors
 
 # Image-to-image without an explicit strength (the pipelines' documented default).
 DEFAULT_STRENGTH = 0.8
@@ -51,7 +51,7 @@ def encode_images(pipe, images: list[torch.Tensor], generators: list[torch.Gener
 
 def sample(
     pipe,
-    family: Family,
+    family: SamplingFamily,
     embeds: Tensors,
     params: Params,
     generators: list[torch.Generator],
@@ -87,15 +87,3 @@ def sample(
         if progress is not None:
             progress(i + 1, len(timesteps))
     return latents
-
-
-def decode(pipe, family: Family, latents: torch.Tensor, params: Params) -> torch.Tensor:
-    """One item's latents (the transformer's layout, no batch axis) -> the [H, W, 3] float32
-    image in [0, 1] the gateway encodes."""
-    h = family.latent_size(params.height, pipe.vae_scale_factor)
-    w = family.latent_size(params.width, pipe.vae_scale_factor)
-    config = pipe.vae.config
-    z = family.to_vae(latents[None], h, w) / config.scaling_factor + (config.shift_factor or 0.0)
-    image = pipe.vae.decode(z, return_dict=False)[0]
-    image = pipe.image_processor.postprocess(image, output_type="pt")[0]
-    return image.permute(1, 2, 0).float().detach()

@@ -1,7 +1,8 @@
-"""Video families' denoising and decode stages (Wan): kind "diffusion" runs the pipeline itself
-(WanPipeline, WanImageToVideoPipeline) with the encoder stage's embeddings passed in, so its
-frames are the unsplit pipeline's by construction; kind "denoise" stops it at the latents and a
-"decode" stage turns them into frames with the VAE, as the pipeline's own last step does.
+"""Video families' denoising and decode stages (families.py's `video` declarations, Wan): kind
+"diffusion" runs the pipeline itself (WanPipeline, WanImageToVideoPipeline) with the encoder
+stage's embeddings passed in, so its frames are the unsplit pipeline's by construction; kind
+"denoise" stops it at the latents and a "decode" stage runs the family's VAE tail on them, as the
+pipeline's own last step does.
 
 A video is the float32 [frames, height, width, 3] array in [0, 1] the pipeline returns with
 output_type="np", named "video" among the stage's outputs. Each transformer (Wan 2.2's two
@@ -38,9 +39,9 @@ def video_limits(folder: CheckpointFolder, family: Family) -> dict:
     return {
         "pixel_multiple": pixel_multiple(folder),
         "frame_step": int(vae.get("scale_factor_temporal", 4)),
-        "default_num_frames": getattr(family, "default_num_frames", 81),
-        "default_fps": getattr(family, "default_fps", 16),
-        "requires_init_image": bool(getattr(family, "takes_image", False)),
+        "default_num_frames": family.default_num_frames,
+        "default_fps": family.default_fps,
+        "requires_init_image": family.start_image,
     }
 
 
@@ -69,9 +70,9 @@ class VideoDiffusionRunner(RunnerBase):
         self.device = device
         self.folder = check_stage_folder(model_dir, kind)
         self.family = family_of(self.folder)
-        self.supports_init_image = bool(getattr(self.family, "takes_image", False))
+        self.supports_init_image = self.family.start_image
         dtype = checkpoint_dtype(self.folder)
-        experts = [n for n in getattr(self.family, "experts", ("transformer",)) if n in self.folder.components]
+        experts = [n for n in self.family.experts if n in self.folder.components]
         loaded = {name: load_transformer(self.folder, self.family, device, dtype, opts, name) for name in experts}
         self.experts = {name: model for name, (model, _) in loaded.items()}
         self.engines = {name: engine for name, (_, engine) in loaded.items() if engine is not None}
@@ -94,28 +95,19 @@ class VideoDiffusionRunner(RunnerBase):
         return sum(int(engine.h2d_bytes) for engine in self.engines.values())
 
     def _call_args(self, item, index: int) -> dict:
-        params = item.params
-        guided = params.guidance_scale > 1
-        missing = [n for n in ("prompt_embeds", *(self.family.guided_inputs if guided else ())) if n not in item.inputs]
+        family, params = self.family, item.params
+        needed = family.embeddings + (family.negative_embeddings if params.guidance_scale > family.cfg_above else ())
+        missing = [n for n in needed if n not in item.inputs]
         if missing:
             raise ItemError(
                 index,
                 f"{item.request_id}: inputs lack {missing} (got {sorted(item.inputs)}); the stage before must be "
                 "an 'encoder' stage of the same checkpoint",
             )
-        args = {
-            "prompt_embeds": item.inputs["prompt_embeds"][None].to(self.device),
-            "height": params.height,
-            "width": params.width,
-            "num_frames": params.num_frames,
-            "num_inference_steps": params.num_inference_steps,
-            "guidance_scale": params.guidance_scale,
-            "generator": torch.Generator("cpu").manual_seed(params.seed),
-            "output_type": "np" if self.kind == "diffusion" else "latent",
-        }
-        if guided:
-            args["negative_prompt_embeds"] = item.inputs["negative_prompt_embeds"][None].to(self.device)
-        if self.supports_init_image:
+        args = family.call_arguments(params) | {n: item.inputs[n][None].to(self.device) for n in needed}
+        args["generator"] = torch.Generator("cpu").manual_seed(params.seed)
+        args["output_type"] = "np" if self.kind == "diffusion" else "latent"
+        if family.start_image:
             args["image"] = _start_image(item, index)
         return args
 
@@ -176,20 +168,13 @@ class VideoDecodeRunner(RunnerBase):
                     f"{item.request_id}: inputs lack 'latents' (got {sorted(item.inputs)}); the stage before must "
                     "be a 'denoise' stage of the same checkpoint",
                 )
-            outputs.append({VIDEO_OUTPUT: self._decode(latents[None].to(self.device))})
+            outputs.append({VIDEO_OUTPUT: self._decode(latents[None].to(self.device), item.params)})
             if progress is not None:
                 progress(i + 1, len(batch))
         return outputs
 
-    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
-        # WanPipeline.__call__'s last step: un-normalise with the VAE's statistics, decode.
-        config = self.vae.config
-        latents = latents.to(self.vae.dtype)
-        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
-        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(
-            latents.device, latents.dtype
-        )
-        video = self.vae.decode(latents / inv_std + mean, return_dict=False)[0]
+    def _decode(self, latents: torch.Tensor, params) -> torch.Tensor:
+        video = self.family.decode(self.pipe, latents, params)
         frames = self.pipe.video_processor.postprocess_video(video, output_type="np")
         return torch.from_numpy(frames[0]).float()
 

@@ -1,15 +1,11 @@
-"""Diffusers-format folders with random weights, built offline from diffusers' and transformers'
-own classes and written with `save_pretrained`: a tiny FLUX-style or SD3-style pipeline for CPU
-tests, and a FLUX-size transformer for benchmarks. Tokenizers are made from small vocabularies
-written here (no download); prompts outside them map to the unknown token.
+"""FLUX.1 and SD3 components with random weights (tiny for CPU tests; bench/real_pipeline.py
+builds a FLUX-size transformer with them), and the CLIP and T5 tokenizers they share, made from
+small vocabularies written here (no download); prompts outside them map to the unknown token.
 """
 
 from __future__ import annotations
 
 import string
-from pathlib import Path
-
-import torch
 
 from stagemesh.stage_service.models.diffusers_adapter.loading import import_diffusers
 
@@ -156,23 +152,3 @@ def sd3_components() -> dict:
         "tokenizer_3": tok3,
         "transformer": d.SD3Transformer2DModel(**TINY_SD3),
     }
-
-
-def write_pipeline(path: str | Path, pipeline_class: str, components: dict, dtype: torch.dtype = torch.float32) -> Path:
-    """Save the pipeline made of `components` (cast to `dtype`) as a diffusers folder."""
-    d = import_diffusers()
-    pipe = getattr(d, pipeline_class)(**components)
-    if dtype != torch.float32:
-        pipe.to(dtype=dtype)
-    pipe.save_pretrained(str(path), safe_serialization=True)
-    return Path(path)
-
-
-def write_tiny(path: str | Path, family: str, seed: int = 0) -> Path:
-    """A tiny FLUX-style ("flux") or SD3-style ("sd3") pipeline folder with seeded weights."""
-    torch.manual_seed(seed)
-    if family == "flux":
-        return write_pipeline(path, "FluxPipeline", flux_components())
-    if family == "sd3":
-        return write_pipeline(path, "StableDiffusion3Pipeline", sd3_components())
-    raise ValueError(f"family must be 'flux' or 'sd3', got {family!r}")

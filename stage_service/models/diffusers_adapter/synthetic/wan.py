@@ -1,17 +1,13 @@
 """Wan 2.2 diffusers folders with random weights, built offline from diffusers' and transformers'
 own classes: a tiny text-to-video (two experts split at boundary_ratio, as Wan 2.2 A14B) or
-image-to-video pipeline for CPU tests. The tokenizer is synthetic.t5_tokenizer (UMT5 reads T5's
+image-to-video pipeline for CPU tests. The tokenizer is flux_sd3.t5_tokenizer (UMT5 reads T5's
 format); prompts outside its vocabulary map to the unknown token.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import torch
-
 from stagemesh.stage_service.models.diffusers_adapter.loading import import_diffusers
-from stagemesh.stage_service.models.diffusers_adapter.synthetic import t5_tokenizer, write_pipeline
+from stagemesh.stage_service.models.diffusers_adapter.synthetic.flux_sd3 import t5_tokenizer
 
 TEXT_DIM = 32
 # Wan 2.2 A14B switches from the high-noise expert (transformer) to the low-noise one
@@ -59,15 +55,16 @@ def _umt5(vocab_size: int):
     return UMT5EncoderModel(config)
 
 
-def wan_components(i2v: bool = False, transformer_overrides: dict | None = None) -> dict:
+def tiny_components(i2v: bool = False, transformer_overrides: dict | None = None) -> dict:
     """WanPipeline components (WanImageToVideoPipeline's with `i2v`: the first frame's latents
-    and mask are concatenated to the noise, so the transformer takes 16 + 4 + 16 channels)."""
+    and mask are concatenated to the noise, so the transformer takes 16 + 4 + 16 channels; Wan
+    2.2 has no CLIP image encoder)."""
     d = import_diffusers()
     tok = t5_tokenizer()
     config = {**TINY_WAN, **(transformer_overrides or {})}
     if i2v:
         config["in_channels"] = 36
-    return {
+    components = {
         "tokenizer": tok,
         "text_encoder": _umt5(len(tok)),
         "vae": d.AutoencoderKLWan(**TINY_WAN_VAE),
@@ -76,12 +73,10 @@ def wan_components(i2v: bool = False, transformer_overrides: dict | None = None)
         "transformer_2": d.WanTransformer3DModel(**config),
         "boundary_ratio": BOUNDARY_RATIO,
     }
-
-
-def write_tiny_wan(path: str | Path, i2v: bool = False, seed: int = 0) -> Path:
-    """A tiny Wan 2.2 folder (WanPipeline, or WanImageToVideoPipeline with `i2v`), seeded weights."""
-    torch.manual_seed(seed)
-    components = wan_components(i2v)
     if i2v:
         components.update(image_encoder=None, image_processor=None)
-    return write_pipeline(path, "WanImageToVideoPipeline" if i2v else "WanPipeline", components)
+    return components
+
+
+def tiny_i2v_components() -> dict:
+    return tiny_components(i2v=True)

@@ -1,0 +1,84 @@
+"""Diffusers-format folders with random weights, built offline from diffusers' and transformers'
+own classes and written with `save_pretrained`: a tiny pipeline of each family for CPU tests
+(`write_tiny`), one module per family. Tokenizers are made here from small vocabularies (no
+download).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from stagemesh.stage_service.models.diffusers_adapter.loading import import_diffusers
+from stagemesh.stage_service.models.diffusers_adapter.synthetic.flux_sd3 import (
+    FLUX_VAE,
+    TINY_FLUX,
+    TINY_VAE,
+    flux_components,
+    sd3_components,
+)
+
+__all__ = ["FLUX_VAE", "TINY_FLUX", "TINY_VAE", "TINY_FAMILIES", "flux_components", "write_pipeline", "write_tiny"]
+
+
+def _zimage() -> dict:
+    from stagemesh.stage_service.models.diffusers_adapter.synthetic.zimage import tiny_components
+
+    return tiny_components()
+
+
+def _qwen_image() -> dict:
+    from stagemesh.stage_service.models.diffusers_adapter.synthetic.qwen_image import tiny_components
+
+    return tiny_components()
+
+
+def _flux2_klein() -> dict:
+    from stagemesh.stage_service.models.diffusers_adapter.synthetic.flux2 import tiny_components
+
+    return tiny_components()
+
+
+def _wan() -> dict:
+    from stagemesh.stage_service.models.diffusers_adapter.synthetic.wan import tiny_components
+
+    return tiny_components()
+
+
+def _wan_i2v() -> dict:
+    from stagemesh.stage_service.models.diffusers_adapter.synthetic.wan import tiny_i2v_components
+
+    return tiny_i2v_components()
+
+
+# family name (families.py) -> (pipeline class, its tiny components)
+TINY_FAMILIES: dict[str, tuple[str, Callable[[], dict]]] = {
+    "flux": ("FluxPipeline", flux_components),
+    "sd3": ("StableDiffusion3Pipeline", sd3_components),
+    "zimage": ("ZImagePipeline", _zimage),
+    "qwen-image": ("QwenImagePipeline", _qwen_image),
+    "flux2-klein": ("Flux2KleinPipeline", _flux2_klein),
+    "wan": ("WanPipeline", _wan),
+    "wan-i2v": ("WanImageToVideoPipeline", _wan_i2v),
+}
+
+
+def write_pipeline(path: str | Path, pipeline_class: str, components: dict, dtype: torch.dtype = torch.float32) -> Path:
+    """Save the pipeline made of `components` (cast to `dtype`) as a diffusers folder."""
+    d = import_diffusers()
+    pipe = getattr(d, pipeline_class)(**components)
+    if dtype != torch.float32:
+        pipe.to(dtype=dtype)
+    pipe.save_pretrained(str(path), safe_serialization=True)
+    return Path(path)
+
+
+def write_tiny(path: str | Path, family: str, seed: int = 0) -> Path:
+    """A tiny pipeline folder of `family` (a name of TINY_FAMILIES) with seeded weights."""
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"family must be one of {sorted(TINY_FAMILIES)}, got {family!r}")
+    torch.manual_seed(seed)
+    pipeline_class, components = TINY_FAMILIES[family]
+    return write_pipeline(path, pipeline_class, components())
