@@ -77,13 +77,17 @@ class Pipeline:
 
     @property
     def limits(self) -> Limits:
-        """The last stage (the one that draws) sets the image limits; the prompt limit is the
-        tightest. A negative prompt needs the stage that reads the prompt and every denoising
+        """The last stage (the one that draws) sets the image limits; the prompt and frame limits
+        are the tightest. A negative prompt needs the stage that reads the prompt and every denoising
         stage to use it; a starting image goes to the stages that take one (at least one)."""
         last = self.stages[-1].limits or Limits()
         guiding = [self.stages[0], *(s for s in self.stages if s.kind in DENOISING_KINDS)]
+        # Every stage of a video model checks num_frames against its own max_frames: the tightest holds.
+        frames = min([(s.limits or last).max_num_frames for s in self.stages if (s.limits or last).video] or [0])
         return dataclasses.replace(
             last,
+            max_num_frames=frames,
+            default_num_frames=min(last.default_num_frames, frames),
             max_prompt_bytes=min((s.limits or last).max_prompt_bytes for s in self.stages),
             max_num_images=self.max_images_per_request,
             supports_negative_prompt=all(s.supports_negative_prompt for s in guiding),
