@@ -182,9 +182,8 @@ class Pipeline:
                     if response.HasField("progress"):
                         if stage.kind in DENOISING_KINDS:  # denoising steps, not encoder items
                             yield DenoisingStep(stage.stage_id, response.progress.step, response.progress.total, index)
-                    else:  # a large output (a video) comes in several messages, in row order
-                        for name, piece in response.outputs.outputs.items():
-                            outputs[name] = codec.join_rows(outputs.get(name), piece, f"outputs[{name}]")
+                    else:
+                        _join_outputs(outputs, response.outputs, stage)
                         arrived_ns = time.time_ns() if call is not None else 0
             inputs = outputs
             latency[str(stage.stage_id)] = (time.perf_counter() - started) * 1e3
@@ -248,6 +247,16 @@ class Pipeline:
             return info
 
         return list(await asyncio.gather(*(one(s) for s in self.stages)))
+
+
+def _join_outputs(outputs: dict[str, tensor_pb2.Tensor], message, stage: StageClient) -> None:
+    """Add one outputs message to those received: a large output (a video) comes in several, its
+    rows in order (the stage's codec.split_rows)."""
+    for name, piece in message.outputs.items():
+        try:
+            outputs[name] = codec.join_rows(outputs.get(name), piece, f"outputs[{name}]")
+        except errors.InvalidArgument as exc:  # the stage's fault, not the caller's
+            raise errors.StagemeshError(f"{stage.name} sent outputs that do not fit together: {exc}") from None
 
 
 def _call_attributes(stage: StageClient, request_id: str, index: int) -> dict[str, object]:
