@@ -393,3 +393,26 @@ def test_cli_generate_video(meshes, tmp_path):
     assert "denoising [" in done.stderr and "5 frames at 16 fps" in done.stdout
     frames, rate = decode_mp4(out.read_bytes())
     assert frames.shape == (5, 32, 32, 3) and rate == 16.0
+
+
+@pytest.mark.mesh
+def test_a_video_past_grpcs_message_limit_streams_and_unary_refuses_it(meshes):
+    """81 frames of 272 x 256 as float32 are 67.7 MB, past the 64 MiB one message may hold: the
+    stage sends them to the gateway in pieces of whole frames, Generate hands them on in chunks,
+    and GenerateUnary, which cannot chunk, refuses naming Generate."""
+    params = generation_pb2.GenerationParams(
+        prompt="a long one", width=272, height=256, num_frames=81, num_inference_steps=1, guidance_scale=1.0,
+        seed=4, output_format=generation_pb2.OUTPUT_FORMAT_TENSOR,
+    )  # fmt: skip
+    total = 81 * 256 * 272 * 3 * 4
+    assert total > 64 * 1024 * 1024
+    with Client(meshes["t2v"].address) as client:
+        video = client.generate_video(
+            "a long one", width=272, height=256, num_frames=81, steps=1, guidance_scale=1.0, seed=4,
+            output_format="tensor",
+        )  # fmt: skip
+    assert video.frames.shape == (81, 256, 272, 3) and video.frames.nbytes == total
+    with pytest.raises(grpc.RpcError) as caught:
+        _unary(meshes["t2v"], params)
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "call Generate" in caught.value.details()
