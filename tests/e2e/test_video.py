@@ -27,7 +27,7 @@ from PIL import Image
 
 from stagemesh.client import Client
 from stagemesh.gateway.videos import decode_mp4
-from stagemesh.v1 import gateway_pb2, generation_pb2
+from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2
 from tests.support.meshproc import REPO, Mesh, parallel_meshes, start_mesh
 from tests.support.sleep_mesh import field_violations
 
@@ -416,3 +416,21 @@ def test_a_video_past_grpcs_message_limit_streams_and_unary_refuses_it(meshes):
         _unary(meshes["t2v"], params)
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "call Generate" in caught.value.details()
+
+
+@pytest.mark.mesh
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_and_wake_give_the_same_frames(meshes, folders, level):
+    """Both experts, the VAE and (split with DLO) the streamed blocks' engines sleep and come
+    back: level 2 reloads each from its own safetensors files."""
+    mesh = meshes["t2v-split-dlo"]
+    stages = [0, 1, 2]
+    with mesh.channel() as channel:
+        stub = mesh.gateway(channel)
+        slept = stub.Sleep(gateway_pb2.SleepRequest(stage_ids=stages, level=level), timeout=RPC_TIMEOUT_S)
+        assert [(a.stage_id, a.status) for a in slept.acks] == [(s, control_pb2.ACK_STATUS_SUCCESS) for s in stages]
+        assert all(a.freed_bytes > 0 for a in slept.acks)
+        woken = stub.WakeUp(gateway_pb2.WakeUpRequest(stage_ids=stages), timeout=RPC_TIMEOUT_S)
+        assert all(a.status == control_pb2.ACK_STATUS_SUCCESS for a in woken.acks)
+    got = _as_array(_unary(mesh, _params(CASES[0])))
+    assert got.tobytes() == reference(folders["t2v"], CASES[0]).astype(np.float32).tobytes()
