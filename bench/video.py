@@ -27,10 +27,15 @@ layout (Wan 2.2's residual VAE: 48 latent channels, 16x spatial, 4x temporal, pa
 random weights, a small UMT5 of the 4096 width the transformer takes, expand_timesteps as the 5B
 pipeline; bf16, written once with save_pretrained (about 11 GB, in a temporary folder removed at
 the end unless --model-dir names one). One expert, so no boundary_ratio. A video: 17 frames at
-832x480 (5 latent frames of 26 x 15 patches: 1950 tokens), 20 steps, guidance 5.0.
+832x480 (5 latent frames of 26 x 15 patches: 1950 tokens), 10 steps, guidance 5.0. Each case's
+first video (the raw frames) is untimed and warms it up.
 
-Run on a GPU (about 4-5 minutes, 11 GB of disk, deleted afterwards):
+Run on a GPU (estimated 5-7 minutes, most of it loading: 11 GB of disk, deleted afterwards):
   python -m bench.video --device cuda
+In two runs of under 5 minutes each, the checkpoint kept between them (then removed):
+  python -m bench.video --device cuda --model-dir /tmp/wan5b --cases diffusers-resident,mesh-resident
+  python -m bench.video --device cuda --model-dir /tmp/wan5b --cases diffusers-group,mesh-dlo,mesh-dlo-int8
+  rm -rf /tmp/wan5b
 CPU smoke (the same layout, tiny):
   python -m bench.video --preset tiny-wan --device cpu --size 64x64 --frames 5 --steps 2 --repeats 1
 """
@@ -331,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default="832x480", help="WIDTHxHEIGHT, multiples of 32 (default: 832x480)")
     p.add_argument("--frames", type=int, default=17, help="frames, 4k + 1 (default: 17)")
     p.add_argument("--fps", type=int, default=24, help="the MP4's frame rate (default: 24, TI2V-5B's)")
-    p.add_argument("--steps", type=int, default=20, help="denoising steps (default: 20)")
+    p.add_argument("--steps", type=int, default=10, help="denoising steps (default: 10)")
     common.add_repeats(p, 2, "timed videos per case (default: 2)")
     p.add_argument("--warmup", type=int, default=0, help="untimed videos per case after the first (default: 0)")
     p.add_argument("--seed", type=int, default=1)
