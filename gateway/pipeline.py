@@ -18,6 +18,7 @@ from stagemesh.gateway.fanout import merged
 from stagemesh.gateway.images import decode_init_image, encode, probe_init_image
 from stagemesh.gateway.settings import DEFAULT_MAX_IMAGES_PER_REQUEST
 from stagemesh.gateway.stages import StageClient
+from stagemesh.gateway.videos import encode_video
 from stagemesh.v1 import gateway_pb2, generation_pb2, tensor_pb2
 
 log = logs.get_logger("stagemesh.gateway")
@@ -31,6 +32,8 @@ INLINE_ENCODE_PIXELS = 64 * 64
 DENOISING_KINDS = ("diffusion", "denoise")
 _SEEDS = 2**64  # a seed is a uint64: image i's seed + i wraps around
 EXECUTE_METHOD = "stagemesh.v1.StageService/Execute"
+# A video model's last stage names its frames so (float32 [frames, height, width, 3] in [0, 1]).
+VIDEO_OUTPUT = "video"
 
 
 class _AllStarted:
@@ -74,13 +77,17 @@ class Pipeline:
 
     @property
     def limits(self) -> Limits:
-        """The last stage (the one that draws) sets the image limits; the prompt limit is the
-        tightest. A negative prompt needs the stage that reads the prompt and every denoising
+        """The last stage (the one that draws) sets the image limits; the prompt and frame limits
+        are the tightest. A negative prompt needs the stage that reads the prompt and every denoising
         stage to use it; a starting image goes to the stages that take one (at least one)."""
         last = self.stages[-1].limits or Limits()
         guiding = [self.stages[0], *(s for s in self.stages if s.kind in DENOISING_KINDS)]
+        # Every stage of a video model checks num_frames against its own max_frames: the tightest holds.
+        frames = min([(s.limits or last).max_num_frames for s in self.stages if (s.limits or last).video] or [0])
         return dataclasses.replace(
             last,
+            max_num_frames=frames,
+            default_num_frames=min(last.default_num_frames, frames),
             max_prompt_bytes=min((s.limits or last).max_prompt_bytes for s in self.stages),
             max_num_images=self.max_images_per_request,
             supports_negative_prompt=all(s.supports_negative_prompt for s in guiding),
@@ -174,6 +181,7 @@ class Pipeline:
             if tracing.ON and position > 0:
                 _relay_span(self.stages[position - 1], stage, inputs, arrived_ns, index)
             attributes = _call_attributes(stage, request_id, index) if tracing.ON else None
+            outputs: dict[str, tensor_pb2.Tensor] = {}
             with tracing.span(EXECUTE_METHOD, kind="client", attributes=attributes) as call:
                 async for response in stage.execute(
                     request_id, wire, inputs, remaining, first, request.num_images, call
@@ -182,19 +190,21 @@ class Pipeline:
                         if stage.kind in DENOISING_KINDS:  # denoising steps, not encoder items
                             yield DenoisingStep(stage.stage_id, response.progress.step, response.progress.total, index)
                     else:
-                        inputs = dict(response.outputs.outputs)
-                        # A denoising stage's step-cache counts are for the result, not the next stage.
-                        counted = inputs.pop(STEP_CACHE_OUTPUT, None)
-                        step_cache = counted if counted is not None else step_cache
+                        _join_outputs(outputs, response.outputs, stage)
                         arrived_ns = time.time_ns() if call is not None else 0
+            inputs = outputs
+            # A denoising stage's step-cache counts are for the result, not the next stage.
+            counted = inputs.pop(STEP_CACHE_OUTPUT, None)
+            step_cache = counted if counted is not None else step_cache
             latency[str(stage.stage_id)] = (time.perf_counter() - started) * 1e3
-        if "image" not in inputs:
-            raise errors.StagemeshError(f"the last stage returned no image (outputs: {sorted(inputs)})")
+        picture = VIDEO_OUTPUT if params.video else "image"
+        if picture not in inputs:
+            raise errors.StagemeshError(f"the last stage returned no {picture} (outputs: {sorted(inputs)})")
         with tracing.span("encode image", attributes={"stagemesh.output_format": params.output_format}):
-            if params.width * params.height <= INLINE_ENCODE_PIXELS:
-                result = self._result(request_id, params, index, inputs["image"], latency)
+            if params.width * params.height <= INLINE_ENCODE_PIXELS and not params.video:
+                result = self._result(request_id, params, index, inputs[picture], latency)
             else:
-                result = await asyncio.to_thread(self._result, request_id, params, index, inputs["image"], latency)
+                result = await asyncio.to_thread(self._result, request_id, params, index, inputs[picture], latency)
         if step_cache is not None:
             _report_step_cache(result, step_cache)
         yield result
@@ -210,8 +220,14 @@ class Pipeline:
             stage_latency_ms=latency,
             index=index,
         )
+        if params.video:
+            result.num_frames, result.fps = params.num_frames, params.fps
         if params.output_format == OUTPUT_TENSOR:
             result.tensor.CopyFrom(image_proto)
+        elif params.video:
+            frames = codec.to_array(image_proto, VIDEO_OUTPUT)
+            data = encode_video(frames, params.output_format, params.fps, params.quality)
+            setattr(result, params.output_format, data)
         else:
             data = encode(codec.to_array(image_proto, "image"), params.output_format, params.quality)
             setattr(result, params.output_format, data)  # a format's name is its field of the oneof
@@ -243,6 +259,16 @@ class Pipeline:
             return info
 
         return list(await asyncio.gather(*(one(s) for s in self.stages)))
+
+
+def _join_outputs(outputs: dict[str, tensor_pb2.Tensor], message, stage: StageClient) -> None:
+    """Add one outputs message to those received: a large output (a video) comes in several, its
+    rows in order (the stage's codec.split_rows)."""
+    for name, piece in message.outputs.items():
+        try:
+            outputs[name] = codec.join_rows(outputs.get(name), piece, f"outputs[{name}]")
+        except errors.InvalidArgument as exc:  # the stage's fault, not the caller's
+            raise errors.StagemeshError(f"{stage.name} sent outputs that do not fit together: {exc}") from None
 
 
 def _call_attributes(stage: StageClient, request_id: str, index: int) -> dict[str, object]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from stagemesh.core import auth, converters, errors, logs, serve, tls, tracing
+from stagemesh.core import auth, converters, errors, logs, rpc, serve, tls, tracing
 from stagemesh.core.metrics import ServiceMetrics
 from stagemesh.core.params import check_request_id
 from stagemesh.core.rpc import ServiceHost, servicer_method
@@ -14,7 +14,7 @@ from stagemesh.gateway.control import Admission, ControlPlane
 from stagemesh.gateway.delivery import DeliveryBudget
 from stagemesh.gateway.metrics import gateway_readings
 from stagemesh.gateway.pipeline import DenoisingStep, Pipeline, StageStarted
-from stagemesh.gateway.settings import GatewaySettings
+from stagemesh.gateway.settings import DEFAULT_RESULT_CHUNK_BYTES, GatewaySettings
 from stagemesh.gateway.stages import StageClient
 from stagemesh.gateway.watch import SleepWatch, StageWatch
 from stagemesh.v1 import control_pb2, gateway_pb2, gateway_pb2_grpc, generation_pb2
@@ -37,19 +37,27 @@ CONTROL_METHODS = auth.control_methods(
 DATA_METHODS = auth.control_methods(SERVICE_NAME, ("Generate", "GenerateUnary", "ListStages"))
 
 
-def _event_proto(event: object) -> gateway_pb2.GenerateResponse:
+def _event_protos(event: object, chunk_bytes: int) -> list[gateway_pb2.GenerateResponse]:
     if isinstance(event, StageStarted | DenoisingStep):
-        return converters.progress_to_proto(event)
+        return [converters.progress_to_proto(event)]
     assert isinstance(event, generation_pb2.GenerationResult)
-    return gateway_pb2.GenerateResponse(result=event)
+    return converters.result_to_events(event, chunk_bytes)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
-    def __init__(self, pipeline: Pipeline, control: ControlPlane, delivery: DeliveryBudget, adapters: AdapterControl):
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        control: ControlPlane,
+        delivery: DeliveryBudget,
+        adapters: AdapterControl,
+        result_chunk_bytes: int = DEFAULT_RESULT_CHUNK_BYTES,
+    ):
         self._pipeline = pipeline
         self._control = control
         self._delivery = delivery
         self._adapters = adapters
+        self._chunk_bytes = result_chunk_bytes
 
     def _start(self, request, context):
         check_request_id(request.request_id)
@@ -61,7 +69,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         async for event in self._pipeline.generate(request_id, params, context.time_remaining()):
             if isinstance(event, generation_pb2.GenerationResult):
                 self._delivery.take(event.ByteSize(), context)
-            yield _event_proto(event)
+            for message in _event_protos(event, self._chunk_bytes):
+                yield message
 
     @servicer_method
     async def GenerateUnary(self, request: gateway_pb2.GenerateUnaryRequest, context):
@@ -74,7 +83,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if len(results) != params.num_images:
             raise AssertionError(f"pipeline ended with {len(results)} of {params.num_images} results")
         results.sort(key=lambda r: r.index)
-        return gateway_pb2.GenerateUnaryResponse(result=results[0], results=results)
+        reply = gateway_pb2.GenerateUnaryResponse(result=results[0], results=results)
+        if reply.ByteSize() > rpc.MAX_MESSAGE_BYTES:
+            raise errors.ResourceExhausted(
+                f"the results are {reply.ByteSize()} bytes, past the {rpc.MAX_MESSAGE_BYTES} one message may hold; "
+                "call Generate, which sends a large result in chunks (or ask for fewer frames or a smaller size)"
+            )
+        return reply
 
     @servicer_method
     async def ListStages(self, request, context) -> gateway_pb2.ListStagesResponse:
@@ -154,7 +169,14 @@ async def serve_gateway(settings: GatewaySettings) -> None:
         health_port=settings.health_port,
     )
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
-        GatewayServicer(pipeline, control, DeliveryBudget(settings.max_undelivered_bytes), adapters), host.server
+        GatewayServicer(
+            pipeline,
+            control,
+            DeliveryBudget(settings.max_undelivered_bytes),
+            adapters,
+            settings.result_chunk_bytes,
+        ),
+        host.server,
     )
 
     http = _http_listener(settings, pipeline, control, adapters, token, api_key)
@@ -194,7 +216,14 @@ def _http_listener(
     from stagemesh.gateway.http.app import HttpSettings, create_app
     from stagemesh.gateway.http.listener import HttpListener
 
-    http = HttpSettings(settings.max_request_bytes, control_token=token, api_key=api_key)
+    http = HttpSettings(
+        settings.max_request_bytes,
+        control_token=token,
+        api_key=api_key,
+        max_video_jobs=settings.max_video_jobs,
+        video_job_timeout_s=settings.video_job_timeout_s,
+        video_retention_s=settings.video_retention_s,
+    )
     return HttpListener(
         create_app(pipeline, control, http, adapters),
         settings.host,

@@ -15,6 +15,11 @@ DEFAULT_STAGE_UNRESPONSIVE_S = 10.0
 MIN_STAGE_UNRESPONSIVE_S = 2.0
 DEFAULT_MAX_UNDELIVERED_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_IMAGES_PER_REQUEST = 8
+DEFAULT_MAX_VIDEO_JOBS = 32
+# Under the 4 MiB most gRPC clients accept in one message by default.
+DEFAULT_RESULT_CHUNK_BYTES = 2 * 1024 * 1024
+DEFAULT_VIDEO_JOB_TIMEOUT_S = 3600.0
+DEFAULT_VIDEO_RETENTION_S = 3600.0
 
 
 def check_http_port(port: int | None, option: str) -> None:
@@ -81,6 +86,27 @@ class GatewaySettings:
         "most images one Generate may ask for (GenerationParams.num_images); more get INVALID_ARGUMENT "
         f"naming params.num_images (default: {DEFAULT_MAX_IMAGES_PER_REQUEST})",
     )
+    result_chunk_bytes: int = option(
+        DEFAULT_RESULT_CHUNK_BYTES,
+        "Generate sends a result larger than this (a video) as ResultChunk events of at most this many "
+        f"bytes ahead of its result event (default: {DEFAULT_RESULT_CHUNK_BYTES}, under gRPC clients' "
+        "usual 4 MiB message limit)",
+    )
+    max_video_jobs: int = option(
+        DEFAULT_MAX_VIDEO_JOBS,
+        "most video jobs (POST /v1/videos) held at once, running or finished and not yet expired; "
+        f"more get 429 (default: {DEFAULT_MAX_VIDEO_JOBS})",
+    )
+    video_job_timeout_s: float = option(
+        DEFAULT_VIDEO_JOB_TIMEOUT_S,
+        "a video job still running this long after its creation is cancelled (its stage work freed) "
+        f"and fails (default: {DEFAULT_VIDEO_JOB_TIMEOUT_S:g})",
+    )
+    video_retention_s: float = option(
+        DEFAULT_VIDEO_RETENTION_S,
+        "a finished (completed, failed or cancelled) video job and its MP4 are kept this long, then "
+        f"forgotten: GET answers 404 (default: {DEFAULT_VIDEO_RETENTION_S:g})",
+    )
     http_port: int | None = option(
         None,
         "also serve the OpenAI-compatible HTTP API (/v1/images/generations, /v1/images/edits, "
@@ -127,6 +153,15 @@ class GatewaySettings:
             ),
             ("max_undelivered_bytes", "a whole number of bytes", "above 0", lambda v: v > 0 and isinstance(v, int)),
             ("max_images_per_request", "a whole number", "1 or more", lambda v: v >= 1 and isinstance(v, int)),
+            ("max_video_jobs", "a whole number", "1 or more", lambda v: v >= 1 and isinstance(v, int)),
+            (
+                "result_chunk_bytes",
+                "a whole number of bytes",
+                "1024 or more",
+                lambda v: v >= 1024 and isinstance(v, int),
+            ),
+            ("video_job_timeout_s", "a number of seconds", "above 0", lambda v: v > 0),
+            ("video_retention_s", "a number of seconds", "above 0", lambda v: v > 0),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not allowed(value):

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from stagemesh.core import auth, converters, logs, rpc, serve, startup, tls, tracing
+from stagemesh.core import auth, codec, converters, logs, rpc, serve, startup, tls, tracing
 from stagemesh.core.acks import WorkerAck
 from stagemesh.core.metrics import ServiceMetrics
 from stagemesh.core.params import OUTPUT_TENSOR, Limits
@@ -33,6 +33,8 @@ log = logs.get_logger("stagemesh.stage")
 
 _SERVICE = stage_pb2.DESCRIPTOR.services_by_name["StageService"]
 SERVICE_NAME = _SERVICE.full_name
+# Outputs past this go in several messages (half gRPC's limit here: headroom for the framing).
+OUTPUT_MESSAGE_BYTES = rpc.MAX_MESSAGE_BYTES // 2
 # With a token, every StageService call needs it, Execute and DescribeStage as much as SleepStage
 # and WakeUpStage: only the gateway calls a stage, and it sends the token on each call.
 PROTECTED_METHODS = auth.every_method(_SERVICE)
@@ -43,13 +45,25 @@ def _acks_proto(stage_id: int, acks: list[Ack]) -> list[control_pb2.WorkerAck]:
     return [converters.worker_ack_to_proto(WorkerAck(stage_id, **dataclasses.asdict(a))) for a in acks]
 
 
-def _encode_outputs(outputs: dict[str, torch.Tensor], output_format: str) -> dict[str, Any]:
-    """An image the gateway will encode (PNG, JPEG, WebP) goes as its uint8 pixels, the bytes
-    the gateway's encoder would make of it: a quarter of the float32 bytes to copy, send and parse."""
+def _encode_outputs(outputs: dict[str, torch.Tensor], output_format: str) -> list[stage_pb2.StageOutputs]:
+    """The outputs as one message, or, where they pass OUTPUT_MESSAGE_BYTES (a video's frames),
+    several: each tensor in pieces of whole rows, in order, that the gateway joins
+    (codec.join_rows), so no message passes gRPC's size limit. An image the gateway will encode
+    (PNG, JPEG, WebP) goes as its uint8 pixels, the bytes the gateway's encoder would make of it:
+    a quarter of the float32 bytes to copy, send and parse."""
     image = outputs.get("image")
     if image is not None and output_format != OUTPUT_TENSOR and image.is_floating_point():
         outputs = {**outputs, "image": tensors.image_pixels(image)}
-    return {name: tensors.to_proto(t) for name, t in outputs.items()}
+    messages: list[stage_pb2.StageOutputs] = []
+    size = OUTPUT_MESSAGE_BYTES
+    for name, tensor in outputs.items():
+        for piece in codec.split_rows(tensors.to_proto(tensor), OUTPUT_MESSAGE_BYTES):
+            if not messages or name in messages[-1].outputs or size + len(piece.data) > OUTPUT_MESSAGE_BYTES:
+                messages.append(stage_pb2.StageOutputs())
+                size = 0
+            messages[-1].outputs[name].CopyFrom(piece)
+            size += len(piece.data)
+    return messages or [stage_pb2.StageOutputs()]
 
 
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
@@ -86,8 +100,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 yield stage_pb2.ExecuteResponse(progress=stage_pb2.StageProgress(step=event.step, total=event.total))
             elif isinstance(event, OutputsEvent):
                 with tracing.span("encode outputs"):
-                    outputs = await asyncio.to_thread(_encode_outputs, event.outputs, params.output_format)
-                yield stage_pb2.ExecuteResponse(outputs=stage_pb2.StageOutputs(outputs=outputs))
+                    messages = await asyncio.to_thread(_encode_outputs, event.outputs, params.output_format)
+                for message in messages:
+                    yield stage_pb2.ExecuteResponse(outputs=message)
 
     @servicer_method
     async def DescribeStage(self, request, context) -> stage_pb2.DescribeStageResponse:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
         UnauthenticatedError,
         UnavailableError,
         UnimplementedError,
+        VideoOptions,
         WorkerAck,
     )
 
@@ -70,6 +71,7 @@ __all__ = [
     "UnauthenticatedError",
     "UnavailableError",
     "UnimplementedError",
+    "VideoOptions",
     "WorkerAck",
 ]
 

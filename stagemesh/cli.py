@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
         p.set_defaults(service_main=main_module)
 
     for name, text in (
-        ("generate", "generate one image through a gateway"),
+        ("generate", "generate one image (or with --video one video) through a gateway"),
         ("status", "list the stages behind a gateway and their state"),
         ("sleep", "put stages to sleep (free their device memory)"),
         ("wakeup", "wake sleeping stages"),
@@ -120,7 +120,10 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--seed", type=_seed, default=None, help=f"seed, 0 to {MAX_SEED} (default: random, printed)")
             p.add_argument("--negative-prompt", default=None, help="what to steer away from (models with guidance)")
             p.add_argument(
-                "--init-image", default=None, metavar="FILE", help="image file to start from (image-to-image)"
+                "--init-image",
+                default=None,
+                metavar="FILE",
+                help="image file to start from (image-to-image; with --video, an image-to-video model's first frame)",
             )
             p.add_argument(
                 "--strength",
@@ -136,7 +139,16 @@ def _parser() -> argparse.ArgumentParser:
                 metavar="NAME[=SCALE]",
                 help="a LoRA adapter the stages hold, at SCALE (default 1.0); repeat for several",
             )
-            p.add_argument("-o", "--output", default="out.png", help="PNG file to write (default: out.png)")
+            p.add_argument(
+                "-o", "--output", default=None, help="file to write (default: out.png; with --video, out.mp4)"
+            )
+            p.add_argument(
+                "--video",
+                action="store_true",
+                help="generate a video (a video model): -o's suffix picks MP4 (.mp4) or animated WebP (.webp)",
+            )
+            p.add_argument("--frames", type=int, default=None, help="--video: frames (default: the model's)")
+            p.add_argument("--fps", type=int, default=None, help="--video: frames per second (default: the model's)")
     return parser
 
 

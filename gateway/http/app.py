@@ -23,10 +23,12 @@ from stagemesh.gateway.control import ControlPlane
 from stagemesh.gateway.http import adapters as http_adapters
 from stagemesh.gateway.http import errors as http_errors
 from stagemesh.gateway.http import openai_schema as schema
-from stagemesh.gateway.http import playground
+from stagemesh.gateway.http import playground, videos
 from stagemesh.gateway.http.generation import ClientGone, all_images, open_stream, unless_disconnected
 from stagemesh.gateway.http.middleware import RequestContext
 from stagemesh.gateway.pipeline import Pipeline
+from stagemesh.gateway.settings import DEFAULT_MAX_VIDEO_JOBS, DEFAULT_VIDEO_JOB_TIMEOUT_S, DEFAULT_VIDEO_RETENTION_S
+from stagemesh.gateway.video_jobs import VideoJobs
 from stagemesh.v1 import gateway_pb2
 
 CLIENT_CLOSED = 499  # the client went away before its answer (nginx's convention; never sent)
@@ -41,6 +43,10 @@ class HttpSettings:
     max_request_bytes: int
     control_token: str | None = None  # the bearer token of the control routes; None: open
     api_key: str | None = None  # the bearer key of the data routes (the control token works too); None: open
+    # Video jobs (/v1/videos): how many are held, how long one may run, how long a finished one is kept.
+    max_video_jobs: int = DEFAULT_MAX_VIDEO_JOBS
+    video_job_timeout_s: float = DEFAULT_VIDEO_JOB_TIMEOUT_S
+    video_retention_s: float = DEFAULT_VIDEO_RETENTION_S
 
 
 def create_app(
@@ -113,6 +119,10 @@ def create_app(
         return {"status": "SUCCESS", "generation_paused": pipeline.admission.paused}
 
     http_adapters.add_routes(app, adapters, ctl)
+    app.state.video_jobs = jobs = VideoJobs(
+        pipeline, settings.max_video_jobs, settings.video_job_timeout_s, settings.video_retention_s
+    )
+    videos.add_routes(app, pipeline, jobs, data)
     playground.add_routes(app)
     return app
 

@@ -55,6 +55,7 @@ class HttpListener:
         self, app: FastAPI, host: str, port: int, *, tls_cert: str | None, tls_key: str | None, grace_s: float
     ):
         self._stopping: asyncio.Event = app.state.stopping
+        self._video_jobs = getattr(app.state, "video_jobs", None)
         self._grace_s = grace_s
         self._socket = _bind(host, port)
         bound = self._socket.getsockname()[1]
@@ -104,3 +105,5 @@ class HttpListener:
             log.info("http requests still running after the grace; ending them")
             self._stopping.set()
         await asyncio.gather(self._task, return_exceptions=True)
+        if self._video_jobs is not None:  # jobs still running are cancelled with their stage calls
+            await self._video_jobs.close()

@@ -100,7 +100,7 @@ def http_param(domain_field: str) -> str:
     return _HTTP_PARAMS.get(name, name)
 
 
-def _size(text: str | None) -> tuple[int, int] | None:
+def parse_size(text: str | None) -> tuple[int, int] | None:
     if text is None or text == "auto":
         return None
     match = _SIZE.match(text)
@@ -152,7 +152,7 @@ def to_generation_params(
         init_image=init_image,
         adapters=_adapters(request),
     )
-    size = _size(request.size)
+    size = parse_size(request.size)
     if size is not None:
         params.width, params.height = size
     if request.n is not None:

@@ -166,6 +166,11 @@ class StageSettings(DloOptions):
     )
     max_queue: int = option(256, "requests waiting beyond this are refused with RESOURCE_EXHAUSTED")
     max_size: int = option(1024, "largest width/height in pixels accepted")
+    max_frames: int = option(
+        81,
+        "video models: most frames a video may have (num_frames above it is refused; the model's own rule, "
+        "e.g. Wan's 4k + 1, applies below it)",
+    )
     max_steps: int = option(100, "largest num_inference_steps accepted")
     max_prompt_bytes: int = option(2048, "longest prompt accepted, in UTF-8 bytes")
     default_size: int | None = option(
@@ -360,6 +365,7 @@ class StageSettings(DloOptions):
             max_guidance_scale=self.max_guidance,
             # A runner that declares none offers no step cache.
             step_caches=tuple(runner_limits.get("step_caches", ("off",))),
+            **_video_limits(runner_limits, self.max_frames),
         )
 
     def _default_size(self, runner_limits: dict[str, Any]) -> int:
@@ -370,6 +376,23 @@ class StageSettings(DloOptions):
         multiple = int(runner_limits.get("pixel_multiple", 16))
         size = min(int(runner_limits.get("native_size", FALLBACK_SIZE)), self.max_size)
         return max(multiple, size - size % multiple)
+
+
+def _video_limits(runner_limits: dict[str, Any], max_frames: int) -> dict[str, Any]:
+    """A video model's frame rule (runner_limits' frame_step, default_num_frames, default_fps)
+    capped by max_frames: the largest count it takes at or below both; {} for an image model."""
+    step = int(runner_limits.get("frame_step", 0))
+    if not step:
+        return {}
+    top = (max_frames - 1) // step * step + 1
+    default = int(runner_limits.get("default_num_frames", top))
+    return {
+        "frame_step": step,
+        "max_num_frames": top,
+        "default_num_frames": min(default, top),
+        "default_fps": int(runner_limits.get("default_fps", 16)),
+        "requires_init_image": bool(runner_limits.get("requires_init_image", False)),
+    }
 
 
 def _check_kind(kind: str) -> None:
@@ -389,7 +412,16 @@ def _check_sleep_host_buffer(settings: StageSettings) -> None:
 
 
 # Options that count something and mean nothing below 1.
-_AT_LEAST_ONE = ("workers", "sp_size", "max_batch_size", "max_size", "max_steps", "default_size", "default_steps")
+_AT_LEAST_ONE = (
+    "workers",
+    "sp_size",
+    "max_batch_size",
+    "max_size",
+    "max_frames",
+    "max_steps",
+    "default_size",
+    "default_steps",
+)
 
 
 def _check_counts(settings: StageSettings) -> None:

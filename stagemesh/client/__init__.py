@@ -19,7 +19,7 @@ from stagemesh.client.errors import (
     UnavailableError,
     UnimplementedError,
 )
-from stagemesh.client.requests import GenerateOptions
+from stagemesh.client.requests import GenerateOptions, VideoOptions
 from stagemesh.client.results import (
     ControlResult,
     ControlStatus,
@@ -61,5 +61,6 @@ __all__ = [
     "UnauthenticatedError",
     "UnavailableError",
     "UnimplementedError",
+    "VideoOptions",
     "WorkerAck",
 ]

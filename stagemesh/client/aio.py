@@ -11,7 +11,14 @@ from typing import Unpack, overload
 from stagemesh.client import calls
 from stagemesh.client.channel import DEFAULT_RETRY, Connection, RetryPolicy
 from stagemesh.client.errors import raising_call_errors
-from stagemesh.client.requests import GenerateOptions, ImageListOptions, OneImageOptions, generation_params
+from stagemesh.client.requests import (
+    GenerateOptions,
+    ImageListOptions,
+    OneImageOptions,
+    VideoOptions,
+    generation_params,
+    video_params,
+)
 from stagemesh.client.results import ControlResult, GenerationResult, ProgressCallback, StageListing
 from stagemesh.core import converters
 from stagemesh.core.adapters import AdapterInfo
@@ -111,7 +118,7 @@ class AsyncClient:
         return calls.unary_results(reply)
 
     async def _generate_streaming(
-        self, params, request_id: str | None, deadline: float, on_progress: ProgressCallback
+        self, params, request_id: str | None, deadline: float, on_progress: ProgressCallback | None
     ) -> list[GenerationResult]:
         collected = calls.Collected()
         with raising_call_errors():
@@ -120,12 +127,23 @@ class AsyncClient:
             )
             try:
                 async for message in stream:
-                    called = on_progress(collected.add(message))
+                    event = collected.add(message)
+                    if event is None or on_progress is None:
+                        continue
+                    called = on_progress(event)
                     if inspect.isawaitable(called):
                         await called
             finally:
                 stream.cancel()  # a no-op once the stream ended; frees the gateway when on_progress raised
         return collected.results()
+
+    async def generate_video(
+        self, prompt: str, *, on_progress: ProgressCallback | None = None, **options: Unpack[VideoOptions]
+    ) -> GenerationResult:
+        """Client.generate_video for asyncio; an awaitable on_progress is awaited."""
+        params = video_params(prompt, **options)
+        deadline = self.connection.deadline(options.get("timeout"))
+        return (await self._generate_streaming(params, options.get("request_id"), deadline, on_progress))[0]
 
     async def list_stages(self, *, timeout: float | None = None) -> StageListing:
         """The stages behind the gateway (id, kind, state, replicas, sleep level, device memory) and

@@ -8,6 +8,7 @@ import grpc
 
 from stagemesh.client.errors import InternalError
 from stagemesh.client.results import GenerationResult, ProgressEvent, event_from_proto
+from stagemesh.core.converters import ResultAssembler
 from stagemesh.v1 import gateway_pb2, generation_pb2
 
 
@@ -38,8 +39,16 @@ class Collected:
 
     def __init__(self) -> None:
         self._results: list[GenerationResult] = []
+        self._assembler = ResultAssembler()
 
-    def add(self, message: gateway_pb2.GenerateResponse) -> ProgressEvent:
+    def add(self, message: gateway_pb2.GenerateResponse) -> ProgressEvent | None:
+        """The event `message` carries; None for a piece of a large result (its result event,
+        which follows the pieces, carries the whole)."""
+        if message.HasField("result_chunk"):
+            self._assembler.add_chunk(message.result_chunk)
+            return None
+        if message.HasField("result"):
+            message = gateway_pb2.GenerateResponse(result=self._assembler.complete(message.result))
         event = event_from_proto(message)
         if isinstance(event, GenerationResult):
             self._results.append(event)

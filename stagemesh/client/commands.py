@@ -62,31 +62,56 @@ def _output_problem(path: Path) -> str | None:
 
 
 def generate(args) -> int:
-    problem = _output_problem(Path(args.output))
+    if args.output is None:
+        args.output = "out.mp4" if args.video else "out.png"
+    problem = _output_problem(Path(args.output)) or _video_problem(args)
     if problem:
         print(f"stagemesh generate: {problem}", file=sys.stderr)
         return 2
+    shared = {
+        "width": args.width if args.width is not None else args.size,
+        "height": args.height if args.height is not None else args.size,
+        "steps": args.steps,
+        "guidance_scale": args.guidance,
+        "seed": args.seed,
+        "negative_prompt": args.negative_prompt,
+        "init_image": args.init_image,
+        "adapters": args.adapter,
+    }
     with _client(args) as client:
         try:
-            result = client.generate(
-                args.prompt,
-                width=args.width if args.width is not None else args.size,
-                height=args.height if args.height is not None else args.size,
-                steps=args.steps,
-                guidance_scale=args.guidance,
-                seed=args.seed,
-                negative_prompt=args.negative_prompt,
-                init_image=args.init_image,
-                strength=args.strength,
-                adapters=args.adapter,
-                on_progress=_print_progress,
-            )
+            if args.video:
+                result = client.generate_video(
+                    args.prompt,
+                    num_frames=args.frames,
+                    fps=args.fps,
+                    output_format="webp" if Path(args.output).suffix.lower() == ".webp" else "mp4",
+                    on_progress=_print_progress,
+                    **shared,
+                )
+            else:
+                result = client.generate(args.prompt, strength=args.strength, on_progress=_print_progress, **shared)
         except CallError as exc:
             print(exc.describe(), file=sys.stderr)
             return 1
     Path(args.output).write_bytes(result.bytes)
-    print(f"wrote {args.output} ({result.width}x{result.height}, seed {result.seed}, request {result.request_id})")
+    frames = f", {result.num_frames} frames at {result.fps} fps" if result.num_frames else ""
+    print(
+        f"wrote {args.output} ({result.width}x{result.height}{frames}, seed {result.seed}, request {result.request_id})"
+    )
     return 0
+
+
+def _video_problem(args) -> str | None:
+    """Video options without --video, or what a video cannot take."""
+    if not args.video:
+        given = [flag for flag, value in (("--frames", args.frames), ("--fps", args.fps)) if value is not None]
+        return f"{', '.join(given)} need --video" if given else None
+    if args.strength is not None:
+        return "--strength is image-to-image's; a video starts from --init-image as its first frame"
+    if Path(args.output).suffix.lower() not in (".mp4", ".webp"):
+        return f"-o {args.output}: a video is written as .mp4 or .webp"
+    return None
 
 
 def status(args) -> int:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from PIL import Image
 
 OutputFormat: TypeAlias = Literal["png", "jpeg", "webp", "tensor"]
+VideoFormat: TypeAlias = Literal["mp4", "webp", "tensor"]
 # Encoded bytes, a path to an image file, or a PIL image (sent as PNG).
 InitImage: TypeAlias = "bytes | bytearray | memoryview | str | os.PathLike[str] | Image.Image"
 # LoRA adapters by name: {name: scale}, or names (scale 1.0) and (name, scale) pairs.
@@ -61,7 +62,27 @@ class ImageListOptions(_Options, total=False):
     num_images: Required[int]
 
 
+class VideoOptions(TypedDict, total=False):
+    """The keywords of Client.generate_video and AsyncClient.generate_video beside the prompt:
+    each one left out, or None, leaves its field to the gateway's (the model's) default."""
+
+    num_frames: int | None
+    fps: int | None
+    width: int | None
+    height: int | None
+    steps: int | None  # num_inference_steps
+    guidance_scale: float | None
+    seed: int | None
+    negative_prompt: str | None
+    output_format: VideoFormat  # "mp4" when left out
+    quality: int | None
+    init_image: InitImage | None  # the first frame (image-to-video models)
+    request_id: str | None
+    timeout: float | None
+
+
 KEYWORDS = GenerateOptions.__optional_keys__ | GenerateOptions.__required_keys__
+VIDEO_KEYWORDS = VideoOptions.__optional_keys__
 # Keywords that name a GenerationParams field otherwise.
 _FIELD_NAMES = {"steps": "num_inference_steps"}
 # Keywords that are not set on GenerationParams as they are given.
@@ -101,6 +122,26 @@ def adapter_choices(adapters: Adapters | None) -> list[generation_pb2.AdapterCho
         adapters.items() if isinstance(adapters, Mapping) else ((a, 1.0) if isinstance(a, str) else a for a in adapters)
     )
     return [generation_pb2.AdapterChoice(name=name, scale=float(scale)) for name, scale in pairs]
+
+
+def video_params(prompt: str, **options: Unpack[VideoOptions]) -> generation_pb2.GenerationParams:
+    """generate_video()'s GenerationParams; unset (None) fields stay unset."""
+    unknown = sorted(options.keys() - VIDEO_KEYWORDS)
+    if unknown:
+        raise TypeError(f"generate_video() got an unexpected keyword argument {unknown[0]!r}")
+    output_format = options.get("output_format", formats.DEFAULT_VIDEO.name)
+    if output_format not in formats.VIDEO_NAMES:
+        raise ValueError(f"output_format = {output_format!r}: allowed {', '.join(map(repr, formats.VIDEO_NAMES))}")
+    params = generation_pb2.GenerationParams(
+        prompt=prompt, output_format=converters.output_format_to_proto(output_format)
+    )
+    for keyword, value in options.items():
+        if value is not None and keyword not in _NOT_COPIED:
+            setattr(params, _FIELD_NAMES.get(keyword, keyword), value)
+    init_image = options.get("init_image")
+    if init_image is not None:
+        params.init_image = init_image_bytes(init_image)
+    return params
 
 
 def init_image_bytes(image: InitImage) -> bytes:

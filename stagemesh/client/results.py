@@ -50,6 +50,9 @@ class GenerationResult:
     index: int
     stage_latency_ms: dict[int, float]
     _encoded: builtins.bytes = field(repr=False, default=b"")
+    # A video's frame count and rate; 0 for an image.
+    num_frames: int = 0
+    fps: int = 0
     _tensor: TensorData | None = field(repr=False, default=None)
 
     @classmethod
@@ -68,7 +71,32 @@ class GenerationResult:
             stage_latency_ms={int(k): v for k, v in msg.stage_latency_ms.items()},
             _encoded=getattr(msg, which) if which in formats.ENCODED_NAMES else b"",
             _tensor=tensor,
+            num_frames=msg.num_frames,
+            fps=msg.fps,
         )
+
+    @property
+    def frames(self) -> np.ndarray:
+        """A video's frames: the float32 [frames, height, width, 3] array of a tensor result, else
+        the decoded frames, uint8 RGB (MP4 through PyAV, the `video` extra; animated WebP
+        through Pillow). ValueError for an image."""
+        import numpy as np
+
+        if not self.num_frames:
+            raise ValueError("this result is an image, not a video; use .image")
+        if self._tensor is not None:
+            return self.tensor
+        import io
+
+        if self.format == formats.MP4.name:
+            import av
+
+            with av.open(io.BytesIO(self._encoded), mode="r") as container:
+                return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+        from PIL import Image, ImageSequence
+
+        with Image.open(io.BytesIO(self._encoded)) as image:
+            return np.stack([np.asarray(f.convert("RGB")) for f in ImageSequence.Iterator(image)])
 
     @property
     def bytes(self) -> builtins.bytes:
@@ -113,7 +141,13 @@ class GenerationResult:
         path = Path(path)
         named = formats.by_suffix(path.suffix)  # save() converts when the suffix asks for another format
         wanted = named.name if named is not None else None
-        if self._tensor is not None and path.suffix.lower() == ".npy":
+        if self.num_frames and self._tensor is None:
+            if wanted not in (None, self.format):
+                raise ValueError(
+                    f"this video is {self.format}; save it to a .{self.format} path (or ask for that format)"
+                )
+            path.write_bytes(self._encoded)
+        elif self._tensor is not None and path.suffix.lower() == ".npy":
             import numpy as np
 
             np.save(path, self.tensor)

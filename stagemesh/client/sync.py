@@ -10,7 +10,14 @@ from typing import Unpack, overload
 from stagemesh.client import calls
 from stagemesh.client.channel import DEFAULT_RETRY, Connection, RetryPolicy
 from stagemesh.client.errors import raising_call_errors
-from stagemesh.client.requests import GenerateOptions, ImageListOptions, OneImageOptions, generation_params
+from stagemesh.client.requests import (
+    GenerateOptions,
+    ImageListOptions,
+    OneImageOptions,
+    VideoOptions,
+    generation_params,
+    video_params,
+)
 from stagemesh.client.results import ControlResult, GenerationResult, ProgressCallback, StageListing
 from stagemesh.core import converters
 from stagemesh.core.adapters import AdapterInfo
@@ -111,7 +118,7 @@ class Client:
         params: generation_pb2.GenerationParams,
         request_id: str | None,
         deadline: float,
-        on_progress: ProgressCallback,
+        on_progress: ProgressCallback | None,
     ) -> list[GenerationResult]:
         collected = calls.Collected()
         with raising_call_errors():
@@ -120,10 +127,24 @@ class Client:
             )
             try:
                 for message in stream:
-                    on_progress(collected.add(message))
+                    event = collected.add(message)
+                    if event is not None and on_progress is not None:
+                        on_progress(event)
             finally:
                 stream.cancel()  # a no-op once the stream ended; frees the gateway when on_progress raised
         return collected.results()
+
+    def generate_video(
+        self, prompt: str, *, on_progress: ProgressCallback | None = None, **options: Unpack[VideoOptions]
+    ) -> GenerationResult:
+        """Generate a video: one GenerationResult whose `frames` are the video's (MP4 by default;
+        "webp" is animated WebP, "tensor" the float frames). `num_frames` and `fps` unset take the
+        model's defaults; `init_image` is the first frame of an image-to-video model. Always a
+        Generate stream: a large video arrives in chunks, put back together here; on_progress(event)
+        runs for each progress event. The keywords are those of VideoOptions."""
+        params = video_params(prompt, **options)
+        deadline = self.connection.deadline(options.get("timeout"))
+        return self._generate_streaming(params, options.get("request_id"), deadline, on_progress)[0]
 
     def list_stages(self, *, timeout: float | None = None) -> StageListing:
         """The stages behind the gateway (id, kind, state, replicas, sleep level, device memory) and

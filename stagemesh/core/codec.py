@@ -91,3 +91,37 @@ def from_array(array: np.ndarray) -> tensor_pb2.Tensor:
         raise ValueError(f"a {array.dtype} array has no stagemesh.v1.Tensor dtype; allowed: {allowed}")
     little = np.ascontiguousarray(array, dtype=np.dtype(_NUMPY[name]))
     return tensor_pb2.Tensor(dtype=name, shape=list(array.shape), data=little.tobytes())
+
+
+def split_rows(message: tensor_pb2.Tensor, max_bytes: int) -> list[tensor_pb2.Tensor]:
+    """The tensor as pieces of whole rows (slices of its first axis) of at most `max_bytes` each
+    (a single row larger than that is one piece): a video's frames sent in several messages,
+    each under gRPC's message size limit. `join_rows` puts them back together."""
+    if len(message.data) <= max_bytes or len(message.shape) == 0 or message.shape[0] < 2:
+        return [message]
+    rows = int(message.shape[0])
+    row_bytes = len(message.data) // rows
+    per_piece = max(1, max_bytes // max(row_bytes, 1))
+    return [
+        tensor_pb2.Tensor(
+            dtype=message.dtype,
+            shape=[min(per_piece, rows - start), *message.shape[1:]],
+            data=message.data[start * row_bytes : (start + per_piece) * row_bytes],
+        )
+        for start in range(0, rows, per_piece)
+    ]
+
+
+def join_rows(whole: tensor_pb2.Tensor | None, piece: tensor_pb2.Tensor, field: str = "tensor") -> tensor_pb2.Tensor:
+    """`piece`'s rows appended to `whole`'s (None: the first piece); both must agree in dtype and
+    in every axis but the first."""
+    if whole is None:
+        return piece
+    if piece.dtype != whole.dtype or list(piece.shape[1:]) != list(whole.shape[1:]) or not piece.shape:
+        raise InvalidArgument.field(
+            field,
+            f"a piece of {piece.dtype} {list(piece.shape)} does not continue {whole.dtype} {list(whole.shape)}",
+        )
+    return tensor_pb2.Tensor(
+        dtype=whole.dtype, shape=[whole.shape[0] + piece.shape[0], *whole.shape[1:]], data=whole.data + piece.data
+    )

@@ -25,7 +25,8 @@ def output_format_to_proto(name: str) -> generation_pb2.OutputFormat:
 
 
 def output_format_from_proto(value: int) -> str | None:
-    """The format's name (UNSPECIFIED reads as the default, PNG); None for an unknown value."""
+    """The format's name (UNSPECIFIED reads as the default, PNG: params_from_proto makes it MP4
+    for a video model); None for an unknown value."""
     fmt = formats.by_wire(value)
     return None if fmt is None else fmt.name
 
@@ -51,6 +52,8 @@ def params_from_proto(
     """`init_image`: the starting image as its reader found it (the gateway probes the bytes of
     msg.init_image; a stage measures its INIT_IMAGE_INPUT); bytes in msg.init_image alone are refused."""
     fmt = output_format_from_proto(msg.output_format)
+    if msg.output_format == generation_pb2.OUTPUT_FORMAT_UNSPECIFIED and limits.video:
+        fmt = formats.DEFAULT_VIDEO.name
     if msg.init_image and init_image is None:
         raise InvalidArgument.field(
             "params.init_image",
@@ -74,6 +77,8 @@ def params_from_proto(
         step_cache=msg.step_cache if msg.HasField("step_cache") else None,
         step_cache_threshold=_decimal(msg.step_cache_threshold) if msg.HasField("step_cache_threshold") else None,
         adapters=adapters_from_proto(msg.adapters),
+        num_frames=msg.num_frames if msg.HasField("num_frames") else None,
+        fps=msg.fps if msg.HasField("fps") else None,
     )
 
 
@@ -110,6 +115,8 @@ def params_to_proto(p: gp.Params) -> generation_pb2.GenerationParams:
         step_cache=p.step_cache,
         step_cache_threshold=p.step_cache_threshold,
         adapters=adapters_to_proto(p.adapters),
+        num_frames=p.num_frames or None,
+        fps=p.fps or None,
     )
 
 
@@ -164,3 +171,70 @@ def progress_from_proto(msg: gateway_pb2.GenerateResponse) -> StageStarted | Den
 def require_field(condition: bool, field: str, description: str) -> None:
     if not condition:
         raise InvalidArgument.field(field, description)
+
+
+def _payload(result: generation_pb2.GenerationResult) -> tuple[str | None, bytes]:
+    """(the oneof field carrying the result, its bytes: tensor.data for a tensor)."""
+    which = result.WhichOneof("image")
+    if which is None:
+        return None, b""
+    return which, result.tensor.data if which == "tensor" else getattr(result, which)
+
+
+def result_to_events(result: generation_pb2.GenerationResult, chunk_bytes: int) -> list[gateway_pb2.GenerateResponse]:
+    """A result as Generate's stream carries it: one result event, or, when its payload passes
+    `chunk_bytes`, ResultChunk events of at most that many bytes each ahead of the result event,
+    whose payload is then empty (a tensor keeps its dtype and shape) and whose chunked_bytes says
+    how many bytes came. `result_from_events` reads them back."""
+    which, data = _payload(result)
+    if len(data) <= chunk_bytes or which is None:
+        return [gateway_pb2.GenerateResponse(result=result)]
+    head = generation_pb2.GenerationResult()
+    head.CopyFrom(result)
+    if which == "tensor":
+        head.tensor.data = b""
+    else:
+        setattr(head, which, b"")
+    head.chunked_bytes = len(data)
+    chunks = [
+        gateway_pb2.GenerateResponse(
+            result_chunk=generation_pb2.ResultChunk(
+                index=result.index, offset=start, data=data[start : start + chunk_bytes]
+            )
+        )
+        for start in range(0, len(data), chunk_bytes)
+    ]
+    return [*chunks, gateway_pb2.GenerateResponse(result=head)]
+
+
+class ResultAssembler:
+    """The reader's side of `result_to_events`: feed it each result_chunk, then hand it the result
+    event to get the whole result back."""
+
+    def __init__(self) -> None:
+        self._pieces: dict[int, list[bytes]] = {}
+        self._received: dict[int, int] = {}
+
+    def add_chunk(self, chunk: generation_pb2.ResultChunk) -> None:
+        received = self._received.get(chunk.index, 0)
+        if chunk.offset != received:
+            raise ValueError(f"result {chunk.index}: a chunk at offset {chunk.offset} after {received} bytes")
+        self._pieces.setdefault(chunk.index, []).append(chunk.data)
+        self._received[chunk.index] = received + len(chunk.data)
+
+    def complete(self, result: generation_pb2.GenerationResult) -> generation_pb2.GenerationResult:
+        if not result.chunked_bytes:
+            return result
+        data = b"".join(self._pieces.pop(result.index, []))
+        self._received.pop(result.index, None)
+        if len(data) != result.chunked_bytes:
+            raise ValueError(f"result {result.index}: {len(data)} bytes came of the {result.chunked_bytes} announced")
+        whole = generation_pb2.GenerationResult()
+        whole.CopyFrom(result)
+        whole.chunked_bytes = 0
+        which = result.WhichOneof("image")
+        if which == "tensor":
+            whole.tensor.data = data
+        elif which is not None:
+            setattr(whole, which, data)
+        return whole

@@ -64,6 +64,11 @@ class Cancelled(StagemeshError):
     pass
 
 
+class NotFound(StagemeshError):
+    """What the request names does not exist (or no longer): an adapter the target does not
+    hold, an expired video job."""
+
+
 class UpstreamError(StagemeshError):
     """A status received from the next hop, passed on unchanged (code, message, details)."""
 
@@ -71,10 +76,6 @@ class UpstreamError(StagemeshError):
         self.code = code
         self.trailing_metadata = tuple(trailing_metadata or ())
         super().__init__(message)
-
-
-class NotFound(StagemeshError):
-    """A named thing (an adapter) that the target does not hold."""
 
 
 class Unauthenticated(StagemeshError):

@@ -19,22 +19,32 @@ class Format:
     suffixes: tuple[str, ...]
     # Takes a quality (1-100).
     lossy: bool = False
+    # Which results it can carry: a still image, a video (all frames), or both.
+    image: bool = True
+    video: bool = False
 
     @property
     def encoded(self) -> bool:
-        return self.pillow is not None
+        """Bytes of a container (anything but a tensor)."""
+        return self.name != "tensor"
 
 
 PNG = Format("png", generation_pb2.OUTPUT_FORMAT_PNG, "PNG", (".png",))
-TENSOR = Format("tensor", generation_pb2.OUTPUT_FORMAT_TENSOR, None, ())
+TENSOR = Format("tensor", generation_pb2.OUTPUT_FORMAT_TENSOR, None, (), video=True)
 JPEG = Format("jpeg", generation_pb2.OUTPUT_FORMAT_JPEG, "JPEG", (".jpg", ".jpeg"), lossy=True)
-WEBP = Format("webp", generation_pb2.OUTPUT_FORMAT_WEBP, "WEBP", (".webp",), lossy=True)
+# For a video: animated WebP.
+WEBP = Format("webp", generation_pb2.OUTPUT_FORMAT_WEBP, "WEBP", (".webp",), lossy=True, video=True)
+# H.264 in MP4 (PyAV), video only.
+MP4 = Format("mp4", generation_pb2.OUTPUT_FORMAT_MP4, None, (".mp4",), lossy=True, image=False, video=True)
 # In the wire's enum order, as error messages list them.
-FORMATS = (PNG, TENSOR, JPEG, WEBP)
-# A request that names no format gets PNG.
+FORMATS = (PNG, TENSOR, JPEG, WEBP, MP4)
+# A request that names no format gets PNG, or MP4 from a video model.
 DEFAULT = PNG
+DEFAULT_VIDEO = MP4
 
 NAMES = tuple(f.name for f in FORMATS)
+IMAGE_NAMES = tuple(f.name for f in FORMATS if f.image)
+VIDEO_NAMES = tuple(f.name for f in FORMATS if f.video)
 ENCODED_NAMES = tuple(f.name for f in FORMATS if f.encoded)
 LOSSY_NAMES = tuple(f.name for f in FORMATS if f.lossy)
 

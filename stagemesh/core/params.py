@@ -18,11 +18,13 @@ OUTPUT_PNG = formats.PNG.name
 OUTPUT_TENSOR = formats.TENSOR.name
 OUTPUT_JPEG = formats.JPEG.name
 OUTPUT_WEBP = formats.WEBP.name
+OUTPUT_MP4 = formats.MP4.name
 OUTPUT_FORMATS = formats.NAMES
 # Formats that take a quality.
 LOSSY_FORMATS = formats.LOSSY_NAMES
 DEFAULT_QUALITY = 90
 MAX_QUALITY = 100
+MAX_FPS = 120
 # Image-to-image without a strength: how far from the starting image (diffusers' default).
 DEFAULT_STRENGTH = 0.8
 # The id travels to every stage as x-request-id metadata: printable ASCII, bounded.
@@ -59,6 +61,19 @@ class Limits:
     # Whether a stage of the pipeline applies LoRA adapters (a diffusers transformer).
     supports_adapters: bool = False
 
+    # Video models: num_frames is frame_step * k + 1, from 1 to max_num_frames (0: the model
+    # draws images and refuses video parameters).
+    frame_step: int = 0
+    max_num_frames: int = 0
+    default_num_frames: int = 0
+    default_fps: int = 0
+    # An image-to-video model: it cannot draw without a start image.
+    requires_init_image: bool = False
+
+    @property
+    def video(self) -> bool:
+        return self.frame_step > 0
+
 
 # What requests sampled together must share, in the order of Params.batch_key().
 BATCH_KEY_FIELDS = (
@@ -69,6 +84,7 @@ BATCH_KEY_FIELDS = (
     "strength",
     "step_cache",
     "step_cache_threshold",
+    "num_frames",
     "adapters",  # requests with different adapter sets never share a transformer pass
 )
 
@@ -115,13 +131,21 @@ class Params:
     quality: int = DEFAULT_QUALITY
     # Image-to-image: how far from the starting image, in (0, 1]; None means text-to-image.
     strength: float | None = None
-    # Image-to-image: the starting image (set exactly when strength is).
+    # Image-to-image: the starting image (set exactly when strength is); image-to-video: the
+    # first frame (strength unset).
     init_image: InitImage | None = None
     # Step caching for this request; None: the stage's own setting (its step_cache options).
     step_cache: str | None = None
     step_cache_threshold: float | None = None
     # LoRA adapters applied to the transformer, in the order given; () means the base model.
     adapters: tuple[AdapterChoice, ...] = ()
+    # A video's frames and frame rate; 0 for an image.
+    num_frames: int = 0
+    fps: int = 0
+
+    @property
+    def video(self) -> bool:
+        return self.num_frames > 0
 
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one diffusion batch (or one DP wave)."""
@@ -213,7 +237,29 @@ def _check_guidance_inputs(negative_prompt: str, guidance: float, limits: Limits
 def _resolve_strength(
     strength: float | None, image: InitImage | None, steps: int, limits: Limits, out: list[FieldViolation]
 ) -> float | None:
-    """The strength of an image-to-image request (default DEFAULT_STRENGTH); None without an image."""
+    """The strength of an image-to-image request (default DEFAULT_STRENGTH); None without an image
+    and for a video model (its starting image is the first frame)."""
+    if limits.video:
+        if strength is not None:
+            out.append(
+                FieldViolation(
+                    "params.strength",
+                    f"{strength:g} given to a video model, which starts from init_image as its first frame; "
+                    "allowed: unset",
+                )
+            )
+        if image is not None and not limits.supports_init_image:
+            out.append(
+                FieldViolation("params.init_image", "this video model cannot start from an image; allowed: empty")
+            )
+        if image is None and limits.requires_init_image:
+            out.append(
+                FieldViolation(
+                    "params.init_image",
+                    "is empty; this image-to-video model starts from it; allowed: a PNG, JPEG or WebP image",
+                )
+            )
+        return None
     if image is None:
         if strength is not None:
             out.append(
@@ -303,11 +349,15 @@ def _check_adapters(adapters: tuple[AdapterChoice, ...], limits: Limits, out: li
 def _check_outputs(
     output_format: str, num_images: int, quality: int | None, limits: Limits, out: list[FieldViolation]
 ) -> None:
-    if output_format not in OUTPUT_FORMATS:
+    allowed = formats.VIDEO_NAMES if limits.video else formats.IMAGE_NAMES
+    what = "a video model" if limits.video else "an image model"
+    if output_format not in allowed:
+        known = output_format in OUTPUT_FORMATS
         out.append(
             FieldViolation(
                 "params.output_format",
-                f"unknown output format {output_format!r}; allowed: {', '.join(map(str.upper, OUTPUT_FORMATS))}",
+                f"{output_format.upper() if known else repr(output_format)} is "
+                f"{'not an output of ' + what if known else 'unknown'}; allowed: {', '.join(map(str.upper, allowed))}",
             )
         )
     if not 1 <= num_images <= limits.max_num_images:
@@ -317,7 +367,7 @@ def _check_outputs(
     if quality is None:
         return
     if output_format not in LOSSY_FORMATS:
-        lossy = [name.upper() for name in LOSSY_FORMATS]
+        lossy = [name.upper() for name in LOSSY_FORMATS if name in allowed]
         out.append(
             FieldViolation(
                 "params.quality",
@@ -327,6 +377,37 @@ def _check_outputs(
         )
     elif not 1 <= quality <= MAX_QUALITY:
         out.append(FieldViolation("params.quality", f"{quality} is out of range; allowed: 1 to {MAX_QUALITY}"))
+
+
+def frame_counts(limits: Limits) -> str:
+    """The frame counts a video model takes, as error messages name them."""
+    step, top = limits.frame_step, limits.max_num_frames
+    counts = list(range(1, top + 1, step))
+    listed = ", ".join(map(str, counts[:4])) + (f", ... {counts[-1]}" if len(counts) > 4 else "")
+    return f"{step}k + 1 from 1 to {top} ({listed})"
+
+
+def _resolve_video(
+    num_frames: int | None, fps: int | None, limits: Limits, out: list[FieldViolation]
+) -> tuple[int, int]:
+    """(num_frames, fps) of a video model's request, defaults filled; (0, 0) for an image model,
+    which refuses both."""
+    if not limits.video:
+        for name, value in (("num_frames", num_frames), ("fps", fps)):
+            if value is not None:
+                out.append(
+                    FieldViolation(
+                        f"params.{name}", f"{value} given to an image model, which draws no video; allowed: unset"
+                    )
+                )
+        return 0, 0
+    frames = limits.default_num_frames if num_frames is None else num_frames
+    if not (1 <= frames <= limits.max_num_frames and (frames - 1) % limits.frame_step == 0):
+        out.append(FieldViolation("params.num_frames", f"{frames} frames; allowed: {frame_counts(limits)}"))
+    rate = limits.default_fps if fps is None else fps
+    if not 1 <= rate <= MAX_FPS:
+        out.append(FieldViolation("params.fps", f"{rate} is out of range; allowed: 1 to {MAX_FPS}"))
+    return frames, rate
 
 
 def resolve(
@@ -347,6 +428,8 @@ def resolve(
     step_cache: str | None = None,
     step_cache_threshold: float | None = None,
     adapters: tuple[AdapterChoice, ...] = (),
+    num_frames: int | None = None,
+    fps: int | None = None,
 ) -> Params:
     """Fill defaults (None means default) and validate; raises InvalidArgument listing every bad field."""
     violations: list[FieldViolation] = []
@@ -376,6 +459,7 @@ def resolve(
     _check_outputs(output_format, num_images, quality, limits, violations)
     _check_step_cache(step_cache, step_cache_threshold, limits, violations)
     _check_adapters(adapters, limits, violations)
+    frames, rate = _resolve_video(num_frames, fps, limits, violations)
     if violations:
         raise InvalidArgument(violations)
     return Params(
@@ -394,4 +478,6 @@ def resolve(
         step_cache=step_cache,
         step_cache_threshold=None if step_cache_threshold is None else float(step_cache_threshold),
         adapters=tuple(adapters),
+        num_frames=frames,
+        fps=rate,
     )

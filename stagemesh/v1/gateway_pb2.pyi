@@ -101,14 +101,16 @@ class DenoisingStep(_message.Message):
     def __init__(self, stage_id: _Optional[int] = ..., step: _Optional[int] = ..., total: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("stage_started", "denoising_step", "result")
+    __slots__ = ("stage_started", "denoising_step", "result", "result_chunk")
     STAGE_STARTED_FIELD_NUMBER: _ClassVar[int]
     DENOISING_STEP_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    RESULT_CHUNK_FIELD_NUMBER: _ClassVar[int]
     stage_started: StageStarted
     denoising_step: DenoisingStep
     result: _generation_pb2.GenerationResult
-    def __init__(self, stage_started: _Optional[_Union[StageStarted, _Mapping]] = ..., denoising_step: _Optional[_Union[DenoisingStep, _Mapping]] = ..., result: _Optional[_Union[_generation_pb2.GenerationResult, _Mapping]] = ...) -> None: ...
+    result_chunk: _generation_pb2.ResultChunk
+    def __init__(self, stage_started: _Optional[_Union[StageStarted, _Mapping]] = ..., denoising_step: _Optional[_Union[DenoisingStep, _Mapping]] = ..., result: _Optional[_Union[_generation_pb2.GenerationResult, _Mapping]] = ..., result_chunk: _Optional[_Union[_generation_pb2.ResultChunk, _Mapping]] = ...) -> None: ...
 
 class GenerateUnaryRequest(_message.Message):
     __slots__ = ("params", "request_id")

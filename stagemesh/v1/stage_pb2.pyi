@@ -78,7 +78,7 @@ class ExecuteResponse(_message.Message):
     def __init__(self, progress: _Optional[_Union[StageProgress, _Mapping]] = ..., outputs: _Optional[_Union[StageOutputs, _Mapping]] = ...) -> None: ...
 
 class StageLimits(_message.Message):
-    __slots__ = ("pixel_multiple", "max_pixels_side", "max_inference_steps", "max_prompt_bytes", "default_size", "default_inference_steps", "default_guidance_scale", "max_guidance_scale")
+    __slots__ = ("pixel_multiple", "max_pixels_side", "max_inference_steps", "max_prompt_bytes", "default_size", "default_inference_steps", "default_guidance_scale", "max_guidance_scale", "frame_step", "max_num_frames", "default_num_frames", "default_fps", "requires_init_image")
     PIXEL_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
     MAX_PIXELS_SIDE_FIELD_NUMBER: _ClassVar[int]
     MAX_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,11 @@ class StageLimits(_message.Message):
     DEFAULT_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
     MAX_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    FRAME_STEP_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_FPS_FIELD_NUMBER: _ClassVar[int]
+    REQUIRES_INIT_IMAGE_FIELD_NUMBER: _ClassVar[int]
     pixel_multiple: int
     max_pixels_side: int
     max_inference_steps: int
@@ -95,7 +100,12 @@ class StageLimits(_message.Message):
     default_inference_steps: int
     default_guidance_scale: float
     max_guidance_scale: float
-    def __init__(self, pixel_multiple: _Optional[int] = ..., max_pixels_side: _Optional[int] = ..., max_inference_steps: _Optional[int] = ..., max_prompt_bytes: _Optional[int] = ..., default_size: _Optional[int] = ..., default_inference_steps: _Optional[int] = ..., default_guidance_scale: _Optional[float] = ..., max_guidance_scale: _Optional[float] = ...) -> None: ...
+    frame_step: int
+    max_num_frames: int
+    default_num_frames: int
+    default_fps: int
+    requires_init_image: bool
+    def __init__(self, pixel_multiple: _Optional[int] = ..., max_pixels_side: _Optional[int] = ..., max_inference_steps: _Optional[int] = ..., max_prompt_bytes: _Optional[int] = ..., default_size: _Optional[int] = ..., default_inference_steps: _Optional[int] = ..., default_guidance_scale: _Optional[float] = ..., max_guidance_scale: _Optional[float] = ..., frame_step: _Optional[int] = ..., max_num_frames: _Optional[int] = ..., default_num_frames: _Optional[int] = ..., default_fps: _Optional[int] = ..., requires_init_image: _Optional[bool] = ...) -> None: ...
 
 class DescribeStageRequest(_message.Message):
     __slots__ = ()

@@ -75,3 +75,26 @@ def test_arrays_go_out_little_endian_and_come_back(dtype):
 def test_an_array_without_a_wire_dtype_is_refused():
     with pytest.raises(ValueError, match="complex64 array has no stagemesh.v1.Tensor dtype; allowed: .*float32"):
         codec.from_array(np.zeros(2, np.complex64))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 16])
+@pytest.mark.parametrize("max_bytes", [1, 48, 100, 10_000])
+def test_rows_split_and_join_back(rows, max_bytes):
+    """A video's frames in pieces under a message bound: whole rows each, joined back exactly."""
+    array = np.arange(rows * 4 * 3, dtype="<f4").reshape(rows, 4, 3)
+    message = codec.from_array(array)
+    pieces = codec.split_rows(message, max_bytes)
+    row_bytes = 4 * 3 * 4
+    assert all(len(p.data) <= max(max_bytes, row_bytes) for p in pieces)
+    assert sum(p.shape[0] for p in pieces) == rows
+    whole = None
+    for piece in pieces:
+        whole = codec.join_rows(whole, piece)
+    assert whole == message
+
+
+def test_a_piece_of_another_shape_does_not_join():
+    first = codec.from_array(np.zeros((2, 3), dtype=np.float32))
+    with pytest.raises(InvalidArgument) as info:
+        codec.join_rows(first, codec.from_array(np.zeros((2, 4), dtype=np.float32)), "outputs[video]")
+    assert info.value.violations[0].field == "outputs[video]"

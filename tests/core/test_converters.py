@@ -11,13 +11,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from PIL import Image
 
-from stagemesh.client.requests import OutputFormat
+from stagemesh.client.requests import OutputFormat, VideoFormat
 from stagemesh.core import converters, formats
 from stagemesh.core.acks import WorkerAck
 from stagemesh.core.adapters import AdapterInfo
 from stagemesh.core.events import DenoisingStep, StageStarted
 from stagemesh.core.params import AdapterChoice, InitImage, Limits, resolve
-from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2, stage_pb2
+from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2, stage_pb2, tensor_pb2
 
 int32s = st.integers(-(2**31), 2**31 - 1)
 # What a `float` field of a message holds exactly (NaN left out: it equals nothing, itself neither).
@@ -51,10 +51,12 @@ def test_the_table_agrees_with_the_wire_the_client_and_pillow():
     # A format's name is the GenerationResult oneof field that carries its image.
     oneof = generation_pb2.GenerationResult.DESCRIPTOR.oneofs_by_name["image"]
     assert {field.name for field in oneof.fields} == set(formats.NAMES)
-    assert set(typing.get_args(OutputFormat)) == set(formats.NAMES)
+    assert set(typing.get_args(OutputFormat)) == set(formats.IMAGE_NAMES)
+    assert set(typing.get_args(VideoFormat)) == set(formats.VIDEO_NAMES)
     Image.init()
     for fmt in formats.FORMATS:
-        assert fmt.encoded == (fmt.pillow in Image.SAVE), fmt
+        # An image format is Pillow's; MP4 is PyAV's (gateway/videos.py).
+        assert fmt.encoded == (fmt.pillow in Image.SAVE or fmt is formats.MP4), fmt
         assert all(formats.by_suffix(s.upper()) is fmt for s in fmt.suffixes), fmt
     assert formats.by_suffix(".npy") is None and formats.by_suffix("") is None
 
@@ -63,11 +65,16 @@ def test_the_table_agrees_with_the_wire_the_client_and_pillow():
 _OFF_THE_WIRE = {f.name for f in fields(Limits)} - {f.name for f in stage_pb2.StageLimits.DESCRIPTOR.fields}
 limits = st.builds(
     Limits,
-    **{f.name: float32s if f.type == "float" else int32s for f in fields(Limits) if f.name not in _OFF_THE_WIRE},
+    **{
+        f.name: float32s if f.type == "float" else int32s
+        for f in fields(Limits)
+        if f.name not in _OFF_THE_WIRE and f.type != "bool"
+    },
     max_num_images=st.integers(1, 64),
     supports_negative_prompt=st.booleans(),
     supports_init_image=st.booleans(),
     supports_adapters=st.booleans(),
+    requires_init_image=st.booleans(),
 )
 
 
@@ -158,7 +165,7 @@ def params(draw):
     image = draw(st.none() | st.builds(InitImage, sides, sides))
     steps = draw(st.integers(1, FULL.max_inference_steps))
     guidance = draw(st.floats(1.0, FULL.max_guidance_scale, width=32))
-    output_format = draw(st.sampled_from(formats.NAMES))
+    output_format = draw(st.sampled_from(formats.IMAGE_NAMES))
     # Distinct adapter names, each at a scale a client writes (a decimal of up to 4 digits).
     names = draw(st.lists(st.from_regex(r"[a-z][a-z0-9_-]{0,8}", fullmatch=True), max_size=4, unique=True))
     scales = [draw(st.integers(-8000, 8000)) / 1000 for _ in names]
@@ -190,6 +197,85 @@ def test_params_round_trip_through_proto(p):
     wire = converters.params_to_proto(p)
     assert not wire.init_image  # stages receive the starting image decoded, as a tensor input
     assert converters.params_from_proto(wire, FULL, p.init_image) == p
+
+
+VIDEO = replace(FULL, frame_step=4, max_num_frames=81, default_num_frames=81, default_fps=16)
+
+
+@st.composite
+def video_params(draw):
+    """A video model's request: frames and fps given or left to the model's defaults."""
+    output_format = draw(st.sampled_from(formats.VIDEO_NAMES))
+    return resolve(
+        prompt=draw(texts),
+        width=draw(sides),
+        height=draw(sides),
+        num_inference_steps=draw(st.integers(1, FULL.max_inference_steps)),
+        guidance_scale=draw(st.floats(1.0, FULL.max_guidance_scale, width=32)),
+        seed=draw(st.integers(0, 2**64 - 1)),
+        output_format=output_format,
+        limits=VIDEO,
+        quality=draw(st.integers(1, 100)) if output_format in formats.LOSSY_NAMES else None,
+        num_frames=draw(st.none() | st.integers(0, 20).map(lambda k: 4 * k + 1)),
+        fps=draw(st.none() | st.integers(1, 120)),
+    )
+
+
+@given(video_params())
+def test_video_params_round_trip_through_proto(p):
+    assert p.video and p.num_frames % 4 == 1 and p.fps
+    assert converters.params_from_proto(converters.params_to_proto(p), VIDEO) == p
+
+
+def test_an_unnamed_format_is_png_for_an_image_model_and_mp4_for_a_video_model():
+    wire = generation_pb2.GenerationParams(prompt="a", width=32, height=32)
+    assert converters.params_from_proto(wire, FULL).output_format == "png"
+    video = converters.params_from_proto(wire, VIDEO)
+    assert (video.output_format, video.num_frames, video.fps) == ("mp4", 81, 16)
+
+
+# ---- results in chunks -----------------------------------------------------------------------------
+results = st.builds(
+    lambda which, data, index: _result(which, data, index),
+    st.sampled_from(["mp4", "webp", "png", "tensor"]),
+    st.binary(max_size=300),
+    st.integers(0, 7),
+)
+
+
+def _result(which: str, data: bytes, index: int) -> generation_pb2.GenerationResult:
+    result = generation_pb2.GenerationResult(request_id="r", index=index, num_frames=5, fps=16, width=2, height=2)
+    if which == "tensor":
+        result.tensor.CopyFrom(tensor_pb2.Tensor(dtype="uint8", shape=[len(data)], data=data))
+    else:
+        setattr(result, which, data)
+    return result
+
+
+@given(results, st.integers(1, 64))
+def test_a_result_round_trips_through_its_chunks(result, chunk_bytes):
+    events = converters.result_to_events(result, chunk_bytes)
+    assembler = converters.ResultAssembler()
+    for event in events[:-1]:
+        assert len(event.result_chunk.data) <= chunk_bytes and event.result_chunk.index == result.index
+        assembler.add_chunk(event.result_chunk)
+    last = events[-1].result
+    assert last.WhichOneof("image") == result.WhichOneof("image")  # the head names the payload's field
+    assert assembler.complete(last) == result
+    size = len(result.tensor.data) if result.HasField("tensor") else len(getattr(result, result.WhichOneof("image")))
+    assert len(events) == (1 if size <= chunk_bytes else 1 + -(-size // chunk_bytes))
+
+
+def test_a_missing_chunk_is_noticed():
+    events = converters.result_to_events(_result("mp4", bytes(100), 0), 10)
+    assembler = converters.ResultAssembler()
+    assembler.add_chunk(events[0].result_chunk)
+    try:
+        assembler.add_chunk(events[2].result_chunk)
+    except ValueError as exc:
+        assert "offset 20 after 10 bytes" in str(exc)
+    else:
+        raise AssertionError("a gap was accepted")
 
 
 @given(st.sampled_from([f for f in formats.FORMATS if not f.lossy]), st.integers(1, 100))

@@ -187,3 +187,48 @@ def test_jpeg_and_webp_formats(name, enum):
     msg = generation_pb2.GenerationParams(prompt="a", output_format=enum, quality=55)
     p = converters.params_from_proto(msg, FULL)
     assert (p.output_format, p.quality) == (name, 55)
+
+
+# ---- video -----------------------------------------------------------------------------------------
+VIDEO = replace(LIMITS, frame_step=4, max_num_frames=33, default_num_frames=17, default_fps=16)
+I2V = replace(VIDEO, supports_init_image=True, requires_init_image=True)
+
+
+def test_a_video_model_fills_frames_fps_and_mp4():
+    p = _resolve(limits=VIDEO, output_format="mp4")
+    assert (p.num_frames, p.fps, p.video) == (17, 16, True)
+    assert not _resolve().video and (_resolve().num_frames, _resolve().fps) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("limits", "fields", "field", "needles"),
+    [
+        # video parameters sent to an image model
+        (LIMITS, {"num_frames": 5}, "num_frames", ["image model", "allowed: unset"]),
+        (LIMITS, {"fps": 24}, "fps", ["image model", "allowed: unset"]),
+        (LIMITS, {"output_format": "mp4"}, "output_format", ["MP4 is not an output of an image model", "PNG"]),
+        # image parameters and frame counts a video model cannot take
+        (VIDEO, {"num_frames": 6}, "num_frames", ["6 frames", "4k + 1 from 1 to 33 (1, 5, 9, 13, ... 33)"]),
+        (VIDEO, {"num_frames": 37}, "num_frames", ["37", "to 33"]),
+        (VIDEO, {"num_frames": 0}, "num_frames", ["0 frames", "4k + 1"]),
+        (VIDEO, {"fps": 0}, "fps", ["1 to 120"]),
+        (VIDEO, {"output_format": "png"}, "output_format", ["not an output of a video model", "TENSOR, WEBP, MP4"]),
+        (VIDEO, {"strength": 0.5}, "strength", ["video model", "allowed: unset"]),
+        (VIDEO, {"init_image": InitImage(32, 32)}, "init_image", ["cannot start from an image"]),
+        (I2V, {}, "init_image", ["is empty", "image-to-video"]),
+        (VIDEO, {"quality": 50, "output_format": "tensor"}, "quality", ["WEBP and MP4 only"]),
+    ],
+)
+def test_video_and_image_parameters_are_refused_where_they_do_not_apply(limits, fields, field, needles):
+    base = {"output_format": "mp4"} if limits.video else {}
+    with pytest.raises(InvalidArgument) as info:
+        _resolve(limits=limits, **{**base, **fields})
+    [violation] = info.value.violations
+    assert violation.field == f"params.{field}"
+    for needle in needles:
+        assert needle in violation.description, (needle, violation.description)
+
+
+def test_an_image_to_video_request_takes_its_size_from_the_start_image():
+    p = _resolve(limits=I2V, output_format="mp4", init_image=InitImage(64, 48))
+    assert (p.width, p.height, p.strength, p.num_frames) == (64, 48, None, 17)

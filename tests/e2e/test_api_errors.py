@@ -64,6 +64,10 @@ BAD_INPUTS = [
     ("format-unknown", dict(output_format=99), {"params.output_format": ["99", "PNG", "TENSOR"]}),
     ("prompt-300-bytes", dict(prompt="x" * 300), {"params.prompt": ["300", "256"]}),
     ("prompt-multibyte", dict(prompt="é" * 129), {"params.prompt": ["258", "256"]}),
+    # video parameters sent to an image model
+    ("num-frames-to-image-model", dict(num_frames=17), {"params.num_frames": ["17", "image model", "unset"]}),
+    ("fps-to-image-model", dict(fps=24), {"params.fps": ["24", "image model", "unset"]}),
+    ("mp4-from-image-model", dict(output_format=5), {"params.output_format": ["MP4", "image model", "PNG"]}),
     (
         "several",
         dict(width=0, height=17, num_inference_steps=0, guidance_scale=0.5),

@@ -17,6 +17,14 @@ from stagemesh.stage_service.models.diffusers_adapter.folder import (
     open_folder,
 )
 
+
+def _is_video(model_dir) -> bool:
+    """Whether the folder's family draws videos (reads model_index.json only)."""
+    from stagemesh.stage_service.models.diffusers_adapter.families import family_of
+
+    return family_of(open_folder(model_dir)).video
+
+
 __all__ = [
     "FOLDER_ONLY_KINDS",
     "MODEL_INDEX",
@@ -41,6 +49,15 @@ def build_runner(kind: str, model_dir, device: str = "cpu", dlo=None, group=None
         )
     if parallel is not None and parallel.world > 1 and kind not in ("diffusion", "denoise"):
         raise ValueError(f"sp_size and cfg_parallel split a denoising stage, not kind {kind!r}")
+    if kind != "encoder" and _is_video(model_dir):
+        if parallel is not None and parallel.world > 1:
+            raise ValueError("sp_size and cfg_parallel are not available for video models; set both to 1")
+        from stagemesh.stage_service.models.diffusers_adapter import video
+
+        if kind == "decode":
+            return video.VideoDecodeRunner(model_dir, device)
+        if kind in ("diffusion", "denoise"):
+            return video.VideoDiffusionRunner(model_dir, device, dlo, kind)
     if kind == "encoder":
         from stagemesh.stage_service.models.diffusers_adapter.encoder import EncoderRunner
 

@@ -53,4 +53,9 @@ class EncoderRunner(RunnerBase):
         return [WorkItem("warm-up", params)]
 
     def limits(self) -> dict:
+        if self.family.video:  # it is told the request's num_frames, which it checks as the others
+            from stagemesh.stage_service.models.diffusers_adapter.video import video_limits
+
+            # The start image goes to the diffusion stage only: this one is never sent it.
+            return {**video_limits(self.folder, self.family), "requires_init_image": False}
         return {}

@@ -5,11 +5,14 @@ that stream under DLO, and the VAE tail a separate "decode" stage runs.
 
 The diffusion stage calls the pipeline itself with the embeddings passed in, so its image is the
 unsplit pipeline's by construction. Only sequence and CFG parallelism need the denoising loop
-written out (split_families.py + sampling.py), and only FLUX.1 and SD3 declare them.
+written out (split_families.py + sampling.py), and only FLUX.1 and SD3 declare them. Video
+families (Wan) declare `video`: their denoising and decode stages are video.py's runners, which
+call the pipeline the same way and hand on frames.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +48,14 @@ class Family:
     sequence_parallel: bool = False
     cfg_parallel: bool = False
     components: dict[str, tuple[str, ...]] = field(default_factory=dict)  # stage kind -> extra loads
+    # Video: the pipeline returns frames (video.py); its transformers (Wan 2.2's two experts, the
+    # second below boundary_ratio) each resident or under DLO; whether init_image is the first
+    # frame (image-to-video, required); the pipeline's own num_frames and the rate it is shown at.
+    video: bool = False
+    experts: tuple[str, ...] = ("transformer",)
+    start_image: bool = False
+    default_num_frames: int = 0
+    default_fps: int = 0
 
     @property
     def supports_image_input(self) -> bool:
@@ -58,12 +69,15 @@ class Family:
 
     def call_arguments(self, params: Params) -> dict[str, Any]:
         """The keywords of the pipeline's __call__ that come from the request's params."""
-        return {
+        arguments = {
             "height": params.height,
             "width": params.width,
             "num_inference_steps": params.num_inference_steps,
             self.guidance_keyword: params.guidance_scale,
         }
+        if self.video:
+            arguments["num_frames"] = params.num_frames
+        return arguments
 
 
 def _named(names: tuple[str, ...], values) -> Tensors:
@@ -131,6 +145,20 @@ def _encode_flux2_klein(pipe, params: Params, device) -> Tensors:
     return out
 
 
+def _encode_wan(pipe, params: Params, device) -> Tensors:
+    # As WanPipeline.__call__ (and the image-to-video one) call it: max_sequence_length 512,
+    # the negative prompt ("" when none) encoded when guided.
+    out = pipe.encode_prompt(
+        prompt=params.prompt,
+        negative_prompt=params.negative_prompt or None,
+        do_classifier_free_guidance=params.guidance_scale > 1,
+        num_videos_per_prompt=1,
+        max_sequence_length=512,
+        device=device,
+    )
+    return _named(("prompt_embeds", "negative_prompt_embeds"), out)
+
+
 def _scaled(pipe, latents: torch.Tensor) -> torch.Tensor:
     config = pipe.vae.config
     return latents / config.scaling_factor + (config.shift_factor or 0.0)
@@ -151,6 +179,15 @@ def _decode_qwen(pipe, latents: torch.Tensor, params: Params) -> torch.Tensor:
     mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(z.device, z.dtype)
     inverse_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(z.device, z.dtype)
     return pipe.vae.decode(z / inverse_std + mean, return_dict=False)[0][:, :, 0]
+
+
+def _decode_wan(pipe, latents: torch.Tensor, params: Params) -> torch.Tensor:
+    """[B, C, frames, h, w] latents -> the VAE's [B, 3, frames, H, W], as WanPipeline ends."""
+    z = latents.to(pipe.vae.dtype)
+    config = pipe.vae.config
+    mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(z.device, z.dtype)
+    inverse_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(z.device, z.dtype)
+    return pipe.vae.decode(z / inverse_std + mean, return_dict=False)[0]
 
 
 def _decode_plain(pipe, latents: torch.Tensor, params: Params) -> torch.Tensor:
@@ -221,7 +258,25 @@ FLUX2_KLEIN = Family(
     block_attrs=("transformer_blocks", "single_transformer_blocks"),
     packs_2x2=True,
 )
-FAMILIES: dict[str, Family] = {f.pipeline_class: f for f in (FLUX, SD3, ZIMAGE, QWEN_IMAGE, FLUX2_KLEIN)}
+WAN = Family(
+    name="wan",
+    pipeline_class="WanPipeline",
+    encode=_encode_wan,
+    decode=_decode_wan,
+    embeddings=("prompt_embeds",),
+    negative_embeddings=("negative_prompt_embeds",),
+    supports_negative_prompt=True,
+    block_attrs=("blocks",),
+    video=True,
+    experts=("transformer", "transformer_2"),
+    # WanPipeline.__call__'s 81 frames, shown at 16 fps as Wan 2.2 A14B's examples export them
+    default_num_frames=81,
+    default_fps=16,
+)
+# Wan 2.2's image-to-video: the start image goes to the diffusion stage, whose pipeline encodes it
+# with the VAE as the first frame (Wan 2.1's CLIP image encoder is not served).
+WAN_I2V = dataclasses.replace(WAN, name="wan-i2v", pipeline_class="WanImageToVideoPipeline", start_image=True)
+FAMILIES: dict[str, Family] = {f.pipeline_class: f for f in (FLUX, SD3, ZIMAGE, QWEN_IMAGE, FLUX2_KLEIN, WAN, WAN_I2V)}
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES.values()}
 
 
@@ -247,6 +302,10 @@ def vae_scale_factor(folder: CheckpointFolder) -> int:
 def pixel_multiple(folder: CheckpointFolder) -> int:
     """Width and height must be multiples of this (the pipelines' own check_inputs rule)."""
     family = family_of(folder)
+    if family.video:  # the VAE's spatial stride times the transformer's patch
+        vae = folder.component_config("vae")
+        patch = folder.component_config("transformer")["patch_size"]
+        return int(vae.get("scale_factor_spatial", 8)) * int(patch[1])
     if family.packs_2x2:
         patch = 2
     elif "transformer" in folder.components and (folder.path / "transformer").is_dir():

@@ -47,7 +47,13 @@ class CheckpointFolder:
         if kind == "encoder":
             return self.text_components()
         if kind in ("diffusion", "denoise"):  # the VAE's encoder takes image-to-image's start
-            return ["transformer", "scheduler", "vae"]
+            # Wan 2.2's low-noise expert, where the checkpoint lists one.
+            return [
+                "transformer",
+                *(["transformer_2"] if "transformer_2" in self.components else []),
+                "scheduler",
+                "vae",
+            ]
         if kind == "decode":
             return ["vae"]
         raise FolderError(

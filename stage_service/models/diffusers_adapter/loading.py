@@ -83,11 +83,18 @@ def component_class(folder: CheckpointFolder, name: str):
     return getattr(importlib.import_module(library), class_name)
 
 
-def load_transformer(folder: CheckpointFolder, family: Family, device: str, dtype: torch.dtype, opts: DloOptions):
-    """(transformer, DLO engine or None). Under DLO the blocks stay on the host: checkpoint
-    views when the mmap plan is proven, else the ordinary loader's copies."""
-    cls = component_class(folder, "transformer")
-    where = folder.path / "transformer"
+def load_transformer(
+    folder: CheckpointFolder,
+    family: Family,
+    device: str,
+    dtype: torch.dtype,
+    opts: DloOptions,
+    name: str = "transformer",
+):
+    """(transformer, DLO engine or None) of component `name`. Under DLO the blocks stay on the
+    host: checkpoint views when the mmap plan is proven, else the ordinary loader's copies."""
+    cls = component_class(folder, name)
+    where = folder.path / name
 
     def ordinary():
         return cls.from_pretrained(where, local_files_only=True, **dtype_kwarg(dtype))
@@ -112,7 +119,7 @@ def load_transformer(folder: CheckpointFolder, family: Family, device: str, dtyp
     loaded: dict[str, Any] = {}
     if opts.dlo_checkpoint_mmap:
         reason = load_or_fallback(
-            folder.weight_files("transformer"), {"": model}, lambda: loaded.setdefault("model", ordinary())
+            folder.weight_files(name), {"": model}, lambda: loaded.setdefault("model", ordinary())
         )
     else:
         loaded["model"], reason = ordinary(), "dlo_checkpoint_mmap is off"

@@ -194,3 +194,10 @@ def test_a_body_over_max_request_bytes_is_413(client):
     chunks = (b"x" * 65536 for _ in range(MAX_REQUEST_BYTES // 65536 + 2))
     reply = client.post("/v1/images/edits", content=chunks, headers={"content-type": "multipart/form-data; boundary=b"})
     assert reply.status_code == 413
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK's notice about OpenAI's own video API
+def test_an_image_model_refuses_video_jobs_naming_the_model(sdk):
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.videos.create(prompt="a lighthouse", size="64x64")
+    assert info.value.param == "model" and "image model" in info.value.body["message"]

@@ -29,6 +29,18 @@ def _flux2_klein() -> dict:
     return tiny_components()
 
 
+def _wan() -> dict:
+    from stagemesh.stage_service.models.diffusers_adapter.synthetic.wan import tiny_components
+
+    return tiny_components()
+
+
+def _wan_i2v() -> dict:
+    from stagemesh.stage_service.models.diffusers_adapter.synthetic.wan import tiny_i2v_components
+
+    return tiny_i2v_components()
+
+
 # family name (families.py) -> (pipeline class, its tiny components)
 TINY_FAMILIES: dict[str, tuple[str, Callable[[], dict]]] = {
     "flux": ("FluxPipeline", flux_components),
@@ -36,6 +48,8 @@ TINY_FAMILIES: dict[str, tuple[str, Callable[[], dict]]] = {
     "zimage": ("ZImagePipeline", _zimage),
     "qwen-image": ("QwenImagePipeline", _qwen_image),
     "flux2-klein": ("Flux2KleinPipeline", _flux2_klein),
+    "wan": ("WanPipeline", _wan),
+    "wan-i2v": ("WanImageToVideoPipeline", _wan_i2v),
 }
 
 
