@@ -108,7 +108,8 @@ def prepare(runner: Any, settings: Any, device: str) -> Acceleration:
         _apply_fp8(accel, model, settings, device)
     if mode == "regional":
         _apply_compile(accel, model, settings, device)
-    if settings.step_cache != "off" or len(_offered(model)) > 1:
+    # Image-parallel ranks would each decide from their own slice (the settings refuse it too).
+    if settings.image_parallel_size() == 1 and (settings.step_cache != "off" or len(_offered(model)) > 1):
         accel.step_cache = StepCache(model, Choice(settings.step_cache, settings.step_cache_threshold))
     return accel
 

@@ -94,6 +94,7 @@ def test_flags_and_mesh_keys_reach_the_settings():
         ({"fp8_backend": "cublas"}, "fp8_backend = 'cublas': allowed: scaled_mm, torchao"),
         ({"step_cache": "teacache"}, "step_cache = 'teacache': allowed: off, first_block, taylorseer, mag"),
         ({"step_cache_threshold": -0.5}, "step_cache_threshold = -0.5: allowed: 0"),
+        ({"step_cache": "mag", "sp_size": 2, "workers": 2}, "step_cache = 'mag' with sp_size = 2"),
         ({"kind": "ar", "step_cache": "first_block"}, "step_cache = 'first_block' on a 'ar' stage"),
         ({"kind": "encoder", "compile": "regional"}, "compile = 'regional' on a 'encoder' stage"),
     ],
