@@ -33,10 +33,12 @@ device tensor by tensor (bench/dlo_models.py), FLUX.1's VAE layout, and small te
 the widths the transformer expects; bf16, written once with save_pretrained (about 24 GB).
 
 Run on a GPU:  python -m bench.real_pipeline --device cuda
-Issue 30's figures (compile, FP8, step caching, restart on a warm compile cache), one run of about
-8 minutes on an H200 with the folder written (docs/PERFORMANCE.md, "Compiled denoising"):
-  python -m bench.real_pipeline --device cuda --repeats 2 --warmup 0 --cases \
-    diffusers-resident,diffusers-compiled,mesh-resident,mesh-compiled,mesh-compiled-fp8,fp8-cosine
+Issue 30's figures (compile, FP8, step caching, restart on a warm compile cache), two runs on one
+folder, each under 10 minutes on an H200 (docs/PERFORMANCE.md, "Compiled denoising"):
+  python -m bench.real_pipeline --device cuda --folder /tmp/flux --repeats 2 --warmup 0 \
+    --cases diffusers-resident,diffusers-compiled,mesh-resident,mesh-compiled
+  python -m bench.real_pipeline --device cuda --folder /tmp/flux --repeats 2 --warmup 0 \
+    --cases diffusers-resident,mesh-resident,mesh-compiled-fp8,fp8-cosine
 8-bit fidelity:
   python -m bench.real_pipeline --device cuda --repeats 1 --warmup 0 --cases mesh-dlo,mesh-dlo-fp8,mesh-dlo-int8
 CPU smoke:     python -m bench.real_pipeline --preset tiny-flux --device cpu --steps 2 --size 32

@@ -61,6 +61,13 @@ def validate(o: Any) -> None:
             f"compile = 'regional' with tensor_parallel_size = {o.tensor_parallel_size}: the blocks all-reduce "
             "inside; set compile = 'off' (or 'auto', which is off here) or tensor_parallel_size = 1"
         )
+    if o.step_cache != "off" and o.sp_size * (2 if o.cfg_parallel else 1) > 1:
+        raise ValueError(
+            f"step_cache = {o.step_cache!r} with sp_size = {o.sp_size} / cfg_parallel = {str(o.cfg_parallel).lower()}: "
+            "each rank would decide from its own slice whether to skip the blocks, and ranks that skip "
+            "differently never meet in their collectives; set step_cache = 'off' or sp_size = 1 and "
+            "cfg_parallel = false"
+        )
     if o.compute_dtype == "float8":
         _check_fp8(o)
 

@@ -79,7 +79,13 @@ limits = st.builds(
 
 
 def test_stagelimits_leaves_out_what_travels_beside_it_and_the_gateways_own_bound():
-    assert _OFF_THE_WIRE == {"max_num_images", "supports_negative_prompt", "supports_init_image", "supports_adapters"}
+    assert _OFF_THE_WIRE == {
+        "max_num_images",
+        "supports_negative_prompt",
+        "supports_init_image",
+        "supports_adapters",
+        "step_caches",
+    }
 
 
 @given(limits)

@@ -19,7 +19,7 @@ from torch import nn
 
 from stagemesh.core import logs
 from stagemesh.stage_service.models.acceleration import compile as regional
-from stagemesh.stage_service.models.acceleration.step_cache import Choice, StepCache
+from stagemesh.stage_service.models.acceleration.step_cache import Choice, StepCache, offered
 
 log = logs.get_logger("stagemesh.acceleration")
 
@@ -108,15 +108,10 @@ def prepare(runner: Any, settings: Any, device: str) -> Acceleration:
         _apply_fp8(accel, model, settings, device)
     if mode == "regional":
         _apply_compile(accel, model, settings, device)
-    if settings.step_cache != "off" or len(_offered(model)) > 1:
+    # Image-parallel ranks would each decide from their own slice (the settings refuse it too).
+    if settings.image_parallel_size() == 1 and (settings.step_cache != "off" or len(offered(model)) > 1):
         accel.step_cache = StepCache(model, Choice(settings.step_cache, settings.step_cache_threshold))
     return accel
-
-
-def _offered(model: nn.Module) -> tuple[str, ...]:
-    from stagemesh.stage_service.models.acceleration.step_cache import offered
-
-    return offered(model)
 
 
 def _apply_fp8(accel: Acceleration, model: nn.Module, settings: Any, device: str) -> None:

@@ -21,11 +21,9 @@ of compiling: it still traces the blocks (seconds), but runs no inductor or Trit
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -159,17 +157,6 @@ def compile_blocks(model: nn.Module, fullgraph: bool = True, **compile_options: 
         setattr(block, _COMPILED, True)
         count += 1
     return count
-
-
-def is_compiled(model: nn.Module) -> bool:
-    return any(getattr(block, _COMPILED, False) for block in repeated_blocks(model))
-
-
-def wrap_forwards(blocks: Iterable[nn.Module], wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """Replace each block's `forward` with `wrap(forward)` (keeping its name for hooks that copy it)."""
-    for block in blocks:
-        inner = block.forward
-        block.forward = functools.wraps(inner)(wrap(inner))
 
 
 def compile_counters() -> dict[str, int]:

@@ -94,6 +94,7 @@ def test_flags_and_mesh_keys_reach_the_settings():
         ({"fp8_backend": "cublas"}, "fp8_backend = 'cublas': allowed: scaled_mm, torchao"),
         ({"step_cache": "teacache"}, "step_cache = 'teacache': allowed: off, first_block, taylorseer, mag"),
         ({"step_cache_threshold": -0.5}, "step_cache_threshold = -0.5: allowed: 0"),
+        ({"step_cache": "mag", "sp_size": 2, "workers": 2}, "step_cache = 'mag' with sp_size = 2"),
         ({"kind": "ar", "step_cache": "first_block"}, "step_cache = 'first_block' on a 'ar' stage"),
         ({"kind": "encoder", "compile": "regional"}, "compile = 'regional' on a 'encoder' stage"),
     ],
@@ -348,3 +349,33 @@ def test_a_model_declares_which_step_caches_it_offers():
     assert offered(sd3) == ("off",)  # diffusers 0.42 gives SD3's transformer no cache hooks
     with pytest.raises(ValueError, match=re.escape("step_cache = 'first_block': SD3Transformer2DModel offers off")):
         StepCache(sd3, Choice("first_block"))
+
+
+# ---- compile under DLO ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream_dtype", ["", "float8_e4m3fn"])
+def test_streamed_blocks_run_compiled_and_give_the_eager_image(flux, tmp_path, stream_dtype):
+    """DLO's pre-hooks point each block's parameters at its device slot, outside the compiled
+    forward; the compiled block reads whatever the slot holds (8-bit streaming rebuilds it)."""
+    from stagemesh.stage_service.models.runners import build_runner
+    from stagemesh.stage_service.settings import DloOptions
+
+    encoder, resident = flux
+    folder = resident.folder.path
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dlo = {"enable_dlo": True, "dlo_use_allgather": False, "dlo_stream_dtype": stream_dtype}
+        eager = build_runner("diffusion", folder, dlo=DloOptions(**dlo))
+        streamed = build_runner("diffusion", folder, dlo=DloOptions(**dlo))
+        settings = StageSettings(kind="diffusion", compile="regional", dlo_runtime_cache_dir=str(tmp_path), **dlo)
+        accel = acceleration.prepare(streamed, settings, "cpu")
+        assert accel.compiled and streamed.offload is not None
+        item = _item(encoder, step_cache="off")
+        [want] = eager.run([item])
+        [got] = accel.run(streamed.run, [item])
+        torch.testing.assert_close(got["image"], want["image"], rtol=0, atol=2e-3)
+        assert streamed.offload.h2d_bytes > 0  # the blocks did stream
+    finally:
+        torch.set_num_threads(threads)
