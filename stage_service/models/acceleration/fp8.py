@@ -64,14 +64,18 @@ class Fp8Linear(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         q, scale = quantize_rows(rows)
+        # The kernel adds a bias only into a 16-bit output; a float32 model adds its own after.
+        fused_bias = self.bias is not None and x.dtype != torch.float32
         out = torch._scaled_mm(
             q,
             self.weight.t(),  # column-major, as the kernel wants its second operand
             scale_a=scale,
             scale_b=self.weight_scale,
-            bias=None if self.bias is None else self.bias.to(x.dtype),
+            bias=self.bias.to(x.dtype) if fused_bias and self.bias is not None else None,
             out_dtype=x.dtype,
         )
+        if self.bias is not None and not fused_bias:
+            out = out + self.bias.to(x.dtype)
         return out.reshape(*shape[:-1], self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -126,6 +130,13 @@ def convert(model: nn.Module, backend: str = "scaled_mm") -> int:
 
 
 def _convert_torchao(model: nn.Module, chosen: set[int]) -> int:
+    dtypes = {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()}
+    if dtypes - {"bfloat16"}:
+        raise ValueError(
+            f"fp8_backend = 'torchao' on a model of {sorted(dtypes)} weights: its per-row FP8 takes bfloat16 "
+            "weights only; serve a bfloat16 checkpoint or use fp8_backend = 'scaled_mm'"
+        )
+
     try:
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
     except ImportError as exc:

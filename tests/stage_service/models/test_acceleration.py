@@ -255,16 +255,23 @@ def test_only_linears_in_repeated_blocks_with_aligned_sizes_are_converted():
     assert isinstance(model.blocks[0].odd, torch.nn.Linear)
 
 
-def test_an_fp8_layer_computes_its_reference_and_stays_close_to_the_original():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # float32: the bias is added after the kernel
+def test_an_fp8_layer_computes_its_reference_and_stays_close_to_the_original(dtype):
     torch.manual_seed(0)
-    linear = torch.nn.Linear(64, 48).to(torch.bfloat16)
+    linear = torch.nn.Linear(64, 48).to(dtype)
     layer = fp8.Fp8Linear(linear)
     assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.shape == (1, 48)
-    x = torch.randn(3, 5, 64, dtype=torch.bfloat16)
+    x = torch.randn(3, 5, 64, dtype=dtype)
     got = layer(x)
-    assert got.dtype == torch.bfloat16 and got.shape == (3, 5, 48)
+    assert got.dtype == dtype and got.shape == (3, 5, 48)
     torch.testing.assert_close(got.float(), fp8.reference_linear(layer, x), rtol=2e-2, atol=2e-2)
     assert fp8.cosine(got, linear(x)) > 0.99
+
+
+def test_torchao_fp8_refuses_weights_other_than_bfloat16_by_name():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    with pytest.raises(ValueError, match=re.escape("its per-row FP8 takes bfloat16 weights only")):
+        fp8.convert(model, "torchao")
 
 
 def test_fp8_compute_is_refused_on_the_cpu_by_name():
