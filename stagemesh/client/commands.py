@@ -76,7 +76,6 @@ def generate(args) -> int:
         "seed": args.seed,
         "negative_prompt": args.negative_prompt,
         "init_image": args.init_image,
-        "adapters": args.adapter,
     }
     with _client(args) as client:
         try:
@@ -90,7 +89,9 @@ def generate(args) -> int:
                     **shared,
                 )
             else:
-                result = client.generate(args.prompt, strength=args.strength, on_progress=_print_progress, **shared)
+                result = client.generate(
+                    args.prompt, strength=args.strength, adapters=args.adapter, on_progress=_print_progress, **shared
+                )
         except CallError as exc:
             print(exc.describe(), file=sys.stderr)
             return 1
@@ -109,6 +110,8 @@ def _video_problem(args) -> str | None:
         return f"{', '.join(given)} need --video" if given else None
     if args.strength is not None:
         return "--strength is image-to-image's; a video starts from --init-image as its first frame"
+    if args.adapter:
+        return "--adapter applies to images; video models take no LoRA adapters yet"
     if Path(args.output).suffix.lower() not in (".mp4", ".webp"):
         return f"-o {args.output}: a video is written as .mp4 or .webp"
     return None

@@ -51,7 +51,7 @@ def test_each_stage_reports_ready_only_after_its_workers_warm_up(warm_mesh):
         phases = stage_report(text, stage_id)["phases"]
         worker = [p["phase"] for p in phases if p["role"] == f"stage-{stage_id}-worker-0"]
         # In the order the worker went through them, the warm-up last: then came Ready.
-        assert worker[-3:] == ["model load", "sleep and output set-up", "warm-up"], worker
+        assert worker[-4:] == ["model load", "acceleration", "sleep and output set-up", "warm-up"], worker
         own = [p["phase"] for p in phases if p["role"] == f"stage-{stage_id}"]
         assert own == [startup.PROCESS_PHASE, "model folder", "workers"]
     [warm] = [p for p in stage_report(text, 1)["phases"] if p["phase"] == "warm-up"]

@@ -21,7 +21,7 @@ def _joined(messages) -> dict:
 
 def test_small_outputs_are_one_message():
     outputs = {"image": torch.rand(8, 8, 3), "seed": torch.tensor([3])}
-    messages = server._encode_outputs(outputs)
+    messages = server._encode_outputs(outputs, "tensor")
     assert len(messages) == 1
     assert _joined(messages) == {name: tensors.to_proto(t) for name, t in outputs.items()}
 
@@ -30,7 +30,7 @@ def test_a_video_past_the_bound_comes_in_pieces_under_it(monkeypatch):
     bound = 4096
     monkeypatch.setattr(server, "OUTPUT_MESSAGE_BYTES", bound)
     outputs = {"video": torch.rand(9, 8, 8, 3), "small": torch.rand(4)}  # 768 bytes a frame
-    messages = server._encode_outputs(outputs)
+    messages = server._encode_outputs(outputs, "tensor")
     assert len(messages) > 1
     assert all(sum(len(t.data) for t in m.outputs.values()) <= bound for m in messages)
     assert _joined(messages) == {name: tensors.to_proto(t) for name, t in outputs.items()}

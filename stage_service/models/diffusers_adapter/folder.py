@@ -19,6 +19,8 @@ PIPELINE_CLASSES = (
     "FluxPipeline",
     "QwenImagePipeline",
     "StableDiffusion3Pipeline",
+    "WanImageToVideoPipeline",
+    "WanPipeline",
     "ZImagePipeline",
 )
 _WEIGHT_NAMES = ("diffusion_pytorch_model", "model")

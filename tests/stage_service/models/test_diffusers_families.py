@@ -264,7 +264,7 @@ def test_an_unknown_pipeline_class_is_refused_at_start_naming_the_supported(fold
         if entry.is_dir():
             os.symlink(entry, other / entry.name)
     index = json.loads((folders["zimage"] / "model_index.json").read_text())
-    (other / "model_index.json").write_text(json.dumps({**index, "_class_name": "WanPipeline"}))
+    (other / "model_index.json").write_text(json.dumps({**index, "_class_name": "HunyuanVideoPipeline"}))
     config = _config(tmp_path / "mesh.toml", MESHES["zimage"])
     done = subprocess.run(
         [sys.executable, "-m", "stagemesh", "up", "--config", str(config), "--model", str(other)],
@@ -275,5 +275,5 @@ def test_an_unknown_pipeline_class_is_refused_at_start_naming_the_supported(fold
         check=False,
     )
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "pipeline class 'WanPipeline' is not supported" in done.stderr
+    assert "pipeline class 'HunyuanVideoPipeline' is not supported" in done.stderr
     assert "'QwenImagePipeline'" in done.stderr and "'ZImagePipeline'" in done.stderr

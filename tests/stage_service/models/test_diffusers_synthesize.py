@@ -51,8 +51,13 @@ def test_the_command_writes_a_tiny_folder_diffusers_loads(tmp_path):
     assert type(pipe).__name__ == "Flux2KleinPipeline"
     again = _synthesize("--family", "flux2-klein", str(out))
     assert again.returncode == 2 and "exists and is not empty" in again.stderr
-    unknown = _synthesize("--family", "wan", str(tmp_path / "wan"))
-    assert unknown.returncode == 2 and "invalid choice: 'wan'" in unknown.stderr and "zimage" in unknown.stderr
+    unknown = _synthesize("--family", "hunyuan-video", str(tmp_path / "hv"))
+    assert (
+        unknown.returncode == 2 and "invalid choice: 'hunyuan-video'" in unknown.stderr and "zimage" in unknown.stderr
+    )
+    no_full = _synthesize("--family", "wan", "--size", "full", str(tmp_path / "wan"))
+    assert no_full.returncode == 2 and "--size full of --family wan is not available" in no_full.stderr
+    assert not (tmp_path / "wan").exists()
 
 
 @pytest.mark.parametrize("family", list(PUBLISHED))

@@ -16,6 +16,15 @@ def synthesize(args) -> int:
     if out.exists() and any(out.iterdir()):
         print(f"stagemesh synthesize: {out} exists and is not empty; give a new folder", file=sys.stderr)
         return 2
+    from stagemesh.stage_service.models.diffusers_adapter.synthetic.full import FULL_SIZE_FAMILIES
+
+    if args.size == "full" and args.family not in FULL_SIZE_FAMILIES:
+        print(
+            f"stagemesh synthesize: --size full of --family {args.family} is not available; "
+            f"allowed: --size tiny, or --size full with one of {', '.join(FULL_SIZE_FAMILIES)}",
+            file=sys.stderr,
+        )
+        return 2
     if args.size == "tiny":
         write_tiny(out, args.family, args.seed)
     else:

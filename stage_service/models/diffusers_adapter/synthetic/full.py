@@ -211,6 +211,10 @@ def _flux_vae(d, shift: float, scale: float):
     return d.AutoencoderKL(**{**FLUX_VAE, "shift_factor": shift, "scaling_factor": scale})
 
 
+# The families written at their published dimensions (the video families: tiny folders only).
+FULL_SIZE_FAMILIES = ("flux", "sd3", "zimage", "qwen-image", "flux2-klein")
+
+
 def full_components(family: str, folder: Path, text_layers: int | None) -> dict[str, Callable[[], nn.Module]]:
     """Component name -> a builder of the published-size module (called on meta). The tiny
     folder at `folder` supplies the tokenizers the text encoders' vocabularies follow."""
