@@ -35,8 +35,11 @@ log = logs.get_logger("stagemesh.worker.sleep")
 
 @dataclass(frozen=True)
 class Wanted:
-    """A checkpoint tensor a wake reloads, and where it goes in the device buffer."""
+    """A checkpoint tensor a wake reloads: the file it is read from (two components of one
+    stage, e.g. Wan 2.2's two experts, store the same keys in their own files), and where it
+    goes in the device buffer."""
 
+    path: Path
     key: str
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -45,7 +48,7 @@ class Wanted:
 
 
 class CheckpointSource:
-    """Level-2 wakes of `wanted` (by checkpoint key) from `files`; `held`: keep the mapping and
+    """Level-2 wakes of `wanted` (by file and checkpoint key) from `files`; `held`: keep the mapping and
     its locks across wakes (see the module). `warm` makes the WarmDma a mapping locked ahead of
     its first wake is warmed with (or None)."""
 
@@ -60,7 +63,7 @@ class CheckpointSource:
     ):
         self.files = files
         self.held = held
-        self._wanted = {w.key: w for w in wanted}
+        self._wanted = {(Path(w.path), w.key): w for w in wanted}
         self._device = device
         self._piece_bytes = piece_bytes
         self._warm = warm
@@ -161,7 +164,7 @@ class CheckpointSource:
     def _copies(self) -> tuple[list[Copy], dict[Path, FileVersion]]:
         """What a wake copies, and the version of each file its index was read from."""
         copies: list[Copy] = []
-        found: set[str] = set()
+        found: set[tuple[Path, str]] = set()
         versions: dict[Path, FileVersion] = {}
         for weight_file in self.files:
             path = Path(weight_file.path)
@@ -171,7 +174,7 @@ class CheckpointSource:
                 raise CheckpointChanged(f"{path} was replaced while its index was read; wake again")
             versions[path] = version
             for key, record in index.items():
-                w = self._wanted.get(key)
+                w = self._wanted.get((path, key))
                 if w is None:
                     continue
                 if record.shape != w.shape or record.dtype != w.dtype:
@@ -179,8 +182,9 @@ class CheckpointSource:
                         f"{path}: {key} is {record.shape} {record.dtype}, the model holds {w.shape} {w.dtype}"
                     )
                 copies.append(Copy(path, record.file_offset, w.offset, w.nbytes))
-                found.add(key)
+                found.add((path, key))
         missing = sorted(self._wanted.keys() - found)
         if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) to reload, e.g. {missing[:3]}")
+            named = [f"{key} (in {path})" for path, key in missing[:3]]
+            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) to reload, e.g. {named}")
         return copies, versions

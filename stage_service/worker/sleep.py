@@ -39,6 +39,7 @@ import mmap
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -53,7 +54,8 @@ _ALIGN = 64  # bytes: every tensor starts on a 64-byte boundary of the flat buff
 
 @dataclass
 class _Entry:
-    key: str  # checkpoint key, or "" for a non-persistent buffer
+    path: Path  # the checkpoint file a level-2 wake reloads it from
+    key: str  # checkpoint key (within `path`), or "" for a non-persistent buffer
     tensor: torch.Tensor  # the live Parameter or buffer object
     shape: torch.Size
     dtype: torch.dtype
@@ -108,7 +110,7 @@ class SleepController:
         self._device_flat: torch.Tensor | None = None  # set once the weights live in one buffer
         self._holders: list[DeviceHolder] = []  # released by the last sleep, restored on wake
         self.last_sleep_phases: dict[str, float] = {}  # seconds of the last sleep's copy and release
-        wanted = [Wanted(e.key, tuple(e.shape), e.dtype, e.offset, e.nbytes) for e in self._entries if e.key]
+        wanted = [Wanted(e.path, e.key, tuple(e.shape), e.dtype, e.offset, e.nbytes) for e in self._entries if e.key]
         self._checkpoint = CheckpointSource(
             files,
             wanted,
@@ -136,7 +138,7 @@ class SleepController:
                     if not weight_file.manages(name):
                         continue
                     nbytes = tensor.numel() * tensor.element_size()
-                    yield _Entry(key, tensor, tensor.shape, tensor.dtype, offset, nbytes)
+                    yield _Entry(Path(weight_file.path), key, tensor, tensor.shape, tensor.dtype, offset, nbytes)
                     offset += _aligned(nbytes)
 
     @property

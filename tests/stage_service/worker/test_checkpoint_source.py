@@ -277,3 +277,54 @@ def test_a_checkpoint_that_cannot_be_read_at_sleep_does_not_fail_the_sleep(files
     controller.wake()  # maps it now, and keeps it
     assert controller.level == 0 and controller.fill_stats()["held"] == 1
     controller.close()
+
+
+# ---- components whose files store the same keys ---------------------------------------------------
+def _expert(path: Path, seed: int) -> WeightFile:
+    """A component saved in its own file (Wan 2.2's two experts: the same class, so the same
+    keys, in transformer/ and transformer_2/)."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
+    path.parent.mkdir(parents=True)
+    save_file(module.state_dict(), str(path))
+    return WeightFile(path, {"": module})
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_each_file_fills_its_own_tensors_when_two_files_store_the_same_keys(tmp_path, locks, held):
+    files = [
+        _expert(tmp_path / "transformer" / "w.safetensors", 1),
+        _expert(tmp_path / "transformer_2" / "w.safetensors", 2),
+    ]
+    wanted, offset = [], 0
+    for wf in files:
+        for key, t in wf.parts[""].state_dict().items():
+            nbytes = t.numel() * t.element_size()
+            wanted.append(checkpoint_source.Wanted(Path(wf.path), key, tuple(t.shape), t.dtype, offset, nbytes))
+            offset += nbytes
+    source = checkpoint_source.CheckpointSource(files, wanted, torch.device("cpu"), PIECE, held=held)
+    flat = torch.full((offset,), 0xAB, dtype=torch.uint8)  # no byte of it is a tensor's: each must be filled
+    source.fill(flat)
+    source.settle()
+    for w, wf in zip(wanted, [f for f in files for _ in f.parts[""].state_dict()], strict=True):
+        stored = wf.parts[""].state_dict()[w.key].reshape(-1).view(torch.uint8)
+        assert torch.equal(flat[w.offset : w.offset + w.nbytes], stored), f"{w.key} of {w.path}"
+    source.close()
+
+
+def test_a_level_2_wake_gives_each_component_its_own_weights_when_their_keys_are_the_same(tmp_path, locks):
+    files = [
+        _expert(tmp_path / "transformer" / "w.safetensors", 1),
+        _expert(tmp_path / "transformer_2" / "w.safetensors", 2),
+    ]
+    before = [{k: t.clone() for k, t in wf.parts[""].state_dict().items()} for wf in files]
+    assert not torch.equal(before[0]["0.weight"], before[1]["0.weight"])
+    controller = SleepController(files, "cpu", piece_bytes=PIECE)
+    controller.sleep(2)
+    controller.wake()
+    for wf, state in zip(files, before, strict=True):
+        for key, t in wf.parts[""].state_dict().items():
+            assert torch.equal(t, state[key]), f"{key} of {wf.path}"
+    controller.close()
