@@ -38,6 +38,10 @@ class _Options(TypedDict, total=False):
     init_image: InitImage | None
     strength: float | None
     adapters: Adapters | None
+    # Step caching for this request where the denoising stage offers it ("off", "first_block",
+    # "taylorseer", "mag"); None: the stage's own setting.
+    step_cache: str | None
+    step_cache_threshold: float | None
     # The call's own, not GenerationParams' fields.
     request_id: str | None
     timeout: float | None

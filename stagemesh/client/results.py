@@ -54,6 +54,11 @@ class GenerationResult:
     num_frames: int = 0
     fps: int = 0
     _tensor: TensorData | None = field(repr=False, default=None)
+    # Where a step cache ran: its method, and the block passes it served from the cache of all
+    # those run ("" and 0 otherwise).
+    step_cache: str = ""
+    step_cache_skipped: int = 0
+    step_cache_passes: int = 0
 
     @classmethod
     def from_proto(cls, msg: generation_pb2.GenerationResult) -> GenerationResult:
@@ -73,6 +78,9 @@ class GenerationResult:
             _tensor=tensor,
             num_frames=msg.num_frames,
             fps=msg.fps,
+            step_cache=msg.step_cache,
+            step_cache_skipped=msg.step_cache_skipped,
+            step_cache_passes=msg.step_cache_passes,
         )
 
     @property

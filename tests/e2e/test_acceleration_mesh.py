@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from stagemesh import Client
 from stagemesh.v1 import gateway_pb2, generation_pb2
 from tests.support.meshproc import Mesh, start_mesh
 
@@ -105,12 +106,26 @@ def test_step_cache_counts_reach_results_and_metrics_and_the_compile_cache_outli
         assert uncached.png != stage_default.png
         mag = _generate(mesh, step_cache="mag", step_cache_threshold=0.5)
         assert mag.step_cache == "mag" and mag.step_cache_passes == STEPS * BLOCKS
+        with Client(mesh.address, timeout=RPC_TIMEOUT_S) as client:  # the Python client's keywords
+            chosen = client.generate(
+                "a red fox",
+                width=32,
+                height=32,
+                steps=STEPS,
+                guidance_scale=3.5,
+                seed=7,
+                step_cache="mag",
+                step_cache_threshold=0.5,
+            )
+        counted = (chosen.step_cache, chosen.step_cache_skipped, chosen.step_cache_passes)
+        assert counted == ("mag", mag.step_cache_skipped, mag.step_cache_passes)
+        assert chosen.bytes == mag.png
         with pytest.raises(grpc.RpcError) as refused:
             _generate(mesh, step_cache="teacache")
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "params.step_cache" in (refused.value.details() or "")
         counters = _counters(mesh)
-        results = (stage_default, mag)
+        results = (stage_default, mag, mag)  # the client's request counted as mag's twin
         assert counters["stagemesh_stage_step_cache_skipped_passes_total"] == sum(r.step_cache_skipped for r in results)
         assert counters["stagemesh_stage_step_cache_passes_total"] == sum(r.step_cache_passes for r in results)
         first = _compiled_ready(mesh)
