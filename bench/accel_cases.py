@@ -52,15 +52,6 @@ def _params(args, **extra: Any) -> gateway_pb2.GenerateUnaryRequest:
     return gateway_pb2.GenerateUnaryRequest(params=params)
 
 
-def _timed(run, repeats: int) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        out.append((time.perf_counter() - started) * 1e3)
-    return out
-
-
 def _start(config: Path, log: Path, folder: Path):
     started = time.perf_counter()
     mesh = start_mesh(config, log, ("--model", str(folder)), timeout_s=1800)
@@ -87,7 +78,7 @@ def mesh_case(name: str, folder: Path, device: torch.device, args, work: Path, w
             stub = mesh.gateway(channel)
             request = _params(args)
             out["png"], out["cold_first_image_ms"] = _first_image(stub, request)
-            out["latency_ms"] = common.summarize(_timed(functools.partial(_call, stub, request), args.repeats))
+            out["latency_ms"] = common.summarize(common.timed_ms(functools.partial(_call, stub, request), args.repeats))
             if name == "mesh-compiled":
                 out["step_cache"] = _step_cache_variants(stub, args)
     finally:
@@ -107,7 +98,7 @@ def _step_cache_variants(stub, args) -> dict[str, dict]:
     for method in STEP_CACHES:
         request = _params(args, step_cache=method)
         result = stub.GenerateUnary(request, timeout=3600).result  # the first: the hooks go on
-        times = _timed(functools.partial(_call, stub, request), args.repeats)
+        times = common.timed_ms(functools.partial(_call, stub, request), args.repeats)
         out[method] = {
             "latency_ms": common.summarize(times),
             "skipped": result.step_cache_skipped,
@@ -149,7 +140,7 @@ def diffusers_case(name: str, folder: Path, device: torch.device, args) -> dict:
 
     png, first_ms = _first_image_local(run)
     out = {"png": png, "load_s": loaded_s, "cold_first_image_ms": first_ms}
-    out["latency_ms"] = common.summarize(_timed(run, args.repeats))
+    out["latency_ms"] = common.summarize(common.timed_ms(run, args.repeats))
     return out
 
 

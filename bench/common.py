@@ -12,6 +12,7 @@ import platform
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,30 @@ class _Family(argparse.Action):
 
 
 # environment --------------------------------------------------------------------------------
+def free_device(device: Any) -> None:
+    """Collect garbage and give the allocator's cached blocks back (between a run's cases)."""
+    import gc
+
+    gc.collect()
+    if getattr(device, "type", str(device)).startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def timed_ms(run: Callable[[], Any], repeats: int, warmup: int = 0) -> list[float]:
+    """Milliseconds of each of `repeats` calls of `run`, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        run()
+    out = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        out.append((time.perf_counter() - started) * 1e3)
+    return out
+
+
 def git_commit() -> str | None:
     # A copy of the tree without .git (e.g. on a lent GPU machine) gets the commit from the caller.
     if os.environ.get("STAGEMESH_COMMIT"):

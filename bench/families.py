@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from bench import common
-from bench.real_pipeline import EIGHT_BIT, _free, _mesh_config, _timed, psnr
+from bench.real_pipeline import EIGHT_BIT, _mesh_config, psnr
 from stagemesh.gateway.images import encode_png
 from stagemesh.v1 import gateway_pb2, generation_pb2
 from tests.support.meshproc import start_mesh
@@ -158,7 +158,7 @@ def diffusers_case(folder: Path, family: str, device: torch.device, args, group:
         return encode_png(image.permute(1, 2, 0).float().cpu().numpy())
 
     png = run()
-    times = _timed(run, args.repeats, args.warmup)
+    times = common.timed_ms(run, args.repeats, args.warmup)
     return {"latency_ms": common.summarize(times), "png": png}
 
 
@@ -185,7 +185,7 @@ def mesh_case(folder: Path, family: str, device: torch.device, args, name: str, 
                 return stub.GenerateUnary(request, timeout=3600).result.png
 
             png = run()
-            times = _timed(run, args.repeats, args.warmup)
+            times = common.timed_ms(run, args.repeats, args.warmup)
     finally:
         code = mesh.stop(timeout=300)
     if code != 0:
@@ -258,7 +258,7 @@ def run_family(family: str, device: torch.device, args, work: Path) -> dict:
                 results[case] = mesh_case(folder, family, device, args, case, work)
             else:
                 results[case] = diffusers_case(folder, family, device, args, case == "diffusers-group")
-                _free(device)
+                common.free_device(device)
             print(f"{family} {case}: p50 {results[case]['latency_ms']['p50']:.1f} ms", flush=True)
         return {"results": results, **report(family, results, args, streamed, bandwidth)}
     finally:

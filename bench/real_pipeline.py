@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import io
 import math
 import sys
@@ -111,24 +110,6 @@ def write_folder(folder: Path, tiny: bool, device: torch.device) -> Path:
 
 
 # ---- measurement -------------------------------------------------------------------------------
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
-def _timed(run, repeats: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        run()
-    out = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        out.append((time.perf_counter() - started) * 1e3)
-    return out
-
-
 def diffusers_case(folder: Path, device: torch.device, args, group: bool) -> dict:
     import diffusers
 
@@ -160,7 +141,7 @@ def diffusers_case(folder: Path, device: torch.device, args, group: bool) -> dic
         return encode_png(image.permute(1, 2, 0).float().cpu().numpy())
 
     png = run()
-    times = _timed(run, args.repeats, args.warmup)
+    times = common.timed_ms(run, args.repeats, args.warmup)
     return {"latency_ms": common.summarize(times), "png_bytes": len(png), "png": png}
 
 
@@ -221,7 +202,7 @@ def mesh_case(folder: Path, device: torch.device, args, name: str, work: Path) -
             started = time.perf_counter()
             png = run()
             first_image_ms = (time.perf_counter() - started) * 1e3
-            times = _timed(run, args.repeats, args.warmup)
+            times = common.timed_ms(run, args.repeats, args.warmup)
     finally:
         code = mesh.stop(timeout=300)
     if code != 0:
@@ -354,17 +335,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"-- {case}", flush=True)
             if case == "fp8-cosine":
                 cosine = accel_cases.fp8_cosine(folder, device, args)
-                _free(device)
+                common.free_device(device)
                 continue
             if case in accel_cases.CASES:
                 config = functools.partial(_accel_config, device=str(device))
                 results[case] = accel_cases.run(case, folder, device, args, work, config)
-                _free(device)
+                common.free_device(device)
             elif case.startswith("mesh"):
                 results[case] = mesh_case(folder, device, args, case, work)
             else:
                 results[case] = diffusers_case(folder, device, args, case == "diffusers-group")
-                _free(device)  # the pipeline went with the call's frame
+                common.free_device(device)  # the pipeline went with the call's frame
             # Each case as it ends: a run cut short still reports what it measured.
             print(f"{case}: p50 {results[case]['latency_ms']['p50']:.1f} ms", flush=True)
         summary = report(results, args)

@@ -43,7 +43,6 @@ CPU smoke (the same layout, tiny):
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import math
 import sys
@@ -166,24 +165,6 @@ def write_folder(folder: Path, preset: str, dtype: torch.dtype, device: torch.de
 
 
 # ---- measurement -------------------------------------------------------------------------------
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
-def _timed(run, repeats: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        run()
-    out = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        out.append((time.perf_counter() - started) * 1e3)
-    return out
-
-
 def _frames_record(frames: np.ndarray) -> dict:
     """The raw frames' hash (identity) and their 8-bit form (fidelity), from float32 frames."""
     frames = np.ascontiguousarray(frames, dtype=np.float32)
@@ -221,7 +202,7 @@ def diffusers_case(folder: Path, device: torch.device, args, group: bool) -> dic
         ).frames[0]
 
     record = _frames_record(frames())
-    times = _timed(lambda: encode_video(frames(), "mp4", args.fps, 90), args.repeats, args.warmup)
+    times = common.timed_ms(lambda: encode_video(frames(), "mp4", args.fps, 90), args.repeats, args.warmup)
     return {"latency_ms": common.summarize(times), **record}
 
 
@@ -269,7 +250,7 @@ def mesh_case(folder: Path, device: torch.device, args, name: str, work: Path) -
     try:
         with Client(mesh.address, retries=0) as client:
             record = _frames_record(client.generate_video(PROMPT, output_format="tensor", **request).frames)
-            times = _timed(lambda: client.generate_video(PROMPT, **request).bytes, args.repeats, args.warmup)
+            times = common.timed_ms(lambda: client.generate_video(PROMPT, **request).bytes, args.repeats, args.warmup)
     finally:
         code = mesh.stop(timeout=300)
     if code != 0:
@@ -377,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[case] = mesh_case(folder, device, args, case, work)
             else:
                 results[case] = diffusers_case(folder, device, args, case == "diffusers-group")
-                _free(device)
+                common.free_device(device)
             print(f"{case}: p50 {results[case]['latency_ms']['p50']:.1f} ms", flush=True)
         summary = report(results, args)
     out = args.output or common.RESULTS_DIR / f"video-{args.preset}.json"
