@@ -163,6 +163,7 @@ ready_timeout_s = 1800.0
 [[stages]]
 kind = "encoder"
 device = "{device}"
+max_size = 2048
 {threads}
 [[stages]]
 kind = "diffusion"
