@@ -217,8 +217,9 @@ def _decode_flux2(pipe, latents: torch.Tensor, params: Params) -> torch.Tensor:
     """Flux2Pipeline's tail: its latent output is still packed [B, h * w, C] and normalised by
     the VAE's batch norm; the pipeline's own unpacking (by position ids), scaling and unpatching."""
     multiple = pipe.vae_scale_factor * 2
-    grid = torch.empty(latents.shape[0], latents.shape[2], params.height // multiple, params.width // multiple)
-    ids = pipe._prepare_latent_ids(grid.to("meta")).to(latents.device)
+    # The ids depend only on the latent grid's shape, which a tensor on meta gives.
+    grid = (latents.shape[0], latents.shape[2], params.height // multiple, params.width // multiple)
+    ids = pipe._prepare_latent_ids(torch.empty(grid, device="meta")).to(latents.device)
     z = pipe._unpack_latents_with_ids(latents, ids)
     bn, eps = pipe.vae.bn, pipe.vae.config.batch_norm_eps
     mean = bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
