@@ -22,7 +22,11 @@ class EncoderRunner(RunnerBase):
         self.supports_negative_prompt = self.family.supports_negative_prompt
         self.device = device
         self.names = self.folder.text_components()
-        self.pipe = load_pipeline(self.folder, self.names, checkpoint_dtype(self.folder))
+        built = self.family.built_components(self.folder.path) if self.family.built_components else {}
+        # Given after loading: from_pretrained would check them against model_index.json's classes.
+        self.pipe = load_pipeline(self.folder, [n for n in self.names if n not in built], checkpoint_dtype(self.folder))
+        for name, component in built.items():
+            setattr(self.pipe, name, component)
         self.encoders = {n: getattr(self.pipe, n) for n in self.names if n.startswith("text_encoder")}
         for module in self.encoders.values():
             module.to(device).eval().requires_grad_(False)

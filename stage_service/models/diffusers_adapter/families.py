@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +57,9 @@ class Family:
     start_image: bool = False
     default_num_frames: int = 0
     default_fps: int = 0
+    # Components the encoder stage builds from the folder (its path) instead of from_pretrained,
+    # where the class model_index.json names cannot be built here (FLUX.2 [dev]'s processor).
+    built_components: Callable[[Path], dict[str, Any]] | None = None
 
     @property
     def supports_image_input(self) -> bool:
@@ -145,6 +149,20 @@ def _encode_flux2_klein(pipe, params: Params, device) -> Tensors:
     return out
 
 
+def _encode_flux2(pipe, params: Params, device) -> Tensors:
+    # Flux2Pipeline.__call__'s defaults: 512 tokens, Mistral3's hidden states 10, 20 and 30.
+    embeds, _text_ids = pipe.encode_prompt(
+        prompt=params.prompt, device=device, max_sequence_length=512, text_encoder_out_layers=(10, 20, 30)
+    )
+    return {"prompt_embeds": embeds}
+
+
+def _flux2_processor(path: Path) -> dict[str, Any]:
+    from stagemesh.stage_service.models.diffusers_adapter.prompt_processor import load_text_processor
+
+    return {"tokenizer": load_text_processor(path / "tokenizer")}
+
+
 def _encode_wan(pipe, params: Params, device) -> Tensors:
     # As WanPipeline.__call__ (and the image-to-video one) call it: max_sequence_length 512,
     # the negative prompt ("" when none) encoded when guided.
@@ -193,6 +211,20 @@ def _decode_wan(pipe, latents: torch.Tensor, params: Params) -> torch.Tensor:
 def _decode_plain(pipe, latents: torch.Tensor, params: Params) -> torch.Tensor:
     # FLUX.2 hands back latents already unpacked and de-normalised for its VAE.
     return pipe.vae.decode(latents, return_dict=False)[0]
+
+
+def _decode_flux2(pipe, latents: torch.Tensor, params: Params) -> torch.Tensor:
+    """Flux2Pipeline's tail: its latent output is still packed [B, h * w, C] and normalised by
+    the VAE's batch norm; the pipeline's own unpacking (by position ids), scaling and unpatching."""
+    multiple = pipe.vae_scale_factor * 2
+    # The ids depend only on the latent grid's shape, which a tensor on meta gives.
+    grid = (latents.shape[0], latents.shape[2], params.height // multiple, params.width // multiple)
+    ids = pipe._prepare_latent_ids(torch.empty(grid, device="meta")).to(latents.device)
+    z = pipe._unpack_latents_with_ids(latents, ids)
+    bn, eps = pipe.vae.bn, pipe.vae.config.batch_norm_eps
+    mean = bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
+    std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + eps).to(z.device, z.dtype)
+    return pipe.vae.decode(pipe._unpatchify_latents(z * std + mean), return_dict=False)[0]
 
 
 _NO_CFG = "its guidance scale is distilled into the model, which has no unconditional pass"
@@ -258,6 +290,19 @@ FLUX2_KLEIN = Family(
     block_attrs=("transformer_blocks", "single_transformer_blocks"),
     packs_2x2=True,
 )
+FLUX2 = Family(
+    name="flux2",
+    pipeline_class="Flux2Pipeline",
+    encode=_encode_flux2,
+    decode=_decode_flux2,
+    embeddings=("prompt_embeds",),
+    negative_prompt_refusal=_NO_CFG,
+    # Its `image` is a reference image conditioning the picture, not a start to noise with a
+    # strength: init_image is not served.
+    block_attrs=("transformer_blocks", "single_transformer_blocks"),
+    packs_2x2=True,
+    built_components=_flux2_processor,
+)
 WAN = Family(
     name="wan",
     pipeline_class="WanPipeline",
@@ -276,7 +321,9 @@ WAN = Family(
 # Wan 2.2's image-to-video: the start image goes to the diffusion stage, whose pipeline encodes it
 # with the VAE as the first frame (Wan 2.1's CLIP image encoder is not served).
 WAN_I2V = dataclasses.replace(WAN, name="wan-i2v", pipeline_class="WanImageToVideoPipeline", start_image=True)
-FAMILIES: dict[str, Family] = {f.pipeline_class: f for f in (FLUX, SD3, ZIMAGE, QWEN_IMAGE, FLUX2_KLEIN, WAN, WAN_I2V)}
+FAMILIES: dict[str, Family] = {
+    f.pipeline_class: f for f in (FLUX, SD3, ZIMAGE, QWEN_IMAGE, FLUX2_KLEIN, WAN, WAN_I2V, FLUX2)
+}
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES.values()}
 
 

@@ -16,6 +16,7 @@ FOLDER_ONLY_KINDS = ("encoder", "denoise", "decode")  # the embedded model has n
 # start reads no more than JSON).
 PIPELINE_CLASSES = (
     "Flux2KleinPipeline",
+    "Flux2Pipeline",
     "FluxPipeline",
     "QwenImagePipeline",
     "StableDiffusion3Pipeline",

@@ -170,6 +170,36 @@ def _qwen2_5_vl_7b(tok, layers: int):
     return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids))
 
 
+def _mistral3_small(tok, layers: int):
+    """Mistral Small 3.1 24B with its Pixtral vision tower (FLUX.2 [dev]'s text encoder)."""
+    from transformers import Mistral3ForConditionalGeneration
+
+    from stagemesh.stage_service.models.diffusers_adapter.synthetic.flux2_dev import mistral3_config
+
+    text = {
+        "hidden_size": 5120,
+        "intermediate_size": 32768,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e9},
+        "sliding_window": None,
+    }
+    vision = {
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "head_dim": 64,
+        "patch_size": 14,
+        "image_size": 1540,
+    }
+    return Mistral3ForConditionalGeneration(mistral3_config(tok, text, vision))
+
+
 def _clip(vocab: int, hidden: int, layers: int, heads: int, projection: bool):
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
@@ -212,7 +242,7 @@ def _flux_vae(d, shift: float, scale: float):
 
 
 # The families written at their published dimensions (the video families: tiny folders only).
-FULL_SIZE_FAMILIES = ("flux", "sd3", "zimage", "qwen-image", "flux2-klein")
+FULL_SIZE_FAMILIES = ("flux", "sd3", "zimage", "qwen-image", "flux2-klein", "flux2")
 
 
 def full_components(family: str, folder: Path, text_layers: int | None) -> dict[str, Callable[[], nn.Module]]:
@@ -252,6 +282,12 @@ def full_components(family: str, folder: Path, text_layers: int | None) -> dict[
             ),
             "vae": lambda: d.AutoencoderKLFlux2(),
             "text_encoder": lambda: _qwen3(tokenizer(), depth(36, least=28), causal_lm=True),
+        }
+    if family == "flux2":  # FLUX.2 [dev] (32 B: the transformer's defaults); layers 10, 20, 30 are read
+        return {
+            "transformer": lambda: d.Flux2Transformer2DModel(),
+            "vae": lambda: d.AutoencoderKLFlux2(),
+            "text_encoder": lambda: _mistral3_small(tokenizer(), depth(40, least=31)),
         }
     if family == "flux":  # FLUX.1-dev (12 B)
         return {

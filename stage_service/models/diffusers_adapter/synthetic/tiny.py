@@ -29,6 +29,18 @@ def _flux2_klein() -> dict:
     return tiny_components()
 
 
+def _flux2_dev() -> dict:
+    from stagemesh.stage_service.models.diffusers_adapter.synthetic.flux2_dev import tiny_components
+
+    return tiny_components()
+
+
+def _flux2_dev_published(folder: Path) -> None:
+    from stagemesh.stage_service.models.diffusers_adapter.synthetic.flux2_dev import as_published
+
+    as_published(folder)
+
+
 def _wan() -> dict:
     from stagemesh.stage_service.models.diffusers_adapter.synthetic.wan import tiny_components
 
@@ -50,7 +62,11 @@ TINY_FAMILIES: dict[str, tuple[str, Callable[[], dict]]] = {
     "flux2-klein": ("Flux2KleinPipeline", _flux2_klein),
     "wan": ("WanPipeline", _wan),
     "wan-i2v": ("WanImageToVideoPipeline", _wan_i2v),
+    "flux2": ("Flux2Pipeline", _flux2_dev),
 }
+# family -> what rewrites the saved folder into the published layout, where save_pretrained
+# cannot write it (FLUX.2 [dev]'s PixtralProcessor, whose class needs torchvision)
+PUBLISHED_LAYOUT: dict[str, Callable[[Path], None]] = {"flux2": _flux2_dev_published}
 
 
 def write_pipeline(path: str | Path, pipeline_class: str, components: dict, dtype: torch.dtype = torch.float32) -> Path:
@@ -69,4 +85,7 @@ def write_tiny(path: str | Path, family: str, seed: int = 0) -> Path:
         raise ValueError(f"family must be one of {sorted(TINY_FAMILIES)}, got {family!r}")
     torch.manual_seed(seed)
     pipeline_class, components = TINY_FAMILIES[family]
-    return write_pipeline(path, pipeline_class, components())
+    folder = write_pipeline(path, pipeline_class, components())
+    if family in PUBLISHED_LAYOUT:
+        PUBLISHED_LAYOUT[family](folder)
+    return folder
