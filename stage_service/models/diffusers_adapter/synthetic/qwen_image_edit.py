@@ -38,7 +38,8 @@ def tiny_components() -> dict:
     components["vae"] = d.AutoencoderKLQwenImage(**TINY_VAE)
     # The processor's tokenizer is its own copy of the pipeline's, as in the published folder.
     components["processor"] = image_text_processor(
-        Qwen2VLImageProcessorPil(**TINY_PIXELS), qwen_tokenizer(VISION_TOKENS)
+        Qwen2VLImageProcessorPil(min_pixels=TINY_PIXELS["min_pixels"], max_pixels=TINY_PIXELS["max_pixels"]),
+        qwen_tokenizer(VISION_TOKENS),
     )
     return components
 
