@@ -92,6 +92,8 @@ class Pipeline:
             max_num_images=self.max_images_per_request,
             supports_negative_prompt=all(s.supports_negative_prompt for s in guiding),
             supports_init_image=any(s.supports_init_image for s in self.stages),
+            # The stage that needs init_image (an edit model's) may not be the last one.
+            requires_init_image=any((s.limits or last).requires_init_image for s in self.stages),
             supports_adapters=any(s.supports_adapters for s in self.stages),
         )
 

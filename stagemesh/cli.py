@@ -154,7 +154,17 @@ def _parser() -> argparse.ArgumentParser:
 
 # The families `stagemesh synthesize` writes (the diffusers adapter's synthetic.TINY_FAMILIES,
 # named here since the parser imports nothing that needs torch).
-SYNTHETIC_FAMILIES = ("flux", "sd3", "zimage", "qwen-image", "flux2-klein", "wan", "wan-i2v", "flux2")
+SYNTHETIC_FAMILIES = (
+    "flux",
+    "sd3",
+    "zimage",
+    "qwen-image",
+    "qwen-image-edit",
+    "flux2-klein",
+    "flux2",
+    "wan",
+    "wan-i2v",
+)
 
 
 def _add_synthesize(sub) -> None:

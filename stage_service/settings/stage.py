@@ -365,6 +365,8 @@ class StageSettings(DloOptions):
             max_guidance_scale=self.max_guidance,
             # A runner that declares none offers no step cache.
             step_caches=tuple(runner_limits.get("step_caches", ("off",))),
+            # An image-to-video or an edit model: it cannot draw without init_image.
+            requires_init_image=bool(runner_limits.get("requires_init_image", False)),
             **_video_limits(runner_limits, self.max_frames),
         )
 
@@ -391,7 +393,6 @@ def _video_limits(runner_limits: dict[str, Any], max_frames: int) -> dict[str, A
         "max_num_frames": top,
         "default_num_frames": min(default, top),
         "default_fps": int(runner_limits.get("default_fps", 16)),
-        "requires_init_image": bool(runner_limits.get("requires_init_image", False)),
     }
 
 

@@ -67,7 +67,8 @@ class Limits:
     max_num_frames: int = 0
     default_num_frames: int = 0
     default_fps: int = 0
-    # An image-to-video model: it cannot draw without a start image.
+    # An image-to-video model (the start image) or an image-editing one (the image it edits, no
+    # strength): it cannot draw without init_image.
     requires_init_image: bool = False
 
     @property
@@ -237,8 +238,9 @@ def _check_guidance_inputs(negative_prompt: str, guidance: float, limits: Limits
 def _resolve_strength(
     strength: float | None, image: InitImage | None, steps: int, limits: Limits, out: list[FieldViolation]
 ) -> float | None:
-    """The strength of an image-to-image request (default DEFAULT_STRENGTH); None without an image
-    and for a video model (its starting image is the first frame)."""
+    """The strength of an image-to-image request (default DEFAULT_STRENGTH); None without an image,
+    for a video model (its starting image is the first frame) and for an image-editing model (an
+    image model that requires init_image: the image it edits)."""
     if limits.video:
         if strength is not None:
             out.append(
@@ -257,6 +259,23 @@ def _resolve_strength(
                 FieldViolation(
                     "params.init_image",
                     "is empty; this image-to-video model starts from it; allowed: a PNG, JPEG or WebP image",
+                )
+            )
+        return None
+    if limits.requires_init_image:  # an edit model: it draws from noise, guided by init_image
+        if strength is not None:
+            out.append(
+                FieldViolation(
+                    "params.strength",
+                    f"{strength:g} given to an image-editing model, which draws from noise guided by init_image; "
+                    "allowed: unset",
+                )
+            )
+        if image is None:
+            out.append(
+                FieldViolation(
+                    "params.init_image",
+                    "is empty; this image-editing model edits it; allowed: a PNG, JPEG or WebP image",
                 )
             )
         return None

@@ -8,8 +8,9 @@ its seed (diffusers draws each item's noise from its own generator, so it does n
 batch). Text-to-image therefore equals `pipe(prompt=..., generator=torch.Generator()
 .manual_seed(seed))` of the unsplit pipeline; image-to-image (a starting image in
 INIT_IMAGE_INPUT, params.strength) equals the family's Img2Img pipeline, built from the same
-components with `from_pipe`, called with `image=...` and `strength=...`. Progress and abort go
-through the pipeline's `callback_on_step_end`. Only a sequence- or CFG-parallel split runs the
+components with `from_pipe`, called with `image=...` and `strength=...`. An edit family's
+pipeline (Qwen-Image-Edit) takes its image to edit as `image=...` itself, one item a call.
+Progress and abort go through the pipeline's `callback_on_step_end`. Only a sequence- or CFG-parallel split runs the
 written-out loop (sampling.py).
 """
 
@@ -181,6 +182,8 @@ class DenoiseRunner(RunnerBase):
         if not batch:
             return []
         check_batch(batch)
+        if self.family.edit_image:
+            return self._run_edit(batch, progress)
         images, strength = starting_images(batch)
         if self.sampling_family is not None:
             return self._run_split(batch, images, strength, progress)
@@ -191,10 +194,27 @@ class DenoiseRunner(RunnerBase):
             outputs += self._call([item], None if images is None else images[i : i + 1], strength, progress)
         return outputs
 
+    def _run_edit(self, batch, progress) -> list[dict[str, torch.Tensor]]:
+        """One pipeline call an item: QwenImageEditPipeline scales a single image to its working
+        size, while a list would go to its VAE unscaled."""
+        images, _ = starting_images(batch)
+        if images is None:
+            raise ItemError(
+                0,
+                f"{batch[0].request_id}: inputs lack {INIT_IMAGE_INPUT!r}, the image "
+                f"{self.family.pipeline_class} edits",
+            )
+        outputs = []
+        for i, item in enumerate(batch):
+            outputs += self._call([item], images[i : i + 1], 1.0, progress)
+        return outputs
+
     def _call(self, batch, images, strength: float, progress) -> list[dict[str, torch.Tensor]]:
         kwargs = self.family.call_arguments(batch[0].params) | self._embeddings(batch)
         pipe = self.pipe
-        if images is not None:
+        if images is not None and self.family.edit_image:
+            kwargs["image"] = PIL.Image.fromarray(images[0].cpu().numpy())
+        elif images is not None:
             pipe = self.image_pipeline()
             kwargs.update(image=[PIL.Image.fromarray(image.cpu().numpy()) for image in images], strength=strength)
         if progress is not None:
@@ -226,7 +246,7 @@ class DenoiseRunner(RunnerBase):
         return [{"latents": lat.detach()} for lat in latents]
 
     def limits(self) -> dict:
-        return {"pixel_multiple": pixel_multiple(self.folder)}
+        return {"pixel_multiple": pixel_multiple(self.folder), "requires_init_image": self.family.edit_image}
 
     def warm_up_items(self, params) -> list[WorkItem] | None:
         """Zero embeddings shaped as the encoder stage sends them (its text length, the

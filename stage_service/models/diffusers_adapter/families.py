@@ -24,7 +24,7 @@ from stagemesh.core.params import Params
 from stagemesh.stage_service.models.diffusers_adapter.folder import CheckpointFolder, FolderError
 
 Tensors = dict[str, Any]  # name -> tensor, or a list of per-prompt tensors (Z-Image)
-Encode = Callable[[Any, Params, Any], Tensors]
+Encode = Callable[..., Tensors]  # (pipe, params, device[, image=the edit family's PIL image])
 Decode = Callable[[Any, torch.Tensor, Params], torch.Tensor]
 
 
@@ -60,10 +60,14 @@ class Family:
     # Components the encoder stage builds from the folder (its path) instead of from_pretrained,
     # where the class model_index.json names cannot be built here (FLUX.2 [dev]'s processor).
     built_components: Callable[[Path], dict[str, Any]] | None = None
+    # An edit model (Qwen-Image-Edit): init_image is the image to edit, required, with no
+    # strength. The encoder stage reads it with the prompt (encode gets it as image=); the
+    # denoising stage hands it to the pipeline as image=, whose VAE encodes it.
+    edit_image: bool = False
 
     @property
     def supports_image_input(self) -> bool:
-        return self.img2img_class is not None
+        return self.img2img_class is not None or self.edit_image
 
     def offload_plan(self):
         from stagemesh.stage_service.offload.plan import OffloadPlan
@@ -124,9 +128,9 @@ def _encode_zimage(pipe, params: Params, device) -> Tensors:
     return _named(("prompt_embeds", "negative_prompt_embeds"), (embeds, negative))
 
 
-def _encode_qwen(pipe, params: Params, device) -> Tensors:
+def _encode_qwen(pipe, params: Params, device, **image) -> Tensors:
     def encode(prompt: str, prefix: str) -> Tensors:
-        embeds, mask = pipe.encode_prompt(prompt=prompt, device=device, max_sequence_length=512)
+        embeds, mask = pipe.encode_prompt(prompt=prompt, device=device, max_sequence_length=512, **image)
         # encode_prompt drops an all-ones mask; handed on, it spares the pipeline's warning and
         # the pipeline drops it again, so the call is the same.
         if mask is None:
@@ -138,6 +142,15 @@ def _encode_qwen(pipe, params: Params, device) -> Tensors:
     if params.negative_prompt and params.guidance_scale > 1:
         out.update(encode(params.negative_prompt, "negative_"))
     return out
+
+
+def _encode_qwen_edit(pipe, params: Params, device, image) -> Tensors:
+    """As QwenImageEditPipeline.__call__ encodes: the prompt (and the negative one) read with the
+    input image scaled to about 1024 x 1024 pixels at its aspect ratio."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+    width, height, _ = calculate_dimensions(1024 * 1024, image.size[0] / image.size[1])
+    return _encode_qwen(pipe, params, device, image=pipe.image_processor.resize(image, height, width))
 
 
 def _encode_flux2_klein(pipe, params: Params, device) -> Tensors:
@@ -161,6 +174,12 @@ def _flux2_processor(path: Path) -> dict[str, Any]:
     from stagemesh.stage_service.models.diffusers_adapter.prompt_processor import load_text_processor
 
     return {"tokenizer": load_text_processor(path / "tokenizer")}
+
+
+def _qwen_vl_processor(path: Path) -> dict[str, Any]:
+    from stagemesh.stage_service.models.diffusers_adapter.vl_processor import load_processor
+
+    return {"processor": load_processor(path / "processor")}
 
 
 def _encode_wan(pipe, params: Params, device) -> Tensors:
@@ -279,6 +298,16 @@ QWEN_IMAGE = Family(
     block_attrs=("transformer_blocks",),
     packs_2x2=True,
 )
+# Qwen-Image-Edit: Qwen-Image's transformer denoising beside the edit image's latents.
+QWEN_IMAGE_EDIT = dataclasses.replace(
+    QWEN_IMAGE,
+    name="qwen-image-edit",
+    pipeline_class="QwenImageEditPipeline",
+    encode=_encode_qwen_edit,
+    img2img_class=None,
+    edit_image=True,
+    built_components=_qwen_vl_processor,
+)
 FLUX2_KLEIN = Family(
     name="flux2-klein",
     pipeline_class="Flux2KleinPipeline",
@@ -322,7 +351,7 @@ WAN = Family(
 # with the VAE as the first frame (Wan 2.1's CLIP image encoder is not served).
 WAN_I2V = dataclasses.replace(WAN, name="wan-i2v", pipeline_class="WanImageToVideoPipeline", start_image=True)
 FAMILIES: dict[str, Family] = {
-    f.pipeline_class: f for f in (FLUX, SD3, ZIMAGE, QWEN_IMAGE, FLUX2_KLEIN, WAN, WAN_I2V, FLUX2)
+    f.pipeline_class: f for f in (FLUX, SD3, ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_EDIT, FLUX2_KLEIN, FLUX2, WAN, WAN_I2V)
 }
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES.values()}
 

@@ -18,6 +18,7 @@ PIPELINE_CLASSES = (
     "Flux2KleinPipeline",
     "Flux2Pipeline",
     "FluxPipeline",
+    "QwenImageEditPipeline",
     "QwenImagePipeline",
     "StableDiffusion3Pipeline",
     "WanImageToVideoPipeline",
@@ -43,8 +44,9 @@ class CheckpointFolder:
     components: dict[str, tuple[str, str]]  # name -> (library, class name), listed ones only
 
     def text_components(self) -> list[str]:
-        """The pipeline's text encoders and tokenizers, in model_index.json order."""
-        return [n for n in self.components if n.startswith(("text_encoder", "tokenizer"))]
+        """The pipeline's text encoders, tokenizers and processor (Qwen-Image-Edit's), in
+        model_index.json order."""
+        return [n for n in self.components if n.startswith(("text_encoder", "tokenizer", "processor"))]
 
     def needed_by(self, kind: str) -> list[str]:
         if kind == "encoder":
@@ -92,7 +94,7 @@ class CheckpointFolder:
                 f"checkpoint {self.path} is missing component {name!r} "
                 f"(model_index.json lists it; expected folder {where})"
             )
-        if name.startswith("tokenizer"):
+        if name.startswith(("tokenizer", "processor")):  # files that are no model
             if not any(where.iterdir()):
                 raise FolderError(f"checkpoint {self.path}: component {name!r} folder {where} is empty")
         elif name in _CONFIG_FILES:

@@ -136,9 +136,10 @@ def test_image_equals_diffusers_own_pipeline(meshes, reference, family):
         assert _generate(meshes[family], _params(case)).png == encode_png(want.numpy()), (family, case)
         raw = _generate(meshes[family], _params(case, generation_pb2.OUTPUT_FORMAT_TENSOR))
         got = tensors.from_proto(raw.tensor)
-        if family == "qwen-image":
-            # DLO runs the blocks from aligned slot copies; diffusers' CPU weights are views into
-            # the safetensors mapping, where MKL's GEMV rounds differently (last bits).
+        if family in ("qwen-image", "flux2-klein"):
+            # The stage runs from aligned copies of the weights (DLO's slots, the direct load);
+            # diffusers' CPU weights are views into the safetensors mapping, where MKL's GEMV can
+            # round differently (last bits; seen on some CPUs). The PNG above is exact.
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
         else:
             assert torch.equal(got, want), (family, case, (got - want).abs().max())

@@ -242,7 +242,7 @@ def _flux_vae(d, shift: float, scale: float):
 
 
 # The families written at their published dimensions (the video families: tiny folders only).
-FULL_SIZE_FAMILIES = ("flux", "sd3", "zimage", "qwen-image", "flux2-klein", "flux2")
+FULL_SIZE_FAMILIES = ("flux", "sd3", "zimage", "qwen-image", "qwen-image-edit", "flux2-klein", "flux2")
 
 
 def full_components(family: str, folder: Path, text_layers: int | None) -> dict[str, Callable[[], nn.Module]]:
@@ -263,7 +263,7 @@ def full_components(family: str, folder: Path, text_layers: int | None) -> dict[
             "vae": lambda: _flux_vae(d, 0.1159, 0.3611),
             "text_encoder": lambda: _qwen3(tokenizer(), depth(36), causal_lm=False),
         }
-    if family == "qwen-image":  # Qwen-Image (20 B) and its Qwen2.5-VL-7B
+    if family in ("qwen-image", "qwen-image-edit"):  # Qwen-Image(-Edit) (20 B) and its Qwen2.5-VL-7B
         return {
             "transformer": lambda: d.QwenImageTransformer2DModel(),
             "vae": lambda: d.AutoencoderKLQwenImage(),
@@ -316,6 +316,12 @@ def full_components(family: str, folder: Path, text_layers: int | None) -> dict[
     raise ValueError(f"no published dimensions for family {family!r}")
 
 
+def _set_pixels(config_file: Path, pixels: dict) -> None:
+    config = json.loads(config_file.read_text())
+    config["size"] = {"shortest_edge": pixels["min_pixels"], "longest_edge": pixels["max_pixels"]}
+    config_file.write_text(json.dumps(config, indent=2))
+
+
 def write_full(
     path: str | Path,
     family: str,
@@ -334,6 +340,10 @@ def write_full(
         index = json.loads((folder / "model_index.json").read_text())
         index["is_distilled"] = True
         (folder / "model_index.json").write_text(json.dumps(index, indent=2))
+    if family == "qwen-image-edit":  # the published processor's image bounds, not the tiny ones
+        from stagemesh.stage_service.models.diffusers_adapter.synthetic.qwen_image_edit import PUBLISHED_PIXELS
+
+        _set_pixels(folder / "processor" / "preprocessor_config.json", PUBLISHED_PIXELS)
     for i, (name, build) in enumerate(full_components(family, folder, text_layers).items()):
         module = _empty(build)
         written = _replace(folder, name, module, dtype, seed + 1 + i, device)

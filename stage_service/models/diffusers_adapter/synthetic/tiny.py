@@ -23,6 +23,12 @@ def _qwen_image() -> dict:
     return tiny_components()
 
 
+def _qwen_image_edit() -> dict:
+    from stagemesh.stage_service.models.diffusers_adapter.synthetic.qwen_image_edit import tiny_components
+
+    return tiny_components()
+
+
 def _flux2_klein() -> dict:
     from stagemesh.stage_service.models.diffusers_adapter.synthetic.flux2 import tiny_components
 
@@ -59,6 +65,7 @@ TINY_FAMILIES: dict[str, tuple[str, Callable[[], dict]]] = {
     "sd3": ("StableDiffusion3Pipeline", sd3_components),
     "zimage": ("ZImagePipeline", _zimage),
     "qwen-image": ("QwenImagePipeline", _qwen_image),
+    "qwen-image-edit": ("QwenImageEditPipeline", _qwen_image_edit),
     "flux2-klein": ("Flux2KleinPipeline", _flux2_klein),
     "wan": ("WanPipeline", _wan),
     "wan-i2v": ("WanImageToVideoPipeline", _wan_i2v),
@@ -72,10 +79,23 @@ PUBLISHED_LAYOUT: dict[str, Callable[[Path], None]] = {"flux2": _flux2_dev_publi
 def write_pipeline(path: str | Path, pipeline_class: str, components: dict, dtype: torch.dtype = torch.float32) -> Path:
     """Save the pipeline made of `components` (cast to `dtype`) as a diffusers folder."""
     d = import_diffusers()
-    pipe = getattr(d, pipeline_class)(**components)
+    # A Qwen2VLProcessor without its video processor is written apart, as a Qwen2VLProcessor.
+    processor = components.pop("processor", None)
+    pipe = getattr(d, pipeline_class)(**components, **({} if processor is None else {"processor": None}))
     if dtype != torch.float32:
         pipe.to(dtype=dtype)
-    pipe.save_pretrained(str(path), safe_serialization=True)
+    if processor is None:
+        pipe.save_pretrained(str(path), safe_serialization=True)
+        return Path(path)
+    from stagemesh.stage_service.models.diffusers_adapter.synthetic.qwen_image_edit import save_processor
+
+    verbosity = d.utils.logging.get_verbosity()
+    d.utils.logging.set_verbosity_error()  # not the notice that the processor (None) is not saved
+    try:
+        pipe.save_pretrained(str(path), safe_serialization=True)
+    finally:
+        d.utils.logging.set_verbosity(verbosity)
+    save_processor(processor, Path(path))
     return Path(path)
 
 
