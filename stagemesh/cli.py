@@ -161,9 +161,9 @@ SYNTHETIC_FAMILIES = (
     "qwen-image",
     "qwen-image-edit",
     "flux2-klein",
-    "flux2",
     "wan",
     "wan-i2v",
+    "flux2",
 )
 
 
