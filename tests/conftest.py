@@ -9,6 +9,33 @@ from stagemesh.stage_service.models.config import PipelineConfig
 from stagemesh.stage_service.models.weights import ensure_model_dir
 from tests.support.meshproc import Mesh, segments_of, shm_entries, start_mesh, write_config
 
+# The files that take a minute or more of the suite (--durations on two shared cores), longest
+# first. scripts/test hands xdist the files in collection order (--no-loadscope-reorder), so these
+# start first and the short files fill in around them; a long file taken last would run alone
+# while the other worker idles. A file not listed keeps its place after them.
+LONG_FILES_FIRST = (
+    "tests/app/test_cold_start_bench.py",
+    "tests/app/test_bench_families.py",
+    "tests/e2e/test_video.py",
+    "tests/stage_service/test_image_parallel.py",
+    "tests/e2e/test_acceleration_mesh.py",
+    "tests/stage_service/models/test_diffusers_families.py",
+    "tests/stage_service/models/test_diffusers_models.py",
+    "tests/app/test_cli_errors.py",
+    "tests/client/test_client_mesh.py",
+    "tests/stage_service/test_tensor_parallel.py",
+    "tests/stage_service/models/test_acceleration_flux.py",
+    "tests/e2e/test_compiled_invariance.py",
+    "tests/e2e/test_sleep_wake.py",
+    "tests/stage_service/offload/test_offload_engine.py",
+    "tests/e2e/test_stalled_clients.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONG_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: files stay whole
+
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:

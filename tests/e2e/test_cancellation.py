@@ -25,9 +25,9 @@ from tests.support.sleep_mesh import (  # noqa: F401
     wake_up,
 )
 
-# The most steps the mesh allows at its largest size: calls arriving after its second step find it
-# still running for seconds on the CPU.
-LONG = generation_pb2.GenerationParams(prompt="a long night", width=512, height=512, num_inference_steps=50, seed=3)
+# The mesh's largest size: calls arriving after its second step find it still running for seconds
+# on the CPU (22 steps of 512x512 left, several times the 2 s and 1 s deadlines below).
+LONG = generation_pb2.GenerationParams(prompt="a long night", width=512, height=512, num_inference_steps=24, seed=3)
 OTHER_SHAPE = generation_pb2.GenerationParams(
     prompt="a short day", width=256, height=256, num_inference_steps=2, seed=4
 )

@@ -21,9 +21,10 @@ from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2
 from tests.support.meshproc import Mesh, descendants, shm_entries, start_mesh, write_config
 
 SMALL = generation_pb2.GenerationParams(prompt="a small boat", width=64, height=48, num_inference_steps=2, seed=7)
-# Big enough that its image (512*512*3 float32 = 3 MB) travels through shared memory, long enough
-# (12 denoising steps) that a Sleep can arrive while it runs.
-BIG = generation_pb2.GenerationParams(prompt="a long walk", width=512, height=512, num_inference_steps=12, seed=9)
+# Big enough that its image (384*384*3 float32 = 1.8 MB) travels through shared memory (past the
+# 1 MB of SHM_THRESHOLD_BYTES), long enough (12 denoising steps) that a Sleep can arrive while it
+# runs.
+BIG = generation_pb2.GenerationParams(prompt="a long walk", width=384, height=384, num_inference_steps=12, seed=9)
 SUCCESS = control_pb2.CONTROL_STATUS_SUCCESS
 SKIPPED = control_pb2.CONTROL_STATUS_SKIPPED
 ACK_SUCCESS = control_pb2.ACK_STATUS_SUCCESS

@@ -1,7 +1,8 @@
 """The denoising-speed options on the CPU: their plumbing and refusals, the compile cache's key and
 its reuse by a second process, compiled blocks surviving a level-1 sleep without a recompile, the
-FP8 layers' quantisation (scales, layer selection, the matmul against its float32 reference) and
-diffusers' step-cache hooks switched per batch and counted on a tiny FLUX folder.
+FP8 layers' quantisation (scales, layer selection, the matmul against its float32 reference).
+Diffusers' step-cache hooks and compile under DLO, on a tiny FLUX folder, are in
+test_acceleration_flux.py.
 
 The FP8 matmul runs here through torch._scaled_mm's CPU kernel: its numbers, not its speed, are
 what the GPU path computes. Whether compiled FP8 is fast is measured in bench/real_pipeline.py.
@@ -23,8 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from stagemesh.core.errors import InvalidArgument
-from stagemesh.core.params import STEP_CACHE_OUTPUT, STEP_CACHES, Limits, Params, resolve
-from stagemesh.stage_service.models import acceleration
+from stagemesh.core.params import Limits, Params, resolve
 from stagemesh.stage_service.models.acceleration import compile as regional
 from stagemesh.stage_service.models.acceleration import fp8
 from stagemesh.stage_service.models.contract import WeightFile
@@ -186,19 +186,38 @@ def _compile_in_a_process(root: Path, *args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_a_second_process_loads_the_compiled_blocks_instead_of_compiling(tmp_path):
-    first = _compile_in_a_process(tmp_path)
+@pytest.fixture(scope="module")
+def compiled_once(tmp_path_factory) -> dict:
+    """One process's compile of the tiny DiT's blocks into an empty cache root: its counters. The
+    compile (tens of seconds of C++ on the CPU) is done once for the tests below."""
+    return _compile_in_a_process(tmp_path_factory.mktemp("compile-root"))
+
+
+def test_a_second_process_loads_the_compiled_blocks_instead_of_compiling(compiled_once):
+    # Another layout's own directory is test_the_cache_key_changes_with_layout_and_options_only's
+    # and test_the_cache_directory_is_private_and_says_what_it_holds' to check.
+    first = compiled_once
     assert first["fxgraph_cache_miss"] > 0 and first["fxgraph_cache_hit"] == 0
-    second = _compile_in_a_process(tmp_path)
+    second = _compile_in_a_process(Path(first["cache_dir"]).parents[1])
     assert second["cache_dir"] == first["cache_dir"]
     assert second["fxgraph_cache_hit"] > 0 and second["fxgraph_cache_miss"] == 0
-    # Another layout compiles afresh, in a directory of its own.
-    other = _compile_in_a_process(tmp_path, "bfloat16")
-    assert other["cache_dir"] != first["cache_dir"] and other["fxgraph_cache_miss"] > 0
 
 
-def test_compiled_blocks_match_eager_and_survive_a_level_1_sleep_without_recompiling(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+def test_compiled_blocks_match_eager_and_survive_a_level_1_sleep_without_recompiling(
+    compiled_once, tmp_path, monkeypatch
+):
+    # The blocks' code comes from compiled_once's cache (one thread, as that process ran): what is
+    # checked here is the compiled forward's numbers and that a sleep leaves it compiled.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", compiled_once["cache_dir"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _compiled_blocks_survive_a_level_1_sleep(tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compiled_blocks_survive_a_level_1_sleep(tmp_path: Path) -> None:
     eager, model = tiny_dit(), tiny_dit()
     save_file(model.state_dict(), tmp_path / "dit.safetensors")
     assert regional.compile_blocks(model) == len(model.blocks)
@@ -277,112 +296,3 @@ def test_torchao_fp8_refuses_weights_other_than_bfloat16_by_name():
 def test_fp8_compute_is_refused_on_the_cpu_by_name():
     with pytest.raises(ValueError, match=re.escape("compute_dtype = 'float8' on cpu: FP8 matmuls need a CUDA GPU")):
         fp8.check_device("cpu")
-
-
-# ---- step caching --------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def flux(tmp_path_factory):
-    pytest.importorskip("diffusers")
-    from stagemesh.stage_service.models.diffusers_adapter.synthetic import write_tiny
-    from stagemesh.stage_service.models.runners import build_runner
-
-    folder = write_tiny(tmp_path_factory.mktemp("flux") / "flux", "flux")
-    return build_runner("encoder", folder), build_runner("diffusion", folder)
-
-
-def _item(encoder, **params):
-    from stagemesh.stage_service.models.runners import WorkItem
-
-    item = WorkItem("r", Params("a red fox", 32, 32, 8, 3.5, 1, "tensor", **params))
-    [item.inputs] = encoder.run([item])
-    return item
-
-
-def test_step_cache_skips_are_counted_per_batch_and_switch_with_the_request(flux):
-    encoder, diffusion = flux
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        settings = StageSettings(kind="diffusion", step_cache="first_block", step_cache_threshold=0.5)
-        accel = acceleration.prepare(diffusion, settings, "cpu")
-        assert accel.limits() == {"step_caches": ["off", "first_block", "taylorseer", "mag"]}
-        blocks = len(regional.repeated_blocks(diffusion.transformer))
-        [plain] = accel.run(diffusion.run, [_item(encoder, step_cache="off")])
-        assert STEP_CACHE_OUTPUT not in plain  # no cache ran: nothing to report
-        [cached] = accel.run(diffusion.run, [_item(encoder)])  # the stage's own: first_block at 0.5
-        skipped, passes, method = cached[STEP_CACHE_OUTPUT].tolist()
-        assert STEP_CACHES[method] == "first_block" and passes == 8 * blocks
-        # The head block always runs; a skipped step skips every other block.
-        assert skipped > 0 and skipped % (blocks - 1) == 0
-        assert not torch.equal(cached["image"], plain["image"])
-        # A threshold of almost nothing skips nothing, and the image is the uncached one.
-        [strict] = accel.run(diffusion.run, [_item(encoder, step_cache_threshold=1e-9)])
-        assert strict[STEP_CACHE_OUTPUT].tolist()[0] == 0
-        torch.testing.assert_close(strict["image"], plain["image"])
-        [taylor] = accel.run(diffusion.run, [_item(encoder, step_cache="taylorseer", step_cache_threshold=2.0)])
-        assert taylor[STEP_CACHE_OUTPUT].tolist()[0] > 0
-        # The same request again counts the same: every batch starts from fresh hook state.
-        [again] = accel.run(diffusion.run, [_item(encoder)])
-        assert torch.equal(again[STEP_CACHE_OUTPUT], cached[STEP_CACHE_OUTPUT])
-        assert torch.equal(again["image"], cached["image"])
-        assert accel.step_cache_counts()[0] == skipped * 2 + taylor[STEP_CACHE_OUTPUT].tolist()[0]
-        [back] = accel.run(diffusion.run, [_item(encoder, step_cache="off")])
-        assert torch.equal(back["image"], plain["image"])  # hooks off: the eager result again
-    finally:
-        torch.set_num_threads(threads)
-
-
-def test_a_model_declares_which_step_caches_it_offers():
-    from stagemesh.stage_service.models.acceleration.step_cache import Choice, StepCache, offered
-
-    assert offered(tiny_dit()) == ("off",)  # the embedded DiT: none
-    pytest.importorskip("diffusers")
-    from diffusers import SD3Transformer2DModel
-
-    sd3 = SD3Transformer2DModel(
-        sample_size=8,
-        patch_size=2,
-        in_channels=4,
-        num_layers=2,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=16,
-        caption_projection_dim=16,
-        pooled_projection_dim=16,
-        out_channels=4,
-    )
-    assert offered(sd3) == ("off",)  # diffusers 0.42 gives SD3's transformer no cache hooks
-    with pytest.raises(ValueError, match=re.escape("step_cache = 'first_block': SD3Transformer2DModel offers off")):
-        StepCache(sd3, Choice("first_block"))
-
-
-# ---- compile under DLO ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("stream_dtype", ["", "float8_e4m3fn"])
-def test_streamed_blocks_run_compiled_and_give_the_eager_image(flux, tmp_path, stream_dtype):
-    """DLO's pre-hooks point each block's parameters at its device slot, outside the compiled
-    forward; the compiled block reads whatever the slot holds (8-bit streaming rebuilds it)."""
-    from stagemesh.stage_service.models.runners import build_runner
-    from stagemesh.stage_service.settings import DloOptions
-
-    encoder, resident = flux
-    folder = resident.folder.path
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        dlo = {"enable_dlo": True, "dlo_use_allgather": False, "dlo_stream_dtype": stream_dtype}
-        eager = build_runner("diffusion", folder, dlo=DloOptions(**dlo))
-        streamed = build_runner("diffusion", folder, dlo=DloOptions(**dlo))
-        settings = StageSettings(kind="diffusion", compile="regional", dlo_runtime_cache_dir=str(tmp_path), **dlo)
-        accel = acceleration.prepare(streamed, settings, "cpu")
-        assert accel.compiled and streamed.offload is not None
-        item = _item(encoder, step_cache="off")
-        [want] = eager.run([item])
-        [got] = accel.run(streamed.run, [item])
-        torch.testing.assert_close(got["image"], want["image"], rtol=0, atol=2e-3)
-        assert streamed.offload.h2d_bytes > 0  # the blocks did stream
-    finally:
-        torch.set_num_threads(threads)
