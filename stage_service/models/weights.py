@@ -47,13 +47,6 @@ _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 _NORMAL_INIT = (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)
 
 
-def default_model_dir() -> Path:
-    env = os.environ.get("STAGEMESH_MODEL_DIR")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "stagemesh" / "models" / "default-tiny"
-
-
 def build_lm(config: PipelineConfig, device: str | torch.device = "meta") -> CausalLM:
     """Build the LM uninitialised; on "meta" it costs no memory."""
     with torch.device(device):
