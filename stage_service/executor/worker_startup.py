@@ -13,9 +13,11 @@ from typing import Any
 from stagemesh.core import errors
 from stagemesh.stage_service.transport import protocol
 from stagemesh.stage_service.transport.result_pipe import result_pipe
-from stagemesh.stage_service.worker import process as worker_process
+from stagemesh.stage_service.worker import entry as worker_entry
 
 POLL_S = 0.1
+READY_TIMEOUT_S = 600.0
+JOIN_TIMEOUT_S = 10.0
 
 
 def spawn(ctx: Any, spec: protocol.WorkerSpec) -> tuple[mp.Process, Any, Any]:
@@ -24,7 +26,7 @@ def spawn(ctx: Any, spec: protocol.WorkerSpec) -> tuple[mp.Process, Any, Any]:
     requests = ctx.Queue()
     results, sender = result_pipe(ctx)
     process = ctx.Process(
-        target=worker_process.main,
+        target=worker_entry.main,
         args=(spec, requests, sender),
         name=f"stagemesh-worker-{spec.settings.stage_id}-{spec.rank}",
         daemon=True,

@@ -147,6 +147,12 @@ class StageSettings(DloOptions):
         "fails fails the start, naming why",
         choices=WARM_UPS,
     )
+    read_ahead: bool = option(
+        True,
+        "each worker reads the weight files its stage loads into the page cache on background threads from "
+        "its first moment, while it still imports torch and diffusers, so the load finds them cached (up to "
+        "half the available memory); --no-read-ahead leaves all reading to the load",
+    )
     lora_dir: str = option(
         "",
         "folder of LoRA adapters a stage holding a diffusers transformer registers at start (each "
