@@ -42,7 +42,8 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # SIGTERM (e.g. to the whole process group): nobody will read our segments any more.
     signal.signal(signal.SIGTERM, lambda *_: _exit_orphaned(spec))
-    ahead = read_ahead.start_for(settings, resolved_model_dir(settings))
+    # Rank 0's alone: every rank of a stage loads the same files, through one page cache.
+    ahead = read_ahead.start_for(settings, resolved_model_dir(settings)) if spec.rank == 0 else None
     try:
         with startup.phase("worker imports"):
             from stagemesh.stage_service.worker import process
