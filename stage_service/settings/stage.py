@@ -182,7 +182,7 @@ class StageSettings(DloOptions):
     default_size: int | None = option(
         None,
         "width/height used when a request leaves them unset; unset: the model's own (64 for the embedded "
-        "trained model, else 256), at most max_size",
+        "trained model, a diffusers folder's pipeline default, e.g. 1024 for FLUX.1, else 256), at most max_size",
         type=int,
     )
     default_steps: int = option(8, "num_inference_steps used when a request leaves it unset")
