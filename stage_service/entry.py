@@ -2,9 +2,9 @@
 
 The stage checks its model folder and spawns its workers (executor.early) before it imports
 grpc's server, torch and its engine (server.py): the workers' interpreters, their imports and
-their loads run while the stage imports, instead of after. The embedded model's folder is
-prepared with torch (its weights are generated on first use), so that stage imports torch
-first; a diffusers folder is checked from its JSON and safetensors headers alone.
+their loads run while the stage imports, instead of after. The folder check imports no torch
+(a diffusers folder's JSON and safetensors headers, the embedded model's config and checksums);
+only the embedded model's first use, which writes its weights, does.
 """
 
 from __future__ import annotations
