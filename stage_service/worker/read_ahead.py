@@ -197,16 +197,16 @@ def start_for(settings: StageSettings, model_dir: Path) -> ReadAhead | None:
     is nothing to read (a folder this cannot list is left for the load to judge)."""
     if not settings.read_ahead:
         return None
-    try:
-        files = checkpoint_files(settings.kind, model_dir)
-    except (OSError, ValueError) as exc:  # FolderError is a ValueError: the load says it better
-        log.info("no read-ahead: the folder's files could not be listed", reason=str(exc))
-        return None
-    if not files:
-        return None
     available = available_memory()
     budget = int(available * MEMORY_SHARE) if available is not None else None
-    ahead = ReadAhead(files, budget_bytes=budget)
+    try:
+        files = checkpoint_files(settings.kind, model_dir)
+        ahead = ReadAhead(files, budget_bytes=budget) if files else None
+    except (OSError, ValueError) as exc:  # FolderError is a ValueError: the load names the file
+        log.info("no read-ahead: the folder's files could not be listed", reason=str(exc))
+        return None
+    if ahead is None:
+        return None
     if ahead.planned < ahead.total:
         log.info("read-ahead limited by the available memory", planned=ahead.planned, total=ahead.total)
     return ahead.start()

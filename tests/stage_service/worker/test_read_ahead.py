@@ -109,3 +109,15 @@ def test_lists_the_embedded_models_files_and_starts_only_when_on(tmp_path):
     assert entry is not None and entry["bytes"] == 2000
     off = StageSettings(kind="diffusion", model_dir=str(tmp_path), read_ahead=False)
     assert read_ahead.start_for(off, tmp_path) is None
+
+
+def test_a_folder_it_cannot_list_leaves_the_judgement_to_the_load(tmp_path):
+    """A diffusers folder whose model_index.json is broken, or a folder that is not there: no
+    read-ahead and no thread; the load then fails naming what is wrong."""
+    (tmp_path / "model_index.json").write_text("{not json")
+    assert read_ahead.start_for(StageSettings(kind="diffusion", model_dir=str(tmp_path)), tmp_path) is None
+    assert (
+        read_ahead.start_for(StageSettings(kind="diffusion", model_dir=str(tmp_path / "absent")), tmp_path / "absent")
+        is None
+    )
+    assert _threads_left() == []
