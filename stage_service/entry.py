@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import signal
 
-from stagemesh.core import logs, serve, startup
+from stagemesh.core import auth, logs, serve, startup
+from stagemesh.stage_service.executor import worker_startup
 from stagemesh.stage_service.executor.early import EarlyWorkers
 from stagemesh.stage_service.models.diffusers_adapter import FolderError
 from stagemesh.stage_service.models.model_dir import prepare_model_dir
@@ -37,6 +38,8 @@ async def run_stage(settings: StageSettings) -> None:
         signal.signal(sig, _stop_starting)
     early: EarlyWorkers | None = None
     try:
+        # Before the spawn: the workers inherit the cache service's token and CA from it.
+        worker_startup.export_cache_security(auth.load_token(settings.token_file or None), settings.tls_ca)
         with startup.phase("model folder"):
             prepare_model_dir(settings)  # nothing else runs yet: blocking the loop costs nothing
         early = EarlyWorkers(settings)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ from stagemesh.core.rpc import ServiceHost, servicer_method
 from stagemesh.stage_service.adapters import StageAdapters
 from stagemesh.stage_service.control import Ack, StageControl
 from stagemesh.stage_service.engine.dispatch import Engine, OutputsEvent, ProgressEvent
+from stagemesh.stage_service.executor import worker_startup
 from stagemesh.stage_service.executor.early import EarlyWorkers
 from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.inputs import check_inputs, init_image
@@ -155,16 +155,6 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         return control_pb2.ListAdaptersResponse(adapters=[converters.adapter_info_to_proto(i) for i in infos])
 
 
-def _export_cache_security(token: str | None, tls_ca: str) -> None:
-    """Workers publish to the cache service with the stage's token and CA; they inherit both
-    through the environment, never through a command line."""
-    if token:
-        os.environ[auth.TOKEN_ENV] = token
-    if tls_ca:
-        tls.read_pem(tls_ca, "--tls-ca")  # an unreadable CA fails the start, not a later publication
-        os.environ[tls.CA_ENV] = os.path.abspath(os.path.expanduser(tls_ca))
-
-
 async def serve_stage(settings: StageSettings, early: EarlyWorkers | None = None) -> None:
     """`early`: the workers stage_service/entry.py spawned, the model folder checked; without
     them the stage checks its folder and spawns its workers once it listens."""
@@ -180,7 +170,7 @@ async def serve_stage(settings: StageSettings, early: EarlyWorkers | None = None
         credentials=tls.server_credentials(settings.tls_cert, settings.tls_key),
         health_port=settings.health_port,
     )
-    _export_cache_security(token, settings.tls_ca)
+    worker_startup.export_cache_security(token, settings.tls_ca)  # again, for a stage started here
     loop = asyncio.get_running_loop()
 
     def on_health(serving: bool) -> None:

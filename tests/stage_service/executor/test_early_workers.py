@@ -87,3 +87,39 @@ def test_a_stage_stopped_while_its_workers_load_exits_cleanly(tmp_path, flux_fol
         time.sleep(0.05)
     assert not any(alive(pid) for pid in workers)
     assert not segments_of(shm_entries(), [stage.process.pid, *workers])
+
+
+def _environ(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode(errors="replace").split("=", 1) for e in entries if b"=" in e)
+
+
+def test_early_workers_inherit_the_stages_token_and_ca(tmp_path, tiny_model):
+    """Workers publish to the cache service with the stage's token and CA, which they inherit
+    through the environment: spawned before the stage's server, they must still get both."""
+    from stagemesh.core import auth, tls
+    from tests.core.test_security import make_certificates
+
+    pki = make_certificates(tmp_path)
+    token_file = tmp_path / "token"
+    token_file.write_text("a-stage-token\n")
+    args = ["stage", "--stage-id", "1", "--kind", "diffusion", "--model-dir", str(tiny_model), "--threads", "1"]
+    args += ["--device", "cpu", f"--token-file={token_file}", f"--tls-ca={pki['ca']}"]
+    stage = spawn_service("stage-1", args, tmp_path)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not (workers := [p for p in descendants(stage.process.pid) if "spawn_main" in _cmdline(p)]):
+            assert stage.process.poll() is None and time.monotonic() < deadline, stage.logs()[-3000:]
+            time.sleep(0.02)
+        env = _environ(workers[0])
+        assert env.get(auth.TOKEN_ENV) == "a-stage-token"
+        assert env.get(tls.CA_ENV) == str(Path(pki["ca"]).resolve())
+    finally:
+        assert stage.stop() == 0, stage.logs()[-3000:]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
