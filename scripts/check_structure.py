@@ -54,6 +54,7 @@ SHARED_TOP_DOWN = ("stagemesh.weight_store", "stagemesh.core", "stagemesh.v1")
 SHARED = frozenset(SHARED_TOP_DOWN)
 # the stage service's rooms, top first; one tuple is one tier (its rooms may import one another).
 ROOMS: tuple[tuple[str, ...], ...] = (
+    ("entry",),  # `stagemesh stage`: spawns the workers, then imports the server
     ("server", "control", "adapters", "metrics", "inputs"),
     ("engine",),
     ("executor",),

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
-import os
 from typing import Any
 
 import torch
@@ -18,16 +16,16 @@ from stagemesh.core.rpc import ServiceHost, servicer_method
 from stagemesh.stage_service.adapters import StageAdapters
 from stagemesh.stage_service.control import Ack, StageControl
 from stagemesh.stage_service.engine.dispatch import Engine, OutputsEvent, ProgressEvent
+from stagemesh.stage_service.executor import worker_startup
+from stagemesh.stage_service.executor.early import EarlyWorkers
 from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.inputs import check_inputs, init_image
 from stagemesh.stage_service.metrics import stage_readings
 from stagemesh.stage_service.models.contract import TensorSpec
-from stagemesh.stage_service.models.diffusers_adapter import FolderError
 from stagemesh.stage_service.models.model_dir import prepare_model_dir
 from stagemesh.stage_service.settings import StageSettings
 from stagemesh.stage_service.transport import tensors
 from stagemesh.v1 import control_pb2, stage_pb2, stage_pb2_grpc
-from stagemesh.weight_store.checkpoint import CheckpointError
 
 log = logs.get_logger("stagemesh.stage")
 
@@ -157,17 +155,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         return control_pb2.ListAdaptersResponse(adapters=[converters.adapter_info_to_proto(i) for i in infos])
 
 
-def _export_cache_security(token: str | None, tls_ca: str) -> None:
-    """Workers publish to the cache service with the stage's token and CA; they inherit both
-    through the environment, never through a command line."""
-    if token:
-        os.environ[auth.TOKEN_ENV] = token
-    if tls_ca:
-        tls.read_pem(tls_ca, "--tls-ca")  # an unreadable CA fails the start, not a later publication
-        os.environ[tls.CA_ENV] = os.path.abspath(os.path.expanduser(tls_ca))
-
-
-async def serve_stage(settings: StageSettings) -> None:
+async def serve_stage(settings: StageSettings, early: EarlyWorkers | None = None) -> None:
+    """`early`: the workers stage_service/entry.py spawned, the model folder checked; without
+    them the stage checks its folder and spawns its workers once it listens."""
     tracing.configure(f"stagemesh-stage-{settings.stage_id}")  # before the server: its interceptors follow it
     token = auth.load_token(settings.token_file or None)
     metrics = ServiceMetrics(f"stage-{settings.stage_id}", settings.host, settings.metrics_port)
@@ -180,13 +170,14 @@ async def serve_stage(settings: StageSettings) -> None:
         credentials=tls.server_credentials(settings.tls_cert, settings.tls_key),
         health_port=settings.health_port,
     )
-    _export_cache_security(token, settings.tls_ca)
+    worker_startup.export_cache_security(token, settings.tls_ca)  # again, for a stage started here
     loop = asyncio.get_running_loop()
 
     def on_health(serving: bool) -> None:
         loop.create_task(host.set_serving(serving))
 
-    executor = Executor(settings, on_death=lambda group, why: engine.worker_died(group, why))
+    spawned = early.take() if early is not None else None
+    executor = Executor(settings, on_death=lambda group, why: engine.worker_died(group, why), spawned=spawned)
     engine = Engine(
         executor, settings.kind, settings.max_batch_size, settings.max_queue, on_health, settings.batch_invariant
     )
@@ -197,9 +188,11 @@ async def serve_stage(settings: StageSettings) -> None:
     metrics.add_readings(stage_readings(engine, executor, control, lambda: servicer.ready and engine.serving))
 
     async def load() -> None:
-        with startup.phase("model folder"):
-            await asyncio.to_thread(prepare_model_dir, settings)
-        with startup.phase("workers"):
+        if early is None:
+            with startup.phase("model folder"):
+                await asyncio.to_thread(prepare_model_dir, settings)
+        # From the spawn: with early workers, from before the stage's own imports.
+        with startup.phase("workers", since=early.at if early is not None else None):
             readies = await asyncio.to_thread(executor.start)
         ready = readies[0]
         startup.add(list(ready.phases))
@@ -220,12 +213,3 @@ async def serve_stage(settings: StageSettings) -> None:
         await asyncio.to_thread(executor.shutdown)
 
     await serve.run(host, ready_file=settings.ready_file, load=load, close=close, metrics=metrics)
-
-
-def main(args: argparse.Namespace) -> None:
-    settings = StageSettings.from_args(args)
-    logs.configure(f"stage-{settings.stage_id}", args.log_level)
-    startup.begin(f"stage-{settings.stage_id}")
-    # An incomplete --model-dir is a refused option (as `stagemesh up --model` treats it); an
-    # unreadable checkpoint fails the start.
-    serve.main("stage service", serve_stage(settings), option_errors=(FolderError,), start_errors=(CheckpointError,))

@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
 
     for name, add_arguments, main_module, text in (
         ("gateway", GatewaySettings.add_arguments, "stagemesh.gateway.server", "run the public gateway service alone"),
-        ("stage", StageSettings.add_arguments, "stagemesh.stage_service.server", "run one stage service alone"),
+        ("stage", StageSettings.add_arguments, "stagemesh.stage_service.entry", "run one stage service alone"),
         (
             "cache",
             cache_server.add_arguments,

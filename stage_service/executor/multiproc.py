@@ -32,8 +32,8 @@ from stagemesh.stage_service.transport import ipc, protocol
 log = logs.get_logger("stagemesh.executor")
 
 PUMP_POLL_S = 0.1
-READY_TIMEOUT_S = 600.0
-JOIN_TIMEOUT_S = 10.0
+READY_TIMEOUT_S = worker_startup.READY_TIMEOUT_S
+JOIN_TIMEOUT_S = worker_startup.JOIN_TIMEOUT_S
 
 DeathFn = Callable[[int, str], None]  # (group index, reason)
 
@@ -58,10 +58,14 @@ class StepOutputs(list):
 
 
 class Executor:
-    def __init__(self, settings: StageSettings, on_death: DeathFn | None = None):
+    def __init__(
+        self, settings: StageSettings, on_death: DeathFn | None = None, spawned: list[WorkerGroup] | None = None
+    ):
+        """`spawned`: the stage's groups with their processes already started (executor.early);
+        start() then waits for them instead of spawning."""
         self.stage_name = f"stage {settings.stage_id} ({settings.kind})"
         self.hang_timeout_s = settings.hang_timeout_s
-        self.groups: list[WorkerGroup] = build_groups(settings, os.getpid())
+        self.groups: list[WorkerGroup] = spawned if spawned is not None else build_groups(settings, os.getpid())
         self.outputs = OutputRegistry(self.stage_name)
         self._ctx = mp.get_context("spawn")
         self._lock = threading.Lock()
@@ -184,7 +188,8 @@ class Executor:
         if self._closed:
             raise errors.Unavailable(f"{self.stage_name}: executor shut down")
         for g in groups:
-            g.workers = [self._spawn(spec, g.index) for spec in g.fresh_specs(timeout_s)]
+            if not g.workers:  # else spawned at the stage's start (executor.early)
+                g.workers = [self._spawn(spec, g.index) for spec in g.fresh_specs(timeout_s)]
         try:
             return self._await_all_ready([w for g in groups for w in g.workers], timeout_s)
         except errors.Unavailable:

@@ -5,17 +5,30 @@ still load (or wait for it in their process group)."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from stagemesh.core import errors
+from stagemesh.core import auth, errors, tls
 from stagemesh.stage_service.transport import protocol
 from stagemesh.stage_service.transport.result_pipe import result_pipe
-from stagemesh.stage_service.worker import process as worker_process
+from stagemesh.stage_service.worker import entry as worker_entry
 
 POLL_S = 0.1
+READY_TIMEOUT_S = 600.0
+JOIN_TIMEOUT_S = 10.0
+
+
+def export_cache_security(token: str | None, tls_ca: str) -> None:
+    """Workers publish to the cache service with the stage's token and CA; they inherit both
+    through the environment, never through a command line: set before the first spawn."""
+    if token:
+        os.environ[auth.TOKEN_ENV] = token
+    if tls_ca:
+        tls.read_pem(tls_ca, "--tls-ca")  # an unreadable CA fails the start, not a later publication
+        os.environ[tls.CA_ENV] = os.path.abspath(os.path.expanduser(tls_ca))
 
 
 def spawn(ctx: Any, spec: protocol.WorkerSpec) -> tuple[mp.Process, Any, Any]:
@@ -24,7 +37,7 @@ def spawn(ctx: Any, spec: protocol.WorkerSpec) -> tuple[mp.Process, Any, Any]:
     requests = ctx.Queue()
     results, sender = result_pipe(ctx)
     process = ctx.Process(
-        target=worker_process.main,
+        target=worker_entry.main,
         args=(spec, requests, sender),
         name=f"stagemesh-worker-{spec.settings.stage_id}-{spec.rank}",
         daemon=True,

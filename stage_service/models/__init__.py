@@ -13,9 +13,9 @@ if TYPE_CHECKING:
     from stagemesh.stage_service.models.config import DiTConfig, LMConfig, PipelineConfig
     from stagemesh.stage_service.models.dit import DiT, LatentDecoder, sample
     from stagemesh.stage_service.models.lm import ByteTokenizer, CausalLM
+    from stagemesh.stage_service.models.model_dir import default_model_dir
     from stagemesh.stage_service.models.runners import ArRunner, DiffusionRunner, WorkItem, build_runner
     from stagemesh.stage_service.models.weights import (
-        default_model_dir,
         ensure_model_dir,
         load_dit,
         load_lm,
@@ -35,7 +35,7 @@ _WHERE = {
     "DiffusionRunner": "runners",
     "WorkItem": "runners",
     "build_runner": "runners",
-    "default_model_dir": "weights",
+    "default_model_dir": "model_dir",
     "ensure_model_dir": "weights",
     "load_dit": "weights",
     "load_lm": "weights",

@@ -6,9 +6,10 @@ The same model classes build every preset; only these numbers change.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # no torch at import: a stage checks its folder's config before it imports torch
+    import torch
 
 # Byte tokenizer ids: 0..255 are raw UTF-8 bytes.
 BOS_ID = 256
@@ -16,11 +17,8 @@ EOS_ID = 257
 PAD_ID = 258
 BYTE_VOCAB = 259
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+# The dtypes a config may name (torch's names for them).
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _require(cond: bool, message: str) -> None:
@@ -117,7 +115,9 @@ class PipelineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
         return {"lm": asdict(self.lm), "dit": asdict(self.dit), "weight_seed": self.weight_seed, "dtype": self.dtype}

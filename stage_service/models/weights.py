@@ -25,33 +25,29 @@ from torch import nn
 
 from stagemesh.stage_service.models.config import PipelineConfig
 from stagemesh.stage_service.models.dit import DiT, LatentDecoder
+from stagemesh.stage_service.models.layout import (
+    CHECKSUM_FILE,
+    CONFIG_FILE,
+    DIT_FILE,
+    FORMAT_VERSION,
+    LM_FILE,
+    RECIPE_FILE,
+    TRAINED_DIR,
+    config_json,
+    is_current,
+)
 from stagemesh.stage_service.models.lm import CausalLM
 from stagemesh.stage_service.models.tp import TpGroup, shard_functions
 from stagemesh.weight_store.checkpoint import CheckpointError
 from stagemesh.weight_store.safetensors_writer import write_streamed
 
-FORMAT_VERSION = 1
-CONFIG_FILE = "config.json"
-LM_FILE = Path("lm") / "model.safetensors"
-DIT_FILE = Path("dit") / "model.safetensors"
 DIT_PREFIX = "dit."
 DECODER_PREFIX = "decoder."
-CHECKSUM_FILE = "SHA256SUMS"
-RECIPE_FILE = "training.json"
-# PipelineConfig.tiny()'s weights, trained on the shapes data set; they ship in the package.
-TRAINED_DIR = Path(__file__).resolve().parent / "trained"
 INIT_STD = 0.02
 _INSTALL_ATTEMPTS = 5
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 _NORMAL_INIT = (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)
-
-
-def default_model_dir() -> Path:
-    env = os.environ.get("STAGEMESH_MODEL_DIR")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "stagemesh" / "models" / "default-tiny"
 
 
 def build_lm(config: PipelineConfig, device: str | torch.device = "meta") -> CausalLM:
@@ -66,10 +62,6 @@ def build_dit(
     """`tp`: this rank's TP coordinate; the DiT's blocks then hold only its shards."""
     with torch.device(device):
         return (DiT(config.dit, tp).to(config.torch_dtype), LatentDecoder(config.dit).to(config.torch_dtype))
-
-
-def _config_json(config: PipelineConfig) -> dict:
-    return {**config.to_dict(), "format_version": FORMAT_VERSION}
 
 
 def read_config(path: Path) -> PipelineConfig:
@@ -132,7 +124,7 @@ def _generate_into(target: Path, config: PipelineConfig) -> None:
     _write_part(target / DIT_FILE, [(DIT_PREFIX, dit), (DECODER_PREFIX, decoder)], gen, dtype)
     cfg_path = target / CONFIG_FILE
     with open(cfg_path, "w") as f:
-        f.write(json.dumps(_config_json(config), indent=2, sort_keys=True) + "\n")
+        f.write(json.dumps(config_json(config), indent=2, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())
     for d in (target / LM_FILE.parent, target / DIT_FILE.parent, target):
@@ -149,7 +141,7 @@ def write_model_dir(target: Path, config: PipelineConfig, lm: CausalLM, dit: DiT
         specs = [(key, tuple(value.shape), dtype) for key, value in state.items()]
         (target / file).parent.mkdir(parents=True, exist_ok=True)
         write_streamed(target / file, specs, state.values(), metadata={"format": "pt"})
-    (target / CONFIG_FILE).write_text(json.dumps(_config_json(config), indent=2, sort_keys=True) + "\n")
+    (target / CONFIG_FILE).write_text(json.dumps(config_json(config), indent=2, sort_keys=True) + "\n")
 
 
 def trained_size(model_dir: Path) -> int | None:
@@ -162,27 +154,8 @@ def trained_size(model_dir: Path) -> int | None:
 
 
 def _trained_source(config: PipelineConfig) -> Path | None:
-    """The shipped folder whose trained weights `config` gets, or None (random weights). Its
-    files are checked against its SHA256SUMS when copied."""
+    """layout.trained_source, through this module's TRAINED_DIR (which tests point elsewhere)."""
     return TRAINED_DIR if config == PipelineConfig.tiny() else None
-
-
-def _read_bytes(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except OSError:
-        return None
-
-
-def _is_current(path: Path, config: PipelineConfig, trained: Path | None) -> bool:
-    try:
-        data = json.loads((path / CONFIG_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    if data != _config_json(config) or not (path / LM_FILE).is_file() or not (path / DIT_FILE).is_file():
-        return False
-    # Random weights of the trained config (an older default folder) are outdated too.
-    return trained is None or _read_bytes(path / CHECKSUM_FILE) == _read_bytes(trained / CHECKSUM_FILE)
 
 
 def _copy_trained(target: Path, source: Path) -> None:
@@ -216,7 +189,7 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _install(tmp: Path, path: Path, config: PipelineConfig, trained: Path | None) -> None:
+def _install(tmp: Path, path: Path, config: PipelineConfig) -> None:
     """Rename `tmp` onto `path`; a concurrent winner with the same config is kept."""
     for _ in range(_INSTALL_ATTEMPTS):
         try:
@@ -224,7 +197,7 @@ def _install(tmp: Path, path: Path, config: PipelineConfig, trained: Path | None
             _fsync_dir(path.parent)
             return
         except OSError:
-            if _is_current(path, config, trained):
+            if is_current(path, config, _trained_source(config)):
                 return
             if not os.path.lexists(path):
                 continue
@@ -243,7 +216,7 @@ def ensure_model_dir(path: Path, config: PipelineConfig) -> Path:
     of the shipped trained weights for their config (PipelineConfig.tiny()), else random ones."""
     path = Path(path).expanduser()
     trained = _trained_source(config)
-    if _is_current(path, config, trained):
+    if is_current(path, config, trained):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     # A sibling on the same filesystem, so the final rename is atomic.
@@ -254,7 +227,7 @@ def ensure_model_dir(path: Path, config: PipelineConfig) -> Path:
             _generate_into(tmp, config)
         else:
             _copy_trained(tmp, trained)
-        _install(tmp, path, config, trained)
+        _install(tmp, path, config)
     finally:
         if os.path.lexists(tmp):
             _remove(tmp)

@@ -147,6 +147,12 @@ class StageSettings(DloOptions):
         "fails fails the start, naming why",
         choices=WARM_UPS,
     )
+    read_ahead: bool = option(
+        True,
+        "each worker reads the weight files its stage loads into the page cache on background threads from "
+        "its first moment, while it still imports torch and diffusers, so the load finds them cached (up to "
+        "half the available memory); --no-read-ahead leaves all reading to the load",
+    )
     lora_dir: str = option(
         "",
         "folder of LoRA adapters a stage holding a diffusers transformer registers at start (each "
@@ -176,7 +182,7 @@ class StageSettings(DloOptions):
     default_size: int | None = option(
         None,
         "width/height used when a request leaves them unset; unset: the model's own (64 for the embedded "
-        "trained model, else 256), at most max_size",
+        "trained model, a diffusers folder's pipeline default, e.g. 1024 for FLUX.1, else 256), at most max_size",
         type=int,
     )
     default_steps: int = option(8, "num_inference_steps used when a request leaves it unset")

@@ -12,22 +12,26 @@ import dataclasses
 import functools
 import os
 import queue
-import signal
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from stagemesh.core import logs, startup
 from stagemesh.stage_service import platform
-from stagemesh.stage_service.models import adapters
+from stagemesh.stage_service.models import acceleration, adapters, diffusers_adapter
 from stagemesh.stage_service.models.acceleration import Acceleration
 from stagemesh.stage_service.models.batch_invariance import BATCHED_KINDS, run_items_alone
 from stagemesh.stage_service.models.contract import ItemError, Runner
+from stagemesh.stage_service.models.model_dir import resolved_model_dir
+from stagemesh.stage_service.models.runners import build_runner
 from stagemesh.stage_service.settings import HEARTBEAT_S, DloOptions
 from stagemesh.stage_service.transport import ipc, protocol
 from stagemesh.stage_service.worker.adapter_loads import BackgroundLoads
 from stagemesh.stage_service.worker.async_output import AsyncOutputThread, ResultWriter, new_output_id
+from stagemesh.stage_service.worker.read_ahead import ReadAhead
 from stagemesh.stage_service.worker.sleep import SleepController
 from stagemesh.stage_service.worker.warm_up import WarmUpFailed, warm_up
 
@@ -95,8 +99,6 @@ class _Heartbeat:
 
 
 def resolve_device(device: str, rank: int) -> str:
-    import torch
-
     if device == "cuda" and torch.cuda.is_available():
         return f"cuda:{rank % torch.cuda.device_count()}"
     return device
@@ -296,47 +298,28 @@ class Worker:
         return {"drained": self.async_output.drain(timeout_s if timeout_s is not None else 10.0)}
 
 
-def _exit_orphaned(spec: protocol.WorkerSpec) -> None:
-    try:
-        ipc.sweep(spec.parent_pid, spec.rank)
-    finally:
-        os._exit(0)  # whatever the sweep met: a worker never outlives its stage service
-
-
-def main(spec: protocol.WorkerSpec, requests, results) -> None:
-    from stagemesh.core import procutil
-
-    # Not PR_SET_PDEATHSIG: Linux ties it to the *thread* that spawned us, and the executor may
-    # spawn from a pool thread that ends before the service does.
-    procutil.watch_parent(spec.parent_pid, lambda: _exit_orphaned(spec))
-
-    # A spawned process starts with structlog unconfigured (it would print to stdout).
+def run(spec: protocol.WorkerSpec, requests, results, ahead: ReadAhead | None = None) -> None:
+    """The worker's life after its light start (worker/entry.py): load, warm up, say Ready,
+    serve. `ahead`: the read-ahead of its checkpoint, running; stopped once the load is over."""
     settings = spec.settings
-    logs.configure(f"stage-{settings.stage_id}-worker-{spec.rank}")
-    startup.begin(f"stage-{settings.stage_id}-worker-{spec.rank}")
-    # Ctrl-C reaches the whole process group; the service decides when workers stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # SIGTERM (e.g. to the whole process group): nobody will read our segments any more.
-    signal.signal(signal.SIGTERM, lambda *_: _exit_orphaned(spec))
-    with startup.phase("worker imports"):
-        import torch
-
-        if settings.threads > 0:
-            torch.set_num_threads(settings.threads)
-        from stagemesh.stage_service.models import acceleration
-        from stagemesh.stage_service.models.model_dir import resolved_model_dir
-        from stagemesh.stage_service.models.runners import build_runner
-
+    if settings.threads > 0:
+        torch.set_num_threads(settings.threads)
+    model_dir = resolved_model_dir(settings)
     device = resolve_device(settings.device, spec.rank)
     try:
         with startup.phase("process groups"):
             group = _join_dp_group(spec, device)
             tp = _join_tp_group(spec, device)
             parallel = _join_image_group(spec, device)
+        if diffusers_adapter.is_diffusers_folder(model_dir):
+            with startup.phase("model imports"):
+                diffusers_adapter.import_for(model_dir, settings.kind)
+        if ahead is not None:
+            ahead.raise_if_failed()
         with startup.phase("model load", kind=settings.kind, device=device):
             runner = build_runner(
                 settings.kind,
-                resolved_model_dir(settings),
+                model_dir,
                 device,
                 dlo=DloOptions.from_settings(settings),
                 group=group,
@@ -345,6 +328,8 @@ def main(spec: protocol.WorkerSpec, requests, results) -> None:
                 invariant_rows=settings.invariant_rows(),
                 parallel=parallel,
             )
+            if ahead is not None:
+                ahead.stop()  # all read by now: its phase goes out with Ready
         with startup.phase("acceleration"):
             accel = acceleration.prepare(runner, settings, device)
         with startup.phase("sleep and output set-up"):

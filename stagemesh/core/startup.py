@@ -67,9 +67,12 @@ def record(name: str, at: float, seconds: float, **fields: Any) -> dict[str, Any
 
 
 @contextmanager
-def phase(name: str, **fields: Any) -> Iterator[None]:
-    """Time the block as one phase. A block that raises is recorded too, with failed=True."""
+def phase(name: str, since: float | None = None, **fields: Any) -> Iterator[None]:
+    """Time the block as one phase. A block that raises is recorded too, with failed=True.
+    `since`: the phase began earlier, at that time.time() (work started before the block)."""
     at, started = time.time(), time.perf_counter()
+    if since is not None:
+        at, started = since, started - max(0.0, at - since)
     try:
         yield
     except BaseException:

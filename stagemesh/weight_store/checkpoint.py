@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+# Re-exported: CheckpointError has always been imported from here.
+from stagemesh.weight_store.errors import CheckpointError as CheckpointError
 from stagemesh.weight_store.safetensors_header import HeaderError, read_header
 
 DTYPES: dict[str, torch.dtype] = {
@@ -35,10 +37,6 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-
-
-class CheckpointError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)

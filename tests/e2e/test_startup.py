@@ -52,8 +52,10 @@ def test_each_stage_reports_ready_only_after_its_workers_warm_up(warm_mesh):
         worker = [p["phase"] for p in phases if p["role"] == f"stage-{stage_id}-worker-0"]
         # In the order the worker went through them, the warm-up last: then came Ready.
         assert worker[-4:] == ["model load", "acceleration", "sleep and output set-up", "warm-up"], worker
-        own = [p["phase"] for p in phases if p["role"] == f"stage-{stage_id}"]
-        assert own == [startup.PROCESS_PHASE, "model folder", "workers"]
+        own = {p["phase"]: p for p in phases if p["role"] == f"stage-{stage_id}"}
+        assert list(own) == [startup.PROCESS_PHASE, "model folder", "stage imports", "workers"]
+        # The workers were spawned before the stage imported its server, not after.
+        assert own["workers"]["at"] <= own["stage imports"]["at"]
     [warm] = [p for p in stage_report(text, 1)["phases"] if p["phase"] == "warm-up"]
     assert (warm["size"], warm["steps"]) == (64, 2)
     assert unary_png(warm_mesh, 64, 64, steps=4, seed=3, prompt="a red circle").startswith(b"\x89PNG")

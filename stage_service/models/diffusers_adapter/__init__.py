@@ -25,7 +25,17 @@ def _is_video(model_dir) -> bool:
     return family_of(open_folder(model_dir)).video
 
 
+def import_for(model_dir, kind: str) -> None:
+    """Import what a `kind` stage over the folder uses (diffusers, transformers, the classes of
+    its components and its pipeline), so a worker's load phase holds only building and
+    reading; an absent optional extra raises naming the install command."""
+    from stagemesh.stage_service.models.diffusers_adapter.loading import import_classes
+
+    import_classes(open_folder(model_dir), kind)
+
+
 __all__ = [
+    "import_for",
     "FOLDER_ONLY_KINDS",
     "MODEL_INDEX",
     "STAGE_KINDS",

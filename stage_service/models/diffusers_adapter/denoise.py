@@ -32,7 +32,7 @@ from stagemesh.stage_service.models.contract import (
 )
 from stagemesh.stage_service.models.diffusers_adapter.direct import load_components
 from stagemesh.stage_service.models.diffusers_adapter.families import Family, family_of, pixel_multiple
-from stagemesh.stage_service.models.diffusers_adapter.folder import check_stage_folder
+from stagemesh.stage_service.models.diffusers_adapter.folder import CheckpointFolder, FolderError, check_stage_folder
 from stagemesh.stage_service.models.diffusers_adapter.loading import (
     checkpoint_dtype,
     import_diffusers,
@@ -81,6 +81,23 @@ def starting_images(batch) -> tuple[list[torch.Tensor] | None, float]:
 def to_picture(pipe, decoded: torch.Tensor) -> torch.Tensor:
     """The VAE's output for one item [1, 3, H, W] -> the [H, W, 3] float32 image in [0, 1]."""
     return pipe.image_processor.postprocess(decoded, output_type="pt")[0].permute(1, 2, 0).float().detach()
+
+
+def native_size(pipe, folder: CheckpointFolder) -> dict:
+    """{"native_size": N}: the side the pipeline draws when a call leaves height and width unset
+    (its default_sample_size latents times the VAE's scale: FLUX.1 and SD3 1024); {} where the
+    pipeline names none. A shell without its transformer (a decode stage) falls back to 128
+    latents where the full pipeline reads the transformer's sample_size (SD3): read from the
+    folder's config instead."""
+    sample, scale = getattr(pipe, "default_sample_size", None), getattr(pipe, "vae_scale_factor", None)
+    if getattr(pipe, "transformer", None) is None and "transformer" in folder.components:
+        try:
+            sample = folder.component_config("transformer").get("sample_size", sample)
+        except FolderError:
+            pass
+    if isinstance(sample, int) and isinstance(scale, int) and sample > 0 and scale > 0:
+        return {"native_size": sample * scale}
+    return {}
 
 
 def _uniform(batch) -> bool:
@@ -246,7 +263,11 @@ class DenoiseRunner(RunnerBase):
         return [{"latents": lat.detach()} for lat in latents]
 
     def limits(self) -> dict:
-        return {"pixel_multiple": pixel_multiple(self.folder), "requires_init_image": self.family.edit_image}
+        return {
+            "pixel_multiple": pixel_multiple(self.folder),
+            "requires_init_image": self.family.edit_image,
+            **native_size(self.pipe, self.folder),
+        }
 
     def warm_up_items(self, params) -> list[WorkItem] | None:
         """Zero embeddings shaped as the encoder stage sends them (its text length, the
@@ -301,4 +322,4 @@ class DecodeRunner(RunnerBase):
         return outputs
 
     def limits(self) -> dict:
-        return {"pixel_multiple": pixel_multiple(self.folder)}
+        return {"pixel_multiple": pixel_multiple(self.folder), **native_size(self.pipe, self.folder)}

@@ -83,6 +83,18 @@ def component_class(folder: CheckpointFolder, name: str):
     return getattr(importlib.import_module(library), class_name)
 
 
+def import_classes(folder: CheckpointFolder, kind: str) -> None:
+    """Import diffusers, transformers, the pipeline class and the classes of the components
+    `kind` loads; a class the installed libraries lack is left for the load to report."""
+    diffusers = import_diffusers()
+    for name in folder.needed_by(kind):
+        try:
+            component_class(folder, name)
+        except (AttributeError, ImportError, KeyError):
+            pass
+    getattr(diffusers, folder.pipeline_class, None)
+
+
 def load_transformer(
     folder: CheckpointFolder,
     family: Family,
