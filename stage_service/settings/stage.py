@@ -26,6 +26,8 @@ SLEEP_HOST_BUFFERS = ("first_sleep", "at_start", "background")
 WARM_UPS = ("auto", "on", "off")
 # Requests leaving width/height unset, where neither default_size nor the model names a size.
 FALLBACK_SIZE = 256
+# The largest side a stage takes when max_size is unset and its model names no bound.
+DEFAULT_MAX_SIZE = 1024
 # How often a serving worker says it is alive, even in the middle of a batch; hang_timeout_s
 # must span two of them.
 HEARTBEAT_S = 1.0
@@ -171,7 +173,12 @@ class StageSettings(DloOptions):
         "owed fails with UNAVAILABLE, and its group restarts",
     )
     max_queue: int = option(256, "requests waiting beyond this are refused with RESOURCE_EXHAUSTED")
-    max_size: int = option(1024, "largest width/height in pixels accepted")
+    max_size: int | None = option(
+        None,
+        "largest width/height in pixels accepted; unset: the model's own bound (2048 for a diffusers folder, "
+        "whose families publish sizes up to 1664 px, e.g. Qwen-Image's 1328 x 1328; 1024 for the embedded model)",
+        type=int,
+    )
     max_frames: int = option(
         81,
         "video models: most frames a video may have (num_frames above it is refused; the model's own rule, "
@@ -360,7 +367,7 @@ class StageSettings(DloOptions):
         runner_limits = runner_limits or {}
         return Limits(
             pixel_multiple=int(runner_limits.get("pixel_multiple", 16)),
-            max_pixels_side=self.max_size,
+            max_pixels_side=self.largest_size(runner_limits),
             max_inference_steps=self.max_steps,
             max_prompt_bytes=min(
                 self.max_prompt_bytes, int(runner_limits.get("max_prompt_bytes", self.max_prompt_bytes))
@@ -376,13 +383,17 @@ class StageSettings(DloOptions):
             **_video_limits(runner_limits, self.max_frames),
         )
 
+    def largest_size(self, runner_limits: dict[str, Any]) -> int:
+        """max_size, else the runner's own bound (runner_limits' max_size), else 1024."""
+        return self.max_size if self.max_size is not None else int(runner_limits.get("max_size", DEFAULT_MAX_SIZE))
+
     def _default_size(self, runner_limits: dict[str, Any]) -> int:
         """The size set, else the model's own (where it was trained), capped at max_size and
         rounded down to the pixel multiple."""
         if self.default_size is not None:
             return self.default_size
         multiple = int(runner_limits.get("pixel_multiple", 16))
-        size = min(int(runner_limits.get("native_size", FALLBACK_SIZE)), self.max_size)
+        size = min(int(runner_limits.get("native_size", FALLBACK_SIZE)), self.largest_size(runner_limits))
         return max(multiple, size - size % multiple)
 
 
@@ -434,7 +445,7 @@ _AT_LEAST_ONE = (
 def _check_counts(settings: StageSettings) -> None:
     for name in _AT_LEAST_ONE:
         value = getattr(settings, name)
-        if value is None and name == "default_size":
+        if value is None and name in ("default_size", "max_size"):
             continue  # unset: the model's own
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} = {value!r}: must be a whole number of at least 1")
@@ -447,8 +458,8 @@ def _check_defaults_within_limits(settings: StageSettings) -> None:
         ("default_steps", "max_steps"),
         ("default_guidance", "max_guidance"),
     ):
-        value = getattr(settings, default)
-        if value is not None and value > getattr(settings, limit):
+        value, top = getattr(settings, default), getattr(settings, limit)
+        if value is not None and top is not None and value > top:
             raise ValueError(
                 f"{default} = {getattr(settings, default)!r} is above {limit} = {getattr(settings, limit)!r}: "
                 f"every request leaving it unset would be refused; lower {default} or raise {limit}"

@@ -82,7 +82,8 @@ def test_bad_gateway_http_options_are_refused_naming_the_key(tmp_path, text):
     [
         (None, {"native_size": 64, "pixel_multiple": 16}, 64),  # the trained embedded model
         (None, {"pixel_multiple": 16}, 256),  # random weights: no size of its own
-        (None, {"native_size": 1328, "pixel_multiple": 16}, 1024),  # capped at max_size
+        (None, {"native_size": 1328, "pixel_multiple": 16}, 1024),  # capped at the 1024 bound
+        (None, {"native_size": 1328, "pixel_multiple": 16, "max_size": 2048}, 1328),  # a diffusers folder's
         (None, {"native_size": 200, "pixel_multiple": 16}, 192),  # down to the pixel multiple
         (128, {"native_size": 64, "pixel_multiple": 16}, 128),  # set: wins over the model's
     ],
@@ -90,6 +91,24 @@ def test_bad_gateway_http_options_are_refused_naming_the_key(tmp_path, text):
 def test_default_size_is_the_models_own_unless_set(set_size, runner_limits, expected):
     settings = StageSettings(stage_id=1, kind="diffusion", default_size=set_size)
     assert settings.limits(runner_limits).default_size == expected
+
+
+@pytest.mark.parametrize(
+    "max_size,runner_limits,expected",
+    [
+        (None, {}, 1024),  # the embedded model names no bound
+        (None, {"max_size": 2048}, 2048),  # a diffusers folder's: Qwen-Image's 1328 and 1664 fit
+        (512, {"max_size": 2048}, 512),  # set: wins over the model's
+    ],
+)
+def test_max_size_is_the_models_bound_unless_set(max_size, runner_limits, expected):
+    limits = StageSettings(stage_id=1, kind="encoder", max_size=max_size).limits(runner_limits)
+    assert limits.max_pixels_side == expected
+
+
+def test_a_default_size_above_a_set_max_size_is_refused_naming_both():
+    with pytest.raises(ValueError, match="default_size = 2048 is above max_size = 1024"):
+        StageSettings(stage_id=1, kind="diffusion", default_size=2048, max_size=1024)
 
 
 def test_the_trained_model_reports_its_size_and_random_weights_none(tiny_model, random_tiny_model):

@@ -31,7 +31,7 @@ from stagemesh.stage_service.models.contract import (
     check_batch,
 )
 from stagemesh.stage_service.models.diffusers_adapter.direct import load_components
-from stagemesh.stage_service.models.diffusers_adapter.families import Family, family_of, pixel_multiple
+from stagemesh.stage_service.models.diffusers_adapter.families import LARGEST_SIDE, Family, family_of, pixel_multiple
 from stagemesh.stage_service.models.diffusers_adapter.folder import CheckpointFolder, FolderError, check_stage_folder
 from stagemesh.stage_service.models.diffusers_adapter.loading import (
     checkpoint_dtype,
@@ -265,6 +265,7 @@ class DenoiseRunner(RunnerBase):
     def limits(self) -> dict:
         return {
             "pixel_multiple": pixel_multiple(self.folder),
+            "max_size": LARGEST_SIDE,
             "requires_init_image": self.family.edit_image,
             **native_size(self.pipe, self.folder),
         }
@@ -322,4 +323,8 @@ class DecodeRunner(RunnerBase):
         return outputs
 
     def limits(self) -> dict:
-        return {"pixel_multiple": pixel_multiple(self.folder), **native_size(self.pipe, self.folder)}
+        return {
+            "pixel_multiple": pixel_multiple(self.folder),
+            "max_size": LARGEST_SIDE,
+            **native_size(self.pipe, self.folder),
+        }

@@ -10,7 +10,7 @@ import PIL.Image
 import torch
 
 from stagemesh.stage_service.models.contract import INIT_IMAGE_INPUT, ItemError, RunnerBase, WeightFile, WorkItem
-from stagemesh.stage_service.models.diffusers_adapter.families import family_of
+from stagemesh.stage_service.models.diffusers_adapter.families import LARGEST_SIDE, family_of
 from stagemesh.stage_service.models.diffusers_adapter.folder import check_stage_folder
 from stagemesh.stage_service.models.diffusers_adapter.loading import checkpoint_dtype, load_pipeline, weight_files
 
@@ -81,4 +81,4 @@ class EncoderRunner(RunnerBase):
 
             # The start image goes to the diffusion stage only: this one is never sent it.
             return {**video_limits(self.folder, self.family), "requires_init_image": False}
-        return {"requires_init_image": True} if self.family.edit_image else {}
+        return {"max_size": LARGEST_SIDE, "requires_init_image": self.family.edit_image}

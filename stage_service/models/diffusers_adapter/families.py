@@ -375,6 +375,11 @@ def vae_scale_factor(folder: CheckpointFolder) -> int:
     return 2 ** (len(config["block_out_channels"]) - 1)
 
 
+# The largest side a diffusers stage takes when its max_size is unset: the families publish sizes
+# up to 1664 px (Qwen-Image's 16:9, 1664 x 928; its square 1328), and FLUX.2 draws 4 MP.
+LARGEST_SIDE = 2048
+
+
 def pixel_multiple(folder: CheckpointFolder) -> int:
     """Width and height must be multiples of this (the pipelines' own check_inputs rule)."""
     family = family_of(folder)

@@ -18,7 +18,7 @@ import PIL.Image
 import torch
 
 from stagemesh.stage_service.models.contract import INIT_IMAGE_INPUT, ItemError, RunnerBase, WeightFile
-from stagemesh.stage_service.models.diffusers_adapter.families import Family, family_of, pixel_multiple
+from stagemesh.stage_service.models.diffusers_adapter.families import LARGEST_SIDE, Family, family_of, pixel_multiple
 from stagemesh.stage_service.models.diffusers_adapter.folder import CheckpointFolder, check_stage_folder
 from stagemesh.stage_service.models.diffusers_adapter.loading import (
     checkpoint_dtype,
@@ -38,6 +38,7 @@ def video_limits(folder: CheckpointFolder, family: Family) -> dict:
     vae = folder.component_config("vae")
     return {
         "pixel_multiple": pixel_multiple(folder),
+        "max_size": LARGEST_SIDE,
         "frame_step": int(vae.get("scale_factor_temporal", 4)),
         "default_num_frames": family.default_num_frames,
         "default_fps": family.default_fps,
