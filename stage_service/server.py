@@ -11,7 +11,7 @@ import torch
 from stagemesh.core import auth, codec, converters, logs, rpc, serve, startup, tls, tracing
 from stagemesh.core.acks import WorkerAck
 from stagemesh.core.metrics import ServiceMetrics
-from stagemesh.core.params import OUTPUT_TENSOR, Limits
+from stagemesh.core.params import Limits
 from stagemesh.core.rpc import ServiceHost, servicer_method
 from stagemesh.stage_service.adapters import StageAdapters
 from stagemesh.stage_service.control import Ack, StageControl
@@ -46,12 +46,10 @@ def _acks_proto(stage_id: int, acks: list[Ack]) -> list[control_pb2.WorkerAck]:
 def _encode_outputs(outputs: dict[str, torch.Tensor], output_format: str) -> list[stage_pb2.StageOutputs]:
     """The outputs as one message, or, where they pass OUTPUT_MESSAGE_BYTES (a video's frames),
     several: each tensor in pieces of whole rows, in order, that the gateway joins
-    (codec.join_rows), so no message passes gRPC's size limit. An image the gateway will encode
-    (PNG, JPEG, WebP) goes as its uint8 pixels, the bytes the gateway's encoder would make of it:
-    a quarter of the float32 bytes to copy, send and parse."""
-    image = outputs.get("image")
-    if image is not None and output_format != OUTPUT_TENSOR and image.is_floating_point():
-        outputs = {**outputs, "image": tensors.image_pixels(image)}
+    (codec.join_rows), so no message passes gRPC's size limit. An image or video the gateway will
+    encode goes as its uint8 pixels, the bytes the gateway's encoder would make of it: a quarter
+    of the float32 bytes to copy, send and parse."""
+    outputs = tensors.encoded_form(outputs, output_format)  # the worker's already, where it ran
     messages: list[stage_pb2.StageOutputs] = []
     size = OUTPUT_MESSAGE_BYTES
     for name, tensor in outputs.items():

@@ -6,9 +6,13 @@ from __future__ import annotations
 import torch
 
 from stagemesh.core import codec
+from stagemesh.core.params import OUTPUT_TENSOR
 from stagemesh.v1 import tensor_pb2
 
 _DTYPES = {name: getattr(torch, name) for name in codec.DTYPES}
+# The outputs the gateway encodes (PNG, JPEG, WebP; MP4, animated WebP) unless the client asked
+# for the tensor: an image [H, W, 3] and a video's frames [frames, H, W, 3], float in [0, 1].
+PIXEL_OUTPUTS = ("image", "video")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -22,11 +26,21 @@ def host_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def image_pixels(image: torch.Tensor) -> torch.Tensor:
-    """An [H, W, 3] float image in [0, 1] as the uint8 pixels the gateway's encoder makes of it
-    (codec.to_pixels, the same arithmetic, so the encoded bytes do not change). An image for
-    PNG, JPEG or WebP then travels at a quarter of its float32 size."""
-    return torch.from_numpy(codec.to_pixels(image.detach().to("cpu", torch.float32).contiguous().numpy()))
+def pixels(picture: torch.Tensor) -> torch.Tensor:
+    """Float in [0, 1] -> uint8 on the picture's own device, with codec.to_pixels' arithmetic
+    (scaled in float32, rounded half to even, clamped), so the bytes are the same wherever it
+    runs: on a GPU, before the copy to the host, a quarter of the float32 bytes cross it."""
+    scaled = picture.to(torch.float32) * 255.0
+    return scaled.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def encoded_form(outputs: dict[str, torch.Tensor], output_format: str) -> dict[str, torch.Tensor]:
+    """The outputs as they need to travel for `output_format`: an image or video the gateway will
+    encode as its uint8 pixels (the bytes its encoder would make of them); the tensor format,
+    and every other output, as they are."""
+    if output_format == OUTPUT_TENSOR:
+        return outputs
+    return {name: pixels(t) if name in PIXEL_OUTPUTS and t.is_floating_point() else t for name, t in outputs.items()}
 
 
 def to_proto(tensor: torch.Tensor) -> tensor_pb2.Tensor:

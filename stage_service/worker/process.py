@@ -28,7 +28,7 @@ from stagemesh.stage_service.models.contract import ItemError, Runner
 from stagemesh.stage_service.models.model_dir import resolved_model_dir
 from stagemesh.stage_service.models.runners import build_runner
 from stagemesh.stage_service.settings import HEARTBEAT_S, DloOptions
-from stagemesh.stage_service.transport import ipc, protocol
+from stagemesh.stage_service.transport import ipc, protocol, tensors
 from stagemesh.stage_service.worker.adapter_loads import BackgroundLoads
 from stagemesh.stage_service.worker.async_output import AsyncOutputThread, ResultWriter, new_output_id
 from stagemesh.stage_service.worker.read_ahead import ReadAhead
@@ -203,6 +203,8 @@ class Worker:
                 outputs = run(items, on_step)
             if not self.spec.output_rank:
                 return
+            if len(outputs) == len(items):  # images and videos to encode leave as uint8 pixels
+                outputs = [tensors.encoded_form(o, i.params.output_format) for o, i in zip(outputs, items, strict=True)]
             finished = platform.DeviceEvent(self.device, timing=True).record()
             timing = protocol.BatchTiming(started_ns, time.time_ns(), self.spec.rank, os.getpid())
             if self.async_output is None:

@@ -26,7 +26,8 @@ import pytest
 from PIL import Image
 
 from stagemesh.client import Client
-from stagemesh.gateway.videos import decode_mp4
+from stagemesh.core.params import DEFAULT_QUALITY
+from stagemesh.gateway.videos import decode_mp4, encode_video
 from stagemesh.v1 import control_pb2, gateway_pb2, generation_pb2
 from tests.support.meshproc import REPO, Mesh, parallel_meshes, start_mesh
 from tests.support.sleep_mesh import field_violations
@@ -230,6 +231,9 @@ def test_mp4_and_animated_webp(meshes, folders):
     frames, rate = decode_mp4(mp4.bytes)
     assert frames.shape == want.shape and rate == 16.0
     assert psnr(frames, want) >= MP4_MIN_PSNR_DB
+    # The stage sends the frames as uint8 pixels: the MP4 is the one the gateway's encoder makes
+    # of the pipeline's float frames.
+    assert mp4.bytes == encode_video(want, "mp4", 16, DEFAULT_QUALITY)
     with Image.open(io.BytesIO(webp.bytes)) as animation:
         animation.load()  # a frame's duration is known once it is read
         assert (animation.format, animation.n_frames, animation.info["duration"]) == ("WEBP", 5, 125)

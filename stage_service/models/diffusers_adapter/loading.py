@@ -113,21 +113,13 @@ def load_transformer(
 
     if not opts.enable_dlo:
         return ordinary().to(device).eval().requires_grad_(False), None
-    from accelerate import init_empty_weights
-
     from stagemesh.stage_service.offload import quant
     from stagemesh.stage_service.offload.checkpoint import load_or_fallback
     from stagemesh.stage_service.offload.streamer import LayerwiseOffload
 
     # Parameters on meta (no storage), buffers and the tensors some modules keep as plain
-    # attributes (Qwen-Image's rotary tables) computed as diffusers' own loader computes them:
-    # in float32, then the registered ones cast with the model.
-    with init_empty_weights(include_buffers=False):
-        model = cls.from_config(cls.load_config(where))
-    # torch's own cast, as the loader built the model in `dtype` before: diffusers' `to` warns
-    # about modules it would keep in float32 (a checkpoint storing them so takes the
-    # ordinary loader: the mmap plan refuses the dtype mismatch).
-    nn.Module.to(model, dtype)
+    # attributes (Qwen-Image's rotary tables) computed on the host as diffusers' loader does.
+    model = _on_meta_as_loaded(cls, where, dtype)
     loaded: dict[str, Any] = {}
     if opts.dlo_checkpoint_mmap:
         reason = load_or_fallback(
@@ -148,6 +140,57 @@ def load_transformer(
         stream_dtype=quant.stream_dtype(opts.dlo_stream_dtype),
     )
     return model, engine
+
+
+def _on_meta_as_loaded(cls, where, dtype: torch.dtype) -> nn.Module:
+    """The model on meta in the dtypes from_pretrained gives it. A class that keeps modules in
+    float32 is built as from_pretrained builds it, with `dtype` the default (buffers made in an
+    explicit dtype, Wan's float32 rotary tables, stay so; it casts nothing after), and those
+    modules' tensors in float32. A checkpoint storing them in float32 (as diffusers saves them) is
+    then mapped; one storing them narrower takes the ordinary loader, which widens them (the mmap
+    plan refuses the dtype mismatch). Any other class: built in float32 and cast with torch's own
+    `to` (diffusers' warns)."""
+    from accelerate import init_empty_weights
+
+    keeps = bool(getattr(cls, "_keep_in_fp32_modules", None))
+    saved = torch.get_default_dtype()
+    if keeps:
+        torch.set_default_dtype(dtype)
+    try:
+        with init_empty_weights(include_buffers=False):
+            model = cls.from_config(cls.load_config(where))
+    finally:
+        torch.set_default_dtype(saved)
+    if keeps:
+        keep_in_float32(model, dtype)
+    else:
+        nn.Module.to(model, dtype)
+    return model
+
+
+def keep_in_float32(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Cast the floating state tensors of the class's `_keep_in_fp32_modules` (Wan's
+    time_embedder, scale_shift_table, norm1-3, ...) to float32 in place, by diffusers' own rule
+    (a module name equal to one component of the tensor's dotted name); from_pretrained loads
+    them so whatever `dtype` the rest takes. Returns the names cast."""
+    keep = getattr(type(model), "_keep_in_fp32_modules", None) or []
+    keep = [keep] if isinstance(keep, str) else list(keep)
+    if not keep or dtype == torch.float32:
+        return []
+    cast = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if not tensor.is_floating_point() or tensor.dtype == torch.float32:
+            continue
+        if not any(part in keep for part in name.split(".")):
+            continue
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        if leaf in module._parameters:
+            module._parameters[leaf] = nn.Parameter(tensor.detach().to(torch.float32), requires_grad=False)
+        else:
+            module._buffers[leaf] = tensor.to(torch.float32)
+        cast.append(name)
+    return cast
 
 
 def refuse_unsupported(opts: DloOptions) -> None:

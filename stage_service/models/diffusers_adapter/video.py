@@ -5,7 +5,9 @@ stage's embeddings passed in, so its frames are the unsplit pipeline's by constr
 pipeline's own last step does.
 
 A video is the float32 [frames, height, width, 3] array in [0, 1] the pipeline returns with
-output_type="np", named "video" among the stage's outputs. Each transformer (Wan 2.2's two
+output_type="np", named "video" among the stage's outputs; it is taken as output_type="pt" gives
+it (the same values, still on the device) and made float32 there, so a video the gateway encodes
+becomes uint8 pixels before it leaves the device (transport.tensors.encoded_form). Each transformer (Wan 2.2's two
 experts: `transformer` above the boundary timestep, `transformer_2` below) is resident or under
 DLO, one engine each.
 """
@@ -44,6 +46,13 @@ def video_limits(folder: CheckpointFolder, family: Family) -> dict:
         "default_fps": family.default_fps,
         "requires_init_image": family.start_image,
     }
+
+
+def frames_of(video: torch.Tensor) -> torch.Tensor:
+    """One video of output_type="pt" ([frames, 3, H, W], the VAE's dtype) as output_type="np"
+    has it, [frames, H, W, 3] float32 (diffusers' pt_to_numpy: permute, then float), on the
+    device."""
+    return video.permute(0, 2, 3, 1).float()
 
 
 def _start_image(item, index: int) -> PIL.Image.Image:
@@ -107,7 +116,7 @@ class VideoDiffusionRunner(RunnerBase):
             )
         args = family.call_arguments(params) | {n: item.inputs[n][None].to(self.device) for n in needed}
         args["generator"] = torch.Generator("cpu").manual_seed(params.seed)
-        args["output_type"] = "np" if self.kind == "diffusion" else "latent"
+        args["output_type"] = "pt" if self.kind == "diffusion" else "latent"
         if family.start_image:
             args["image"] = _start_image(item, index)
         return args
@@ -133,7 +142,7 @@ class VideoDiffusionRunner(RunnerBase):
             result = self.pipe(**args, callback_on_step_end=on_step).frames
             done += item.params.num_inference_steps
             if self.kind == "diffusion":
-                outputs.append({VIDEO_OUTPUT: torch.from_numpy(result[0]).float()})
+                outputs.append({VIDEO_OUTPUT: frames_of(result[0])})
             else:
                 outputs.append({"latents": result[0].detach()})
         return outputs
@@ -176,8 +185,7 @@ class VideoDecodeRunner(RunnerBase):
 
     def _decode(self, latents: torch.Tensor, params) -> torch.Tensor:
         video = self.family.decode(self.pipe, latents, params)
-        frames = self.pipe.video_processor.postprocess_video(video, output_type="np")
-        return torch.from_numpy(frames[0]).float()
+        return frames_of(self.pipe.video_processor.postprocess_video(video, output_type="pt")[0])
 
     def limits(self) -> dict:
         return video_limits(self.folder, self.family)

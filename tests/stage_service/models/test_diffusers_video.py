@@ -5,6 +5,7 @@ and option errors a user can act on."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -80,3 +81,45 @@ def test_sequence_parallel_is_refused_for_video(folder):
 
     with pytest.raises(ValueError, match="not available for video models"):
         build_runner("diffusion", folder, parallel=TwoRanks())
+
+
+def _bf16_folder(tmp_path: Path, stored: str) -> Path:
+    """The tiny Wan folder in bfloat16: every tensor narrowed ("narrow"), or the transformers
+    as diffusers saves them from a bfloat16 load, their float32 modules in float32 ("saved")."""
+    from safetensors.torch import load_file, save_file
+
+    diffusers = pytest.importorskip("diffusers")
+    folder = write_tiny(tmp_path / "t2v", "wan")
+    for name in ("transformer", "transformer_2"):
+        if stored == "saved":
+            model = diffusers.WanTransformer3DModel.from_pretrained(folder / name, torch_dtype=torch.bfloat16)
+            model.save_pretrained(folder / name)
+            continue
+        for file in (folder / name).glob("*.safetensors"):
+            tensors = load_file(file)
+            save_file({k: t.to(torch.bfloat16) if t.is_floating_point() else t for k, t in tensors.items()}, file)
+    return folder
+
+
+@pytest.mark.parametrize("stored", ["narrow", "saved"])
+def test_dlo_frames_equal_resident_frames_of_a_bf16_folder(tmp_path, stored):
+    """Wan keeps time_embedder, scale_shift_table and norm1-3 in float32 under a bfloat16 load;
+    DLO must build its transformers so too (and map a checkpoint that stores them so)."""
+    from stagemesh.stage_service.settings import DloOptions
+
+    folder = _bf16_folder(tmp_path, stored)
+    params = dataclasses.replace(PARAMS, num_inference_steps=2)
+    embeddings = build_runner("encoder", folder).run([WorkItem("r", params)])[0]
+    resident = build_runner("diffusion", folder)
+    dlo = build_runner("diffusion", folder, dlo=DloOptions(enable_dlo=True, dlo_use_allgather=False))
+    for name, model in dlo.experts.items():
+        wanted = {
+            k: t.dtype for k, t in [*resident.experts[name].named_parameters(), *resident.experts[name].named_buffers()]
+        }
+        got = {k: t.dtype for k, t in [*model.named_parameters(), *model.named_buffers()]}
+        assert got == wanted and torch.float32 in got.values() and torch.bfloat16 in got.values(), name
+    if stored == "saved":  # the checkpoint holds each tensor in the model's dtype: mapped, not copied
+        assert all(engine.host_mode != "packed" for engine in dlo.engines.values())
+    (want,) = resident.run([WorkItem("r", params, embeddings)])
+    (got,) = dlo.run([WorkItem("r", params, embeddings)])
+    assert torch.equal(got["video"], want["video"])

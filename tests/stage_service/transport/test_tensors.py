@@ -52,3 +52,32 @@ def test_gateway_pixels_equal_torch_rounding(dtype):
     image = grid.reshape(64, 64, 3).to(dtype)
     by_torch = (image.float() * 255.0).round().clamp(0, 255).to(torch.uint8).numpy()
     assert np.array_equal(to_uint8(codec.to_array(tensors.to_proto(image))), by_torch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_pixels_made_by_the_stage_are_the_gateways(dtype):
+    """tensors.pixels (on the worker's device) gives the bytes the gateway's to_uint8 makes of the
+    float image, near the .5 boundaries and outside [0, 1] too, also from a permuted view."""
+    halves = torch.tensor([(k + 0.5) / 255.0 for k in range(255)], dtype=torch.float32)
+    grid = torch.cat([torch.rand(3 * 64 * 64 - 255, generator=torch.Generator().manual_seed(1)) * 1.4 - 0.2, halves])
+    planar = grid.reshape(3, 64, 64).to(dtype)
+    image = planar.permute(1, 2, 0)  # as the runners hand it on: [H, W, 3] over [3, H, W]
+    got = tensors.pixels(image)
+    assert got.dtype == torch.uint8 and got.shape == image.shape
+    assert np.array_equal(got.contiguous().numpy(), to_uint8(image.float().contiguous().numpy()))
+
+
+def test_encoded_form_turns_only_pictures_to_encode_into_pixels():
+    video, image, latents = torch.rand(5, 8, 8, 3), torch.rand(8, 8, 3), torch.rand(4, 2, 2)
+    outputs = {"video": video, "image": image, "latents": latents}
+    assert tensors.encoded_form(outputs, "tensor") is outputs
+    encoded = tensors.encoded_form(outputs, "mp4")
+    assert {k: t.dtype for k, t in encoded.items()} == {
+        "video": torch.uint8,
+        "image": torch.uint8,
+        "latents": torch.float32,
+    }
+    assert np.array_equal(encoded["video"].numpy(), to_uint8(video.numpy()))
+    assert encoded["latents"] is latents
+    pixels = tensors.encoded_form({"image": encoded["image"]}, "png")["image"]
+    assert pixels is encoded["image"]  # uint8 pixels pass as they are
