@@ -34,8 +34,9 @@ from stagemesh.core.params import Params
 from stagemesh.stage_service.models.batch_invariance import padding_key, run_items_alone
 from stagemesh.stage_service.models.config import PipelineConfig
 from stagemesh.stage_service.models.contract import Progress, WorkItem
+from stagemesh.stage_service.models.model_dir import default_model_dir
 from stagemesh.stage_service.models.runners import ArRunner, DiffusionRunner
-from stagemesh.stage_service.models.weights import default_model_dir, ensure_model_dir
+from stagemesh.stage_service.models.weights import ensure_model_dir
 
 # 12-27 bytes: the conditioning (bytes + start + 4 decoded tokens) pads to 32 for all of them.
 SAME_PAD = ("a red fox in the snow", "a lighthouse at dusk", "two cats on a sofa", "a boat on a lake")

@@ -76,13 +76,17 @@ def route(frames: torch.Tensor, params: Params, repeats: int, packer: ipc.Packer
     return pieces, encode_mp4(held["pixels"], params.fps, params.quality)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="832x480", help="WIDTHxHEIGHT (default: 832x480)")
     p.add_argument("--frames", type=int, default=17, help="frames (default: 17)")
     add_repeats(p, 5, "passes per piece (default: 5)")
     add_output(p, "video-relay")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     width, height = (int(v) for v in args.size.lower().split("x"))
     torch.set_num_threads(1)  # as a CPU stage's worker
     frames = torch.rand(args.frames, height, width, 3, generator=torch.Generator().manual_seed(0))

@@ -24,6 +24,7 @@ from stagemesh.stage_service.engine.wave_rules import WAVE_TIMEOUT_ENV, WaveFail
 from stagemesh.stage_service.executor.multiproc import Executor
 from stagemesh.stage_service.models.runners import WorkItem, build_runner
 from stagemesh.stage_service.settings import DloOptions, StageSettings
+from stagemesh.stage_service.transport.tensors import encoded_form
 from stagemesh.v1 import gateway_pb2, generation_pb2
 from tests.support.meshproc import segments_of, shm_entries, start_mesh, write_config
 
@@ -62,7 +63,8 @@ def reference(tiny_model):
         key = (seed, tuple(sorted(kw.items())))
         if key not in cache:
             item = WorkItem(f"ref-{seed}", _params(seed, **kw), _inputs(seed))
-            cache[key] = runner.run([item])[0]["image"].clone()
+            # As the worker hands it back for a PNG request: the gateway's uint8 pixels.
+            cache[key] = encoded_form(runner.run([item])[0], item.params.output_format)["image"].clone()
         return cache[key]
 
     yield image
