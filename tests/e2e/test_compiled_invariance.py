@@ -23,10 +23,15 @@ def test_compiled_blocks_give_the_same_bytes_alone_and_batched(tmp_path, model_d
     try:
         requests = mixed_requests(REQUESTS)
         alone = serve_alone(mesh, requests)
-        middle = batch_counters(mesh)
-        loaded = serve_under_load(mesh, requests, clients=8)
-        after = batch_counters(mesh)
-        assert after[0] - middle[0] < REQUESTS, "no batch of more than one formed"
+        # Batches form when requests arrive while one runs; on a loaded 2-core machine the eight
+        # clients can be starved into arriving one at a time, so the load is offered again.
+        for _ in range(3):
+            middle = batch_counters(mesh)
+            loaded = serve_under_load(mesh, requests, clients=8)
+            after = batch_counters(mesh)
+            if after[0] - middle[0] < REQUESTS:
+                break
+        assert after[0] - middle[0] < REQUESTS, "no batch of more than one formed in three rounds"
         differing = [i for i, (a, b) in enumerate(zip(alone, loaded)) if a != b]
         assert not differing, f"{len(differing)} of {REQUESTS} differ under load"
         assert '"event": "compiled blocks ready"' in mesh.logs()
