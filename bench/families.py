@@ -34,6 +34,8 @@ Qwen-Image (43 GB folder) in two commands over one kept folder, deleted afterwar
       --model-dir /tmp/fam --cases diffusers-resident,mesh-resident,mesh-dlo
   python -m bench.families --families qwen-image --steps 4 --repeats 1 --warmup 0 \
       --model-dir /tmp/fam --cases diffusers-group,mesh-dlo,mesh-dlo-fp8 && rm -rf /tmp/fam
+Qwen-Image-Edit (the same 43 GB transformer; each request edits a fixed 1024² gradient):
+  python -m bench.families --families qwen-image-edit --steps 2 --repeats 1 --warmup 0
 CPU smoke (tiny folders, 32 px, 2 steps):
   python -m bench.families --preset tiny-folders --device cpu --families zimage,qwen-image \
       --cases diffusers-resident,mesh-resident,mesh-dlo,mesh-dlo-int8
@@ -42,6 +44,7 @@ CPU smoke (tiny folders, 32 px, 2 steps):
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import shutil
 import sys
@@ -65,6 +68,7 @@ CASES = ("diffusers-resident", "mesh-resident", "diffusers-group", "mesh-dlo", "
 FAMILIES: dict[str, tuple[int, float, str, bool]] = {
     "zimage": (1024, 1.0, "", False),  # guidance >= 1 always runs Z-Image's CFG (batched)
     "qwen-image": (1328, 4.0, "blurry", True),  # true CFG with a negative prompt, two calls
+    "qwen-image-edit": (1024, 4.0, "blurry", True),  # as qwen-image, editing a 1024² picture
     "flux2-klein": (1024, 1.0, "", False),  # the distilled 4B: no CFG
     "flux": (1024, 3.5, "", False),  # guidance distilled into an embedding
     "sd3": (1024, 5.0, "", False),  # CFG batched
@@ -125,10 +129,35 @@ def _request(family: str, args) -> tuple[int, float, str]:
     return (args.size or (32 if args.preset == "tiny-folders" else size)), guidance, negative
 
 
-def diffusers_case(folder: Path, family: str, device: torch.device, args, group: bool) -> dict:
+def edit_picture(size: int) -> bytes:
+    """The picture an edit family's requests edit: a fixed gradient, PNG."""
+    ramp = torch.linspace(0, 1, size)
+    picture = torch.stack([ramp.expand(size, size), ramp.expand(size, size).T, 1 - ramp.expand(size, size)], dim=-1)
+    return encode_png(picture.numpy())
+
+
+def load_diffusers(folder: Path, args):
+    """diffusers' own pipeline from the folder, with the components the family builds itself
+    (a processor transformers cannot build without torchvision) handed over as the stages do."""
     import diffusers
 
-    pipe = diffusers.DiffusionPipeline.from_pretrained(folder, local_files_only=True, **_dtype(args))
+    from stagemesh.stage_service.models.diffusers_adapter import open_folder
+    from stagemesh.stage_service.models.diffusers_adapter.families import family_of
+
+    family = family_of(open_folder(folder))
+    built = family.built_components(folder) if family.built_components else {}
+    pipe = diffusers.DiffusionPipeline.from_pretrained(
+        folder, local_files_only=True, **{name: None for name in built}, **_dtype(args)
+    )
+    for name, component in built.items():
+        setattr(pipe, name, component)
+    return pipe
+
+
+def diffusers_case(folder: Path, family: str, device: torch.device, args, group: bool) -> dict:
+    import PIL.Image
+
+    pipe = load_diffusers(folder, args)
     pipe.set_progress_bar_config(disable=True)
     if group:
         pipe.transformer.enable_group_offload(
@@ -144,8 +173,10 @@ def diffusers_case(folder: Path, family: str, device: torch.device, args, group:
     else:
         pipe.to(device)
     size, guidance, negative = _request(family, args)
-    keyword = "true_cfg_scale" if family == "qwen-image" else "guidance_scale"
-    extra = {"negative_prompt": negative} if negative else {}
+    keyword = "true_cfg_scale" if family.startswith("qwen-image") else "guidance_scale"
+    extra: dict = {"negative_prompt": negative} if negative else {}
+    if family == "qwen-image-edit":
+        extra["image"] = PIL.Image.open(io.BytesIO(edit_picture(size))).convert("RGB")
 
     def run() -> bytes:
         image = pipe(
@@ -178,6 +209,7 @@ def mesh_case(folder: Path, family: str, device: torch.device, args, name: str, 
         num_inference_steps=args.steps,
         guidance_scale=guidance,
         seed=args.seed,
+        init_image=edit_picture(size) if family == "qwen-image-edit" else b"",
     )
     request = gateway_pb2.GenerateUnaryRequest(params=params)
     try:
