@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from stagemesh.stage_service.models.diffusers_adapter.loading import import_diffusers
+from stagemesh.stage_service.models.diffusers_adapter.synthetic.flux2 import TINY_TRANSFORMER as KLEIN_TINY_TRANSFORMER
 from stagemesh.stage_service.models.diffusers_adapter.synthetic.flux2 import TINY_VAE
 
 TEXT_DIM = 16
@@ -58,18 +59,8 @@ PREPROCESSOR_CONFIG = {
     "rescale_factor": 0.00392156862745098,
     "size": {"longest_edge": 1540},
 }
-TINY_TRANSFORMER = {
-    "patch_size": 1,
-    "in_channels": 16,
-    "num_layers": 1,
-    "num_single_layers": 2,
-    "attention_head_dim": 8,
-    "num_attention_heads": 2,
-    "joint_attention_dim": 3 * TEXT_DIM,
-    "timestep_guidance_channels": 16,
-    "axes_dims_rope": (2, 2, 2, 2),
-    "guidance_embeds": True,  # FLUX.2 [dev]'s guidance is distilled into an embedding
-}
+# klein's tiny transformer (the same text width), with FLUX.2 [dev]'s guidance embedding.
+TINY_TRANSFORMER = {**KLEIN_TINY_TRANSFORMER, "joint_attention_dim": 3 * TEXT_DIM, "guidance_embeds": True}
 
 
 def mistral_tokenizer():
