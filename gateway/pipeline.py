@@ -10,7 +10,7 @@ import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
-from stagemesh.core import codec, converters, errors, logs, tracing
+from stagemesh.core import codec, converters, errors, logs, shared_tensors, tracing
 from stagemesh.core.events import DenoisingStep, StageStarted
 from stagemesh.core.params import INIT_IMAGE_INPUT, OUTPUT_TENSOR, STEP_CACHE_OUTPUT, STEP_CACHES, Limits, Params
 from stagemesh.gateway.control import Admission, AdmissionTicket
@@ -55,12 +55,16 @@ class Pipeline:
         stages: list[StageClient],
         admission: Admission,
         max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST,
+        shared_memory: bool = False,
     ):
         if not stages:
             raise ValueError("a pipeline needs at least one stage")
         self.stages = stages
         self.admission = admission
         self.max_images_per_request = max_images_per_request
+        # The stages share this host's /dev/shm: their large outputs come as segments (the
+        # gateway passes them on unread, or reads the last stage's picture from one).
+        self.shared_memory = shared_memory
 
     async def wait_until_ready(self, poll_s: float = 0.1) -> None:
         """Block until every stage has described itself as ready (the gateway's load step)."""
@@ -168,48 +172,65 @@ class Pipeline:
         inputs: dict = {}
         step_cache = None  # the STEP_CACHE_OUTPUT tensor of a denoising stage whose cache ran
         latency: dict[str, float] = {}
-        arrived_ns = 0  # when the previous stage's outputs reached the gateway (traced only)
-        for position, stage in enumerate(self.stages):
-            yield StageStarted(stage.stage_id, stage.kind)
-            started = time.perf_counter()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise errors.DeadlineExceeded(f"deadline passed before {stage.name}")
-            if start_image is not None and stage.supports_init_image:
-                inputs[INIT_IMAGE_INPUT] = start_image
-            # Admission ends once the first stage has every image (a Sleep waits for that).
-            first = on_started if position == 0 else None
-            wire = self._wire_params(stage, params)
-            if tracing.ON and position > 0:
-                _relay_span(self.stages[position - 1], stage, inputs, arrived_ns, index)
-            attributes = _call_attributes(stage, request_id, index) if tracing.ON else None
-            outputs: dict[str, tensor_pb2.Tensor] = {}
-            with tracing.span(EXECUTE_METHOD, kind="client", attributes=attributes) as call:
-                async for response in stage.execute(
-                    request_id, wire, inputs, remaining, first, request.num_images, call
-                ):
-                    if response.HasField("progress"):
-                        if stage.kind in DENOISING_KINDS:  # denoising steps, not encoder items
-                            yield DenoisingStep(stage.stage_id, response.progress.step, response.progress.total, index)
-                    else:
-                        _join_outputs(outputs, response.outputs, stage)
-                        arrived_ns = time.time_ns() if call is not None else 0
-            inputs = outputs
-            # A denoising stage's step-cache counts are for the result, not the next stage.
-            counted = inputs.pop(STEP_CACHE_OUTPUT, None)
-            step_cache = counted if counted is not None else step_cache
-            latency[str(stage.stage_id)] = (time.perf_counter() - started) * 1e3
-        picture = VIDEO_OUTPUT if params.video else "image"
-        if picture not in inputs:
-            raise errors.StagemeshError(f"the last stage returned no {picture} (outputs: {sorted(inputs)})")
-        with tracing.span("encode image", attributes={"stagemesh.output_format": params.output_format}):
-            if params.width * params.height <= INLINE_ENCODE_PIXELS and not params.video:
-                result = self._result(request_id, params, index, inputs[picture], latency)
-            else:
-                result = await asyncio.to_thread(self._result, request_id, params, index, inputs[picture], latency)
+        received = _Received()
+        try:
+            for position, stage in enumerate(self.stages):
+                yield StageStarted(stage.stage_id, stage.kind)
+                started = time.perf_counter()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise errors.DeadlineExceeded(f"deadline passed before {stage.name}")
+                if start_image is not None and stage.supports_init_image:
+                    inputs[INIT_IMAGE_INPUT] = start_image
+                if tracing.ON and position > 0:
+                    _relay_span(self.stages[position - 1], stage, inputs, received.arrived_ns, index)
+                # Admission ends once the first stage has every image (a Sleep waits for that).
+                first = on_started if position == 0 else None
+                received = _Received()
+                async for step in self._call(stage, request_id, params, inputs, remaining, first, index, received):
+                    yield step
+                inputs = received.outputs
+                # A denoising stage's step-cache counts are for the result, not the next stage.
+                counted = inputs.pop(STEP_CACHE_OUTPUT, None)
+                step_cache = counted if counted is not None else step_cache
+                latency[str(stage.stage_id)] = (time.perf_counter() - started) * 1e3
+            picture = VIDEO_OUTPUT if params.video else "image"
+            if picture not in inputs:
+                raise errors.StagemeshError(f"the last stage returned no {picture} (outputs: {sorted(inputs)})")
+            with tracing.span("encode image", attributes={"stagemesh.output_format": params.output_format}):
+                if params.width * params.height <= INLINE_ENCODE_PIXELS and not params.video:
+                    result = self._result(request_id, params, index, inputs[picture], latency)
+                else:
+                    result = await asyncio.to_thread(self._result, request_id, params, index, inputs[picture], latency)
+        finally:  # segments no stage or encoder read: a failed or cancelled request's
+            shared_tensors.discard([*inputs.values(), *received.outputs.values()])
         if step_cache is not None:
             _report_step_cache(result, step_cache)
         yield result
+
+    async def _call(
+        self,
+        stage: StageClient,
+        request_id: str,
+        params: Params,
+        inputs: dict,
+        remaining: float,
+        first: Callable[[], Awaitable[None]] | None,
+        index: int,
+        received: _Received,
+    ) -> AsyncGenerator[DenoisingStep, None]:
+        """One stage's Execute: its denoising steps as events, its outputs into `received`."""
+        attributes = _call_attributes(stage, request_id, index) if tracing.ON else None
+        wire = self._wire_params(stage, params)
+        with tracing.span(EXECUTE_METHOD, kind="client", attributes=attributes) as call:
+            async for response in stage.execute(
+                request_id, wire, inputs, remaining, first, params.num_images, call, self.shared_memory
+            ):
+                if not response.HasField("progress"):
+                    _join_outputs(received.outputs, response.outputs, stage)
+                    received.arrived_ns = time.time_ns() if call is not None else 0
+                elif stage.kind in DENOISING_KINDS:  # denoising steps, not encoder items
+                    yield DenoisingStep(stage.stage_id, response.progress.step, response.progress.total, index)
 
     @staticmethod
     def _result(request_id: str, params: Params, index: int, image_proto, latency) -> generation_pb2.GenerationResult:
@@ -225,7 +246,7 @@ class Pipeline:
         if params.video:
             result.num_frames, result.fps = params.num_frames, params.fps
         if params.output_format == OUTPUT_TENSOR:
-            result.tensor.CopyFrom(image_proto)
+            result.tensor.CopyFrom(codec.materialized(image_proto, VIDEO_OUTPUT if params.video else "image"))
         elif params.video:
             frames = codec.to_array(image_proto, VIDEO_OUTPUT)
             data = encode_video(frames, params.output_format, params.fps, params.quality)
@@ -263,6 +284,14 @@ class Pipeline:
         return list(await asyncio.gather(*(one(s) for s in self.stages)))
 
 
+@dataclasses.dataclass
+class _Received:
+    """A stage's outputs as they arrive, and when the last of them did (traced only)."""
+
+    outputs: dict[str, tensor_pb2.Tensor] = dataclasses.field(default_factory=dict)
+    arrived_ns: int = 0
+
+
 def _join_outputs(outputs: dict[str, tensor_pb2.Tensor], message, stage: StageClient) -> None:
     """Add one outputs message to those received: a large output (a video) comes in several, its
     rows in order (the stage's codec.split_rows)."""
@@ -295,7 +324,8 @@ def _relay_span(source: StageClient, target: StageClient, inputs: dict, arrived_
         "stagemesh.relay.from_stage": source.stage_id,
         "stagemesh.relay.to_stage": target.stage_id,
         "stagemesh.relay.tensors": sorted(tensors),
-        "stagemesh.relay.bytes": sum(len(t.data) for t in tensors.values()),
+        "stagemesh.relay.bytes": sum(codec.nbytes(t) for t in tensors.values()),
+        "stagemesh.relay.shared_memory": any(t.shm_name for t in tensors.values()),
         "stagemesh.image.index": index,
     }
     name = f"relay stage {source.stage_id} -> stage {target.stage_id}"

@@ -149,7 +149,7 @@ async def serve_gateway(settings: GatewaySettings) -> None:
         for i, spec in enumerate(settings.stage)
     ]
     admission = Admission()
-    pipeline = Pipeline(stages, admission, settings.max_images_per_request)
+    pipeline = Pipeline(stages, admission, settings.max_images_per_request, settings.shared_memory)
     control = ControlPlane(stages, admission)
     adapters = AdapterControl(stages)
     metrics = ServiceMetrics("gateway", settings.host, settings.metrics_port)

@@ -86,6 +86,12 @@ class GatewaySettings:
         "most images one Generate may ask for (GenerationParams.num_images); more get INVALID_ARGUMENT "
         f"naming params.num_images (default: {DEFAULT_MAX_IMAGES_PER_REQUEST})",
     )
+    shared_memory: bool = option(
+        False,
+        "the stages run on this host as this user: their large outputs (prompt embeddings, pictures) "
+        "come through /dev/shm instead of inside the gRPC messages (stagemesh up: always on)",
+        mesh=False,
+    )
     result_chunk_bytes: int = option(
         DEFAULT_RESULT_CHUNK_BYTES,
         "Generate sends a result larger than this (a video) as ResultChunk events of at most this many "

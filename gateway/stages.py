@@ -368,13 +368,17 @@ class StageClient:
         on_started=None,
         images: int = 1,
         trace_parent: Any = None,
+        shared_memory: bool = False,
     ) -> AsyncIterator[stage_pb2.ExecuteResponse]:
         """Stream one request through the stage; `on_started` is awaited once the stage answered.
         `images`: how many requests of this id are sent at once (the images of one Generate).
-        `trace_parent`: the span the stage's spans belong under (None: tracing is off)."""
+        `trace_parent`: the span the stage's spans belong under (None: tracing is off).
+        `shared_memory`: large outputs may come as shared-memory segments, which the caller owns."""
         if self.unresponsive:
             raise errors.Unavailable(self.unresponsive)
-        request = stage_pb2.ExecuteRequest(request_id=request_id, params=params, inputs=inputs)
+        request = stage_pb2.ExecuteRequest(
+            request_id=request_id, params=params, inputs=inputs, outputs_in_shared_memory=shared_memory
+        )
         metadata = (*rpc.outgoing_metadata(request_id, images), *self._auth_metadata)
         if trace_parent is not None:
             metadata = (*metadata, *tracing.outgoing(trace_parent))

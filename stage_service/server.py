@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from typing import Any
 
 import torch
 
-from stagemesh.core import auth, codec, converters, logs, rpc, serve, startup, tls, tracing
+from stagemesh.core import auth, codec, converters, logs, rpc, serve, shared_tensors, startup, tls, tracing
 from stagemesh.core.acks import WorkerAck
 from stagemesh.core.metrics import ServiceMetrics
 from stagemesh.core.params import Limits
@@ -24,7 +25,7 @@ from stagemesh.stage_service.metrics import stage_readings
 from stagemesh.stage_service.models.contract import TensorSpec
 from stagemesh.stage_service.models.model_dir import prepare_model_dir
 from stagemesh.stage_service.settings import StageSettings
-from stagemesh.stage_service.transport import tensors
+from stagemesh.stage_service.transport import relay, tensors
 from stagemesh.v1 import control_pb2, stage_pb2, stage_pb2_grpc
 
 log = logs.get_logger("stagemesh.stage")
@@ -43,22 +44,34 @@ def _acks_proto(stage_id: int, acks: list[Ack]) -> list[control_pb2.WorkerAck]:
     return [converters.worker_ack_to_proto(WorkerAck(stage_id, **dataclasses.asdict(a))) for a in acks]
 
 
-def _encode_outputs(outputs: dict[str, torch.Tensor], output_format: str) -> list[stage_pb2.StageOutputs]:
+def _encode_outputs(
+    outputs: dict[str, torch.Tensor], output_format: str, shared_memory: bool = False
+) -> list[stage_pb2.StageOutputs]:
     """The outputs as one message, or, where they pass OUTPUT_MESSAGE_BYTES (a video's frames),
     several: each tensor in pieces of whole rows, in order, that the gateway joins
     (codec.join_rows), so no message passes gRPC's size limit. An image or video the gateway will
     encode goes as its uint8 pixels, the bytes the gateway's encoder would make of it: a quarter
-    of the float32 bytes to copy, send and parse."""
+    of the float32 bytes to copy, send and parse. With `shared_memory` (the caller is on this
+    host), each output of at least shared_tensors.min_bytes() goes whole in a segment of its own."""
     outputs = tensors.encoded_form(outputs, output_format)  # the worker's already, where it ran
     messages: list[stage_pb2.StageOutputs] = []
     size = OUTPUT_MESSAGE_BYTES
-    for name, tensor in outputs.items():
-        for piece in codec.split_rows(tensors.to_proto(tensor), OUTPUT_MESSAGE_BYTES):
-            if not messages or name in messages[-1].outputs or size + len(piece.data) > OUTPUT_MESSAGE_BYTES:
-                messages.append(stage_pb2.StageOutputs())
-                size = 0
-            messages[-1].outputs[name].CopyFrom(piece)
-            size += len(piece.data)
+    least = shared_tensors.min_bytes() if shared_memory else 0
+    try:
+        for name, tensor in outputs.items():
+            if shared_memory and tensor.numel() and tensor.numel() * tensor.element_size() >= least:
+                pieces = [tensors.to_shared_proto(tensor, os.getpid())]
+            else:
+                pieces = codec.split_rows(tensors.to_proto(tensor), OUTPUT_MESSAGE_BYTES)
+            for piece in pieces:
+                if not messages or name in messages[-1].outputs or size + len(piece.data) > OUTPUT_MESSAGE_BYTES:
+                    messages.append(stage_pb2.StageOutputs())
+                    size = 0
+                messages[-1].outputs[name].CopyFrom(piece)
+                size += len(piece.data)
+    except BaseException:
+        relay.discard(messages)
+        raise
     return messages or [stage_pb2.StageOutputs()]
 
 
@@ -79,6 +92,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.limits: Limits = settings.limits()
         self.input_specs: dict[str, TensorSpec] | None = None  # what the loaded model takes
         self.ready = False
+        self.sent_segments = relay.SentSegments()  # outputs handed over in shared memory
 
     @servicer_method
     async def Execute(self, request: stage_pb2.ExecuteRequest, context) -> Any:
@@ -90,15 +104,21 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         with tracing.span("decode inputs"):
             inputs = {name: tensors.from_proto(t, f"inputs[{name}]") for name, t in request.inputs.items()}
         explicit_steps = request.params.HasField("num_inference_steps")
+        shared = request.outputs_in_shared_memory
         images = rpc.images_hint(context)
         async for event in self._engine.run(request_id, params, inputs, explicit_steps, images):
             if isinstance(event, ProgressEvent):
                 yield stage_pb2.ExecuteResponse(progress=stage_pb2.StageProgress(step=event.step, total=event.total))
             elif isinstance(event, OutputsEvent):
                 with tracing.span("encode outputs"):
-                    messages = await asyncio.to_thread(_encode_outputs, event.outputs, params.output_format)
-                for message in messages:
-                    yield stage_pb2.ExecuteResponse(outputs=message)
+                    messages = await relay.encoded(_encode_outputs, event.outputs, params.output_format, shared)
+                self.sent_segments.sent(relay.names_in(messages))
+                try:
+                    for message in messages:
+                        yield stage_pb2.ExecuteResponse(outputs=message)
+                except BaseException:  # the caller went away: what it did not read, no one will
+                    relay.discard(messages)
+                    raise
 
     @servicer_method
     async def DescribeStage(self, request, context) -> stage_pb2.DescribeStageResponse:
@@ -208,6 +228,7 @@ async def serve_stage(settings: StageSettings, early: EarlyWorkers | None = None
 
     async def close() -> None:
         await engine.close()
+        servicer.sent_segments.drop_all()
         await asyncio.to_thread(executor.shutdown)
 
     await serve.run(host, ready_file=settings.ready_file, load=load, close=close, metrics=metrics)

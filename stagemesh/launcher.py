@@ -70,8 +70,15 @@ def _gateway_settings(config: MeshConfig, port: int, stage_addresses: list[str],
     if http_port is not None and bound:
         http_port = int(bound.rsplit(":", 1)[1])
     security = {k: v for k, v in vars(config.security).items() if v}
+    # Every stage is a child of this process on this host, as this user: outputs can go through /dev/shm.
     return replace(
-        config.gateway, host=config.host, port=port, stage=tuple(stage_addresses), http_port=http_port, **security
+        config.gateway,
+        host=config.host,
+        port=port,
+        stage=tuple(stage_addresses),
+        http_port=http_port,
+        shared_memory=True,
+        **security,
     )
 
 

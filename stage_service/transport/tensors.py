@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from stagemesh.core import codec
+from stagemesh.core import codec, shared_tensors
 from stagemesh.core.params import OUTPUT_TENSOR
 from stagemesh.v1 import tensor_pb2
 
@@ -48,10 +48,18 @@ def to_proto(tensor: torch.Tensor) -> tensor_pb2.Tensor:
     return tensor_pb2.Tensor(dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), data=raw)
 
 
+def to_shared_proto(tensor: torch.Tensor, owner_pid: int) -> tensor_pb2.Tensor:
+    """The tensor's bytes in a new shared-memory segment, named in the message (the reader owns
+    it: core/shared_tensors.py)."""
+    name = shared_tensors.export(host_bytes(tensor).numpy().data, owner_pid)
+    return tensor_pb2.Tensor(dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), shm_name=name)
+
+
 def from_proto(message: tensor_pb2.Tensor, field: str = "tensor") -> torch.Tensor:
     shape = codec.checked_shape(message, field)
     dtype = _DTYPES[message.dtype]
-    if not message.data:
+    data = codec.payload(message, field)  # a segment's: mapped privately, no copy
+    if not len(data):
         return torch.empty(shape, dtype=dtype)
-    raw = torch.frombuffer(bytearray(message.data), dtype=torch.uint8)
+    raw = torch.frombuffer(data if message.shm_name else bytearray(data), dtype=torch.uint8)
     return raw.view(dtype).reshape(shape)

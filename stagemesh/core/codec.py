@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from stagemesh.core import shared_tensors
 from stagemesh.core.errors import InvalidArgument
 from stagemesh.v1 import tensor_pb2
 
@@ -45,7 +46,21 @@ _NAMES = {np.dtype(code): name for name, code in _NUMPY.items() if name != "bflo
 
 def checked_shape(message: tensor_pb2.Tensor, field: str = "tensor") -> tuple[int, ...]:
     """The message's shape, once its dtype is known and its bytes are exactly what dtype and shape
-    need; INVALID_ARGUMENT naming `field` otherwise."""
+    need (for a segment's bytes, checked when it is read: `payload`); INVALID_ARGUMENT naming
+    `field` otherwise."""
+    shape, expected = _shape_and_bytes(message, field)
+    if message.shm_name:
+        if message.data:
+            raise InvalidArgument.field(f"{field}.data", "set together with shm_name; a tensor has one or the other")
+        return shape
+    if len(message.data) != expected:
+        raise InvalidArgument.field(
+            f"{field}.data", f"holds {len(message.data)} bytes, shape {list(shape)} of {message.dtype} needs {expected}"
+        )
+    return shape
+
+
+def _shape_and_bytes(message: tensor_pb2.Tensor, field: str) -> tuple[tuple[int, ...], int]:
     item_bytes = ITEM_BYTES.get(message.dtype)
     if item_bytes is None:
         raise InvalidArgument.field(f"{field}.dtype", f"unknown dtype {message.dtype!r}; allowed: {sorted(DTYPES)}")
@@ -55,11 +70,27 @@ def checked_shape(message: tensor_pb2.Tensor, field: str = "tensor") -> tuple[in
     expected = item_bytes
     for d in shape:
         expected *= d
-    if len(message.data) != expected:
-        raise InvalidArgument.field(
-            f"{field}.data", f"holds {len(message.data)} bytes, shape {list(shape)} of {message.dtype} needs {expected}"
-        )
-    return shape
+    return shape, expected
+
+
+def nbytes(message: tensor_pb2.Tensor, field: str = "tensor") -> int:
+    """The bytes dtype and shape need (where they are: `data` or a segment)."""
+    return _shape_and_bytes(message, field)[1]
+
+
+def payload(message: tensor_pb2.Tensor, field: str = "tensor") -> bytes | memoryview:
+    """The tensor's bytes: its `data`, or its shared-memory segment's, read (and unlinked) now."""
+    if not message.shm_name:
+        return message.data
+    _, expected = _shape_and_bytes(message, field)
+    return shared_tensors.take(message.shm_name, expected, field)
+
+
+def materialized(message: tensor_pb2.Tensor, field: str = "tensor") -> tensor_pb2.Tensor:
+    """The message with its bytes in `data` (what a client is sent: never a segment's name)."""
+    if not message.shm_name:
+        return message
+    return tensor_pb2.Tensor(dtype=message.dtype, shape=message.shape, data=bytes(payload(message, field)))
 
 
 def to_pixels(image: np.ndarray) -> np.ndarray:
@@ -76,10 +107,11 @@ def to_array(message: tensor_pb2.Tensor, field: str = "tensor") -> np.ndarray:
     """The message as a numpy array: a read-only view of its bytes, except bfloat16, which numpy
     lacks and which is widened to float32 (exactly: bfloat16 is float32's upper 16 bits)."""
     shape = checked_shape(message, field)
+    data = payload(message, field)
     if message.dtype == "bfloat16":
-        bits = np.frombuffer(message.data, dtype=_NUMPY["bfloat16"]).astype("<u4") << 16
+        bits = np.frombuffer(data, dtype=_NUMPY["bfloat16"]).astype("<u4") << 16
         return bits.view("<f4").reshape(shape)
-    return np.frombuffer(message.data, dtype=_NUMPY[message.dtype]).reshape(shape)
+    return np.frombuffer(data, dtype=_NUMPY[message.dtype]).reshape(shape)
 
 
 def from_array(array: np.ndarray) -> tensor_pb2.Tensor:
@@ -117,6 +149,8 @@ def join_rows(whole: tensor_pb2.Tensor | None, piece: tensor_pb2.Tensor, field: 
     in every axis but the first."""
     if whole is None:
         return piece
+    if whole.shm_name or piece.shm_name:
+        raise InvalidArgument.field(field, "a tensor in shared memory comes whole, never in pieces")
     if piece.dtype != whole.dtype or list(piece.shape[1:]) != list(whole.shape[1:]) or not piece.shape:
         raise InvalidArgument.field(
             field,

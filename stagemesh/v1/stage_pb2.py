@@ -27,7 +27,7 @@ from stagemesh.v1 import generation_pb2 as stagemesh_dot_v1_dot_generation__pb2
 from stagemesh.v1 import tensor_pb2 as stagemesh_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18stagemesh/v1/stage.proto\x12\x0cstagemesh.v1\x1a\x1astagemesh/v1/control.proto\x1a\x1dstagemesh/v1/generation.proto\x1a\x19stagemesh/v1/tensor.proto\"\"\n\x11SleepStageRequest\x12\r\n\x05level\x18\x01 \x01(\x05\";\n\x12SleepStageResponse\x12%\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x17.stagemesh.v1.WorkerAck\"\x14\n\x12WakeUpStageRequest\"<\n\x13WakeUpStageResponse\x12%\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x17.stagemesh.v1.WorkerAck\"\xd3\x01\n\x0e\x45xecuteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x06params\x18\x02 \x01(\x0b\x32\x1e.stagemesh.v1.GenerationParams\x12\x38\n\x06inputs\x18\x03 \x03(\x0b\x32(.stagemesh.v1.ExecuteRequest.InputsEntry\x1a\x43\n\x0bInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor:\x02\x38\x01\",\n\rStageProgress\x12\x0c\n\x04step\x18\x01 \x01(\x05\x12\r\n\x05total\x18\x02 \x01(\x05\"\x8e\x01\n\x0cStageOutputs\x12\x38\n\x07outputs\x18\x01 \x03(\x0b\x32\'.stagemesh.v1.StageOutputs.OutputsEntry\x1a\x44\n\x0cOutputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor:\x02\x38\x01\"z\n\x0f\x45xecuteResponse\x12/\n\x08progress\x18\x01 \x01(\x0b\x32\x1b.stagemesh.v1.StageProgressH\x00\x12-\n\x07outputs\x18\x02 \x01(\x0b\x32\x1a.stagemesh.v1.StageOutputsH\x00\x42\x07\n\x05\x65vent\"\xe2\x02\n\x0bStageLimits\x12\x16\n\x0epixel_multiple\x18\x01 \x01(\x05\x12\x17\n\x0fmax_pixels_side\x18\x02 \x01(\x05\x12\x1b\n\x13max_inference_steps\x18\x03 \x01(\x05\x12\x18\n\x10max_prompt_bytes\x18\x04 \x01(\x05\x12\x14\n\x0c\x64\x65\x66\x61ult_size\x18\x05 \x01(\x05\x12\x1f\n\x17\x64\x65\x66\x61ult_inference_steps\x18\x06 \x01(\x05\x12\x1e\n\x16\x64\x65\x66\x61ult_guidance_scale\x18\x07 \x01(\x02\x12\x1a\n\x12max_guidance_scale\x18\x08 \x01(\x02\x12\x12\n\nframe_step\x18\x14 \x01(\x05\x12\x16\n\x0emax_num_frames\x18\x15 \x01(\x05\x12\x1a\n\x12\x64\x65\x66\x61ult_num_frames\x18\x16 \x01(\x05\x12\x13\n\x0b\x64\x65\x66\x61ult_fps\x18\x17 \x01(\x05\x12\x1b\n\x13requires_init_image\x18\x18 \x01(\x08\"\x16\n\x14\x44\x65scribeStageRequest\"\x8e\x03\n\x15\x44\x65scribeStageResponse\x12\x10\n\x08stage_id\x18\x01 \x01(\x05\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05ready\x18\x03 \x01(\x08\x12)\n\x06limits\x18\x04 \x01(\x0b\x32\x19.stagemesh.v1.StageLimits\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x06 \x01(\x03\x12\x0f\n\x07workers\x18\x07 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\x08 \x01(\x05\x12\x16\n\x0esupports_sleep\x18\t \x01(\x08\x12\x13\n\x0bsleep_level\x18\n \x01(\x05\x12 \n\x18supports_negative_prompt\x18\x0b \x01(\x08\x12\x1b\n\x13supports_init_image\x18\x0c \x01(\x08\x12\x13\n\x0bqueue_depth\x18\r \x01(\x05\x12\x0f\n\x07\x62\x61tches\x18\x0e \x01(\x03\x12\x18\n\x10\x62\x61tched_requests\x18\x0f \x01(\x03\x12\x19\n\x11supports_adapters\x18\x14 \x01(\x08\x32\xeb\x04\n\x0cStageService\x12H\n\x07\x45xecute\x12\x1c.stagemesh.v1.ExecuteRequest\x1a\x1d.stagemesh.v1.ExecuteResponse0\x01\x12X\n\rDescribeStage\x12\".stagemesh.v1.DescribeStageRequest\x1a#.stagemesh.v1.DescribeStageResponse\x12O\n\nSleepStage\x12\x1f.stagemesh.v1.SleepStageRequest\x1a .stagemesh.v1.SleepStageResponse\x12R\n\x0bWakeUpStage\x12 .stagemesh.v1.WakeUpStageRequest\x1a!.stagemesh.v1.WakeUpStageResponse\x12W\n\x10LoadStageAdapter\x12 .stagemesh.v1.LoadAdapterRequest\x1a!.stagemesh.v1.LoadAdapterResponse\x12]\n\x12UnloadStageAdapter\x12\".stagemesh.v1.UnloadAdapterRequest\x1a#.stagemesh.v1.UnloadAdapterResponse\x12Z\n\x11ListStageAdapters\x12!.stagemesh.v1.ListAdaptersRequest\x1a\".stagemesh.v1.ListAdaptersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18stagemesh/v1/stage.proto\x12\x0cstagemesh.v1\x1a\x1astagemesh/v1/control.proto\x1a\x1dstagemesh/v1/generation.proto\x1a\x19stagemesh/v1/tensor.proto\"\"\n\x11SleepStageRequest\x12\r\n\x05level\x18\x01 \x01(\x05\";\n\x12SleepStageResponse\x12%\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x17.stagemesh.v1.WorkerAck\"\x14\n\x12WakeUpStageRequest\"<\n\x13WakeUpStageResponse\x12%\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x17.stagemesh.v1.WorkerAck\"\xf5\x01\n\x0e\x45xecuteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x06params\x18\x02 \x01(\x0b\x32\x1e.stagemesh.v1.GenerationParams\x12\x38\n\x06inputs\x18\x03 \x03(\x0b\x32(.stagemesh.v1.ExecuteRequest.InputsEntry\x12 \n\x18outputs_in_shared_memory\x18\x04 \x01(\x08\x1a\x43\n\x0bInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor:\x02\x38\x01\",\n\rStageProgress\x12\x0c\n\x04step\x18\x01 \x01(\x05\x12\r\n\x05total\x18\x02 \x01(\x05\"\x8e\x01\n\x0cStageOutputs\x12\x38\n\x07outputs\x18\x01 \x03(\x0b\x32\'.stagemesh.v1.StageOutputs.OutputsEntry\x1a\x44\n\x0cOutputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor:\x02\x38\x01\"z\n\x0f\x45xecuteResponse\x12/\n\x08progress\x18\x01 \x01(\x0b\x32\x1b.stagemesh.v1.StageProgressH\x00\x12-\n\x07outputs\x18\x02 \x01(\x0b\x32\x1a.stagemesh.v1.StageOutputsH\x00\x42\x07\n\x05\x65vent\"\xe2\x02\n\x0bStageLimits\x12\x16\n\x0epixel_multiple\x18\x01 \x01(\x05\x12\x17\n\x0fmax_pixels_side\x18\x02 \x01(\x05\x12\x1b\n\x13max_inference_steps\x18\x03 \x01(\x05\x12\x18\n\x10max_prompt_bytes\x18\x04 \x01(\x05\x12\x14\n\x0c\x64\x65\x66\x61ult_size\x18\x05 \x01(\x05\x12\x1f\n\x17\x64\x65\x66\x61ult_inference_steps\x18\x06 \x01(\x05\x12\x1e\n\x16\x64\x65\x66\x61ult_guidance_scale\x18\x07 \x01(\x02\x12\x1a\n\x12max_guidance_scale\x18\x08 \x01(\x02\x12\x12\n\nframe_step\x18\x14 \x01(\x05\x12\x16\n\x0emax_num_frames\x18\x15 \x01(\x05\x12\x1a\n\x12\x64\x65\x66\x61ult_num_frames\x18\x16 \x01(\x05\x12\x13\n\x0b\x64\x65\x66\x61ult_fps\x18\x17 \x01(\x05\x12\x1b\n\x13requires_init_image\x18\x18 \x01(\x08\"\x16\n\x14\x44\x65scribeStageRequest\"\x8e\x03\n\x15\x44\x65scribeStageResponse\x12\x10\n\x08stage_id\x18\x01 \x01(\x05\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05ready\x18\x03 \x01(\x08\x12)\n\x06limits\x18\x04 \x01(\x0b\x32\x19.stagemesh.v1.StageLimits\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x06 \x01(\x03\x12\x0f\n\x07workers\x18\x07 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\x08 \x01(\x05\x12\x16\n\x0esupports_sleep\x18\t \x01(\x08\x12\x13\n\x0bsleep_level\x18\n \x01(\x05\x12 \n\x18supports_negative_prompt\x18\x0b \x01(\x08\x12\x1b\n\x13supports_init_image\x18\x0c \x01(\x08\x12\x13\n\x0bqueue_depth\x18\r \x01(\x05\x12\x0f\n\x07\x62\x61tches\x18\x0e \x01(\x03\x12\x18\n\x10\x62\x61tched_requests\x18\x0f \x01(\x03\x12\x19\n\x11supports_adapters\x18\x14 \x01(\x08\x32\xeb\x04\n\x0cStageService\x12H\n\x07\x45xecute\x12\x1c.stagemesh.v1.ExecuteRequest\x1a\x1d.stagemesh.v1.ExecuteResponse0\x01\x12X\n\rDescribeStage\x12\".stagemesh.v1.DescribeStageRequest\x1a#.stagemesh.v1.DescribeStageResponse\x12O\n\nSleepStage\x12\x1f.stagemesh.v1.SleepStageRequest\x1a .stagemesh.v1.SleepStageResponse\x12R\n\x0bWakeUpStage\x12 .stagemesh.v1.WakeUpStageRequest\x1a!.stagemesh.v1.WakeUpStageResponse\x12W\n\x10LoadStageAdapter\x12 .stagemesh.v1.LoadAdapterRequest\x1a!.stagemesh.v1.LoadAdapterResponse\x12]\n\x12UnloadStageAdapter\x12\".stagemesh.v1.UnloadAdapterRequest\x1a#.stagemesh.v1.UnloadAdapterResponse\x12Z\n\x11ListStageAdapters\x12!.stagemesh.v1.ListAdaptersRequest\x1a\".stagemesh.v1.ListAdaptersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,23 +47,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WAKEUPSTAGERESPONSE']._serialized_start=247
   _globals['_WAKEUPSTAGERESPONSE']._serialized_end=307
   _globals['_EXECUTEREQUEST']._serialized_start=310
-  _globals['_EXECUTEREQUEST']._serialized_end=521
-  _globals['_EXECUTEREQUEST_INPUTSENTRY']._serialized_start=454
-  _globals['_EXECUTEREQUEST_INPUTSENTRY']._serialized_end=521
-  _globals['_STAGEPROGRESS']._serialized_start=523
-  _globals['_STAGEPROGRESS']._serialized_end=567
-  _globals['_STAGEOUTPUTS']._serialized_start=570
-  _globals['_STAGEOUTPUTS']._serialized_end=712
-  _globals['_STAGEOUTPUTS_OUTPUTSENTRY']._serialized_start=644
-  _globals['_STAGEOUTPUTS_OUTPUTSENTRY']._serialized_end=712
-  _globals['_EXECUTERESPONSE']._serialized_start=714
-  _globals['_EXECUTERESPONSE']._serialized_end=836
-  _globals['_STAGELIMITS']._serialized_start=839
-  _globals['_STAGELIMITS']._serialized_end=1193
-  _globals['_DESCRIBESTAGEREQUEST']._serialized_start=1195
-  _globals['_DESCRIBESTAGEREQUEST']._serialized_end=1217
-  _globals['_DESCRIBESTAGERESPONSE']._serialized_start=1220
-  _globals['_DESCRIBESTAGERESPONSE']._serialized_end=1618
-  _globals['_STAGESERVICE']._serialized_start=1621
-  _globals['_STAGESERVICE']._serialized_end=2240
+  _globals['_EXECUTEREQUEST']._serialized_end=555
+  _globals['_EXECUTEREQUEST_INPUTSENTRY']._serialized_start=488
+  _globals['_EXECUTEREQUEST_INPUTSENTRY']._serialized_end=555
+  _globals['_STAGEPROGRESS']._serialized_start=557
+  _globals['_STAGEPROGRESS']._serialized_end=601
+  _globals['_STAGEOUTPUTS']._serialized_start=604
+  _globals['_STAGEOUTPUTS']._serialized_end=746
+  _globals['_STAGEOUTPUTS_OUTPUTSENTRY']._serialized_start=678
+  _globals['_STAGEOUTPUTS_OUTPUTSENTRY']._serialized_end=746
+  _globals['_EXECUTERESPONSE']._serialized_start=748
+  _globals['_EXECUTERESPONSE']._serialized_end=870
+  _globals['_STAGELIMITS']._serialized_start=873
+  _globals['_STAGELIMITS']._serialized_end=1227
+  _globals['_DESCRIBESTAGEREQUEST']._serialized_start=1229
+  _globals['_DESCRIBESTAGEREQUEST']._serialized_end=1251
+  _globals['_DESCRIBESTAGERESPONSE']._serialized_start=1254
+  _globals['_DESCRIBESTAGERESPONSE']._serialized_end=1652
+  _globals['_STAGESERVICE']._serialized_start=1655
+  _globals['_STAGESERVICE']._serialized_end=2274
 # @@protoc_insertion_point(module_scope)

@@ -32,7 +32,7 @@ class WakeUpStageResponse(_message.Message):
     def __init__(self, acks: _Optional[_Iterable[_Union[_control_pb2.WorkerAck, _Mapping]]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("request_id", "params", "inputs")
+    __slots__ = ("request_id", "params", "inputs", "outputs_in_shared_memory")
     class InputsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -43,10 +43,12 @@ class ExecuteRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_IN_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     params: _generation_pb2.GenerationParams
     inputs: _containers.MessageMap[str, _tensor_pb2.Tensor]
-    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., inputs: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ...) -> None: ...
+    outputs_in_shared_memory: bool
+    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., inputs: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ..., outputs_in_shared_memory: _Optional[bool] = ...) -> None: ...
 
 class StageProgress(_message.Message):
     __slots__ = ("step", "total")

@@ -404,7 +404,8 @@ def test_cli_generate_video(meshes, tmp_path):
 @pytest.mark.mesh
 def test_a_video_past_grpcs_message_limit_streams_and_unary_refuses_it(meshes):
     """81 frames of 272 x 256 as float32 are 67.7 MB, past the 64 MiB one message may hold: the
-    stage sends them to the gateway in pieces of whole frames, Generate hands them on in chunks,
+    stage hands them to the gateway in one shared-memory segment (`stagemesh up`; in pieces of whole
+    frames otherwise: test_output_messages.py), Generate hands them on in chunks,
     and GenerateUnary, which cannot chunk, refuses naming Generate."""
     params = generation_pb2.GenerationParams(
         prompt="a long one", width=272, height=256, num_frames=81, num_inference_steps=1, guidance_scale=1.0,
