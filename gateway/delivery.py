@@ -11,8 +11,24 @@ from typing import Any, cast
 import grpc
 
 from stagemesh.core import errors, logs
+from stagemesh.v1 import generation_pb2
 
 log = logs.get_logger("stagemesh.gateway")
+
+# Above what a result's fields other than its picture take on the wire (ids, sizes, seed, the
+# per-stage latencies): a result is counted as its picture plus this, never less than it is.
+RESULT_FIELDS_BOUND = 4096
+
+
+def result_bytes(result: generation_pb2.GenerationResult) -> int:
+    """An upper bound of the result's size on the wire, from its picture's length. Not ByteSize:
+    protobuf finds that by encoding the whole message, milliseconds for a picture's megabytes,
+    which the gateway would then pay again to send it."""
+    kind = result.WhichOneof("image")
+    if kind is None:
+        return RESULT_FIELDS_BOUND
+    picture = result.tensor.data if kind == "tensor" else getattr(result, kind)
+    return len(picture) + RESULT_FIELDS_BOUND
 
 
 class DeliveryBudget:

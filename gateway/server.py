@@ -11,7 +11,7 @@ from stagemesh.core.params import check_request_id
 from stagemesh.core.rpc import ServiceHost, servicer_method
 from stagemesh.gateway.adapters import AdapterControl
 from stagemesh.gateway.control import Admission, ControlPlane
-from stagemesh.gateway.delivery import DeliveryBudget
+from stagemesh.gateway.delivery import DeliveryBudget, result_bytes
 from stagemesh.gateway.metrics import gateway_readings
 from stagemesh.gateway.pipeline import DenoisingStep, Pipeline, StageStarted
 from stagemesh.gateway.settings import DEFAULT_RESULT_CHUNK_BYTES, GatewaySettings
@@ -68,7 +68,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         request_id, params = self._start(request, context)
         async for event in self._pipeline.generate(request_id, params, context.time_remaining()):
             if isinstance(event, generation_pb2.GenerationResult):
-                self._delivery.take(event.ByteSize(), context)
+                self._delivery.take(result_bytes(event), context)
             for message in _event_protos(event, self._chunk_bytes):
                 yield message
 
@@ -78,17 +78,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         results = []
         async for event in self._pipeline.generate(request_id, params, context.time_remaining()):
             if isinstance(event, generation_pb2.GenerationResult):
-                self._delivery.take(event.ByteSize(), context)
-                results.append(event)
+                counted = result_bytes(event)
+                self._delivery.take(counted, context)
+                results.append((event.index, counted, event))
         if len(results) != params.num_images:
             raise AssertionError(f"pipeline ended with {len(results)} of {params.num_images} results")
-        results.sort(key=lambda r: r.index)
-        reply = gateway_pb2.GenerateUnaryResponse(result=results[0], results=results)
-        if reply.ByteSize() > rpc.MAX_MESSAGE_BYTES:
+        results.sort(key=lambda r: r[0])
+        size = results[0][1] + sum(counted for _, counted, _ in results)  # `result` repeats results[0]
+        if size > rpc.MAX_MESSAGE_BYTES:
             raise errors.ResourceExhausted(
-                f"the results are {reply.ByteSize()} bytes, past the {rpc.MAX_MESSAGE_BYTES} one message may hold; "
+                f"the results are about {size} bytes, past the {rpc.MAX_MESSAGE_BYTES} one message may hold; "
                 "call Generate, which sends a large result in chunks (or ask for fewer frames or a smaller size)"
             )
+        # Built by reference and copy, not by keyword: the constructor copies each result again.
+        reply = gateway_pb2.GenerateUnaryResponse()
+        reply.results.extend(r for _, _, r in results)
+        reply.result.CopyFrom(results[0][2])
         return reply
 
     @servicer_method
