@@ -13,6 +13,7 @@ Run: python -m bench.investigations.resident_gap --family flux2-klein --model-di
 
 from __future__ import annotations
 
+import io
 import os
 import statistics
 import sys
@@ -58,7 +59,11 @@ def diffusers_parts(folder: Path, family: str, device: torch.device, args) -> di
     pipe.vae.decode = _timing(pipe.vae.decode, device, decode)
     size, guidance, negative = families._request(family, args)
     keyword = "true_cfg_scale" if family.startswith("qwen-image") else "guidance_scale"
-    extra = {"negative_prompt": negative} if negative else {}
+    extra: dict = {"negative_prompt": negative} if negative else {}
+    if family == "qwen-image-edit":
+        import PIL.Image
+
+        extra["image"] = PIL.Image.open(io.BytesIO(families.edit_picture(size))).convert("RGB")
     whole: list[float] = []
     png: list[float] = []
     for _ in range(args.warmup + args.repeats):
@@ -110,6 +115,7 @@ def mesh_spans(folder: Path, family: str, device: torch.device, args, work: Path
         num_inference_steps=args.steps,
         guidance_scale=guidance,
         seed=args.seed,
+        init_image=families.edit_picture(size) if family == "qwen-image-edit" else b"",
     )
     request = gateway_pb2.GenerateUnaryRequest(params=params)
     client: list[float] = []
