@@ -156,11 +156,16 @@ def timeline(spans: list, repeats: int) -> list[tuple[str, float, float]]:
     return sorted(out, key=lambda row: row[1])
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser():
     p = families.build_parser()
+    p.description = __doc__.split("\n\n")[0]
     p.set_defaults(repeats=5, steps=4)
     p.add_argument("--family", default="flux2-klein", choices=sorted(families.FAMILIES))
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory(prefix="gap-") as tmp:
         work = Path(tmp)
