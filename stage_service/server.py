@@ -104,7 +104,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         with tracing.span("decode inputs"):
             inputs = {name: tensors.from_proto(t, f"inputs[{name}]") for name, t in request.inputs.items()}
         explicit_steps = request.params.HasField("num_inference_steps")
-        shared = request.outputs_in_shared_memory
+        # Asked by a caller on another host (a gateway misconfigured), the outputs go inline.
+        shared = request.outputs_in_shared_memory and shared_tensors.local_peer(context.peer())
         images = rpc.images_hint(context)
         async for event in self._engine.run(request_id, params, inputs, explicit_steps, images):
             if isinstance(event, ProgressEvent):

@@ -50,6 +50,19 @@ def min_bytes() -> int:
     return DEFAULT_MIN_BYTES
 
 
+def local_peer(peer: str) -> bool:
+    """Whether a gRPC peer (`context.peer()`) is on this host: a loopback address or a Unix socket.
+    A stage writes segments only for such a caller; one on another host could never read them."""
+    if peer.startswith("unix:"):
+        return True
+    if peer.startswith("ipv4:"):
+        return peer[5:].startswith("127.")
+    if peer.startswith("ipv6:"):
+        host = peer[5:].rsplit(":", 1)[0].strip("[]")
+        return host == "::1" or host.startswith("::ffff:127.")
+    return False
+
+
 def relay_name(owner_pid: int) -> str:
     return f"stagemesh-{owner_pid}-relay-{secrets.token_hex(16)}"
 

@@ -114,3 +114,22 @@ def test_discard_unlinks_relay_segments_only(array, tmp_path):
     plain = tensor_pb2.Tensor(dtype="uint8", shape=[2], data=b"ab")
     shared_tensors.discard([message, plain, message])  # twice: the second finds it gone
     assert not _path(message.shm_name).exists()
+
+
+@pytest.mark.parametrize(
+    ("peer", "local"),
+    [
+        ("ipv4:127.0.0.1:51634", True),
+        ("ipv4:127.0.1.1:80", True),
+        ("unix:", True),
+        ("unix:/tmp/stage.sock", True),
+        ("ipv6:[::1]:5000", True),
+        ("ipv6:[::ffff:127.0.0.1]:5000", True),
+        ("ipv4:10.0.0.7:51634", False),
+        ("ipv6:[2001:db8::1]:5000", False),
+        ("ipv4:1127.0.0.1:1", False),
+        ("", False),
+    ],
+)
+def test_only_a_caller_on_this_host_gets_segments(peer, local):
+    assert shared_tensors.local_peer(peer) is local
