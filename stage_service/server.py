@@ -26,7 +26,7 @@ from stagemesh.stage_service.models.contract import TensorSpec
 from stagemesh.stage_service.models.model_dir import prepare_model_dir
 from stagemesh.stage_service.settings import StageSettings
 from stagemesh.stage_service.transport import relay, tensors
-from stagemesh.v1 import control_pb2, stage_pb2, stage_pb2_grpc
+from stagemesh.v1 import control_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 
 log = logs.get_logger("stagemesh.stage")
 
@@ -59,9 +59,10 @@ def _encode_outputs(
     least = shared_tensors.min_bytes() if shared_memory else 0
     try:
         for name, tensor in outputs.items():
+            pieces = None
             if shared_memory and tensor.numel() and tensor.numel() * tensor.element_size() >= least:
-                pieces = [tensors.to_shared_proto(tensor, os.getpid())]
-            else:
+                pieces = _shared_piece(tensor)
+            if pieces is None:
                 pieces = codec.split_rows(tensors.to_proto(tensor), OUTPUT_MESSAGE_BYTES)
             for piece in pieces:
                 if not messages or name in messages[-1].outputs or size + len(piece.data) > OUTPUT_MESSAGE_BYTES:
@@ -73,6 +74,16 @@ def _encode_outputs(
         relay.discard(messages)
         raise
     return messages or [stage_pb2.StageOutputs()]
+
+
+def _shared_piece(tensor: torch.Tensor) -> list[tensor_pb2.Tensor] | None:
+    """The tensor in a segment of its own; None where /dev/shm will not take it (full, or out of
+    files): the output then goes inside the messages, as for a caller on another host."""
+    try:
+        return [tensors.to_shared_proto(tensor, os.getpid())]
+    except OSError as exc:
+        log.warning("shared memory refused an output; sending it inline", error=str(exc))
+        return None
 
 
 class StageServicer(stage_pb2_grpc.StageServiceServicer):

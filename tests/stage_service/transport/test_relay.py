@@ -40,6 +40,17 @@ def test_without_shared_memory_every_output_is_inline():
     assert not message.outputs["x"].shm_name and len(message.outputs["x"].data) == big.numel() * 4
 
 
+def test_a_full_dev_shm_sends_the_output_inline(monkeypatch):
+    def full(data, owner_pid):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shared_tensors, "export", full)
+    big = torch.randn(600, 1024)
+    (message,) = server._encode_outputs({"x": big}, "tensor", shared_memory=True)
+    assert not message.outputs["x"].shm_name
+    assert torch.equal(tensors.from_proto(message.outputs["x"]), big)
+
+
 def test_names_nobody_read_are_unlinked_after_a_while_and_at_stop():
     sent = relay.SentSegments(unread_after_s=0.05)
     first = tensors.to_shared_proto(torch.zeros(300_000, dtype=torch.float32), 1).shm_name
