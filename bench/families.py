@@ -154,9 +154,22 @@ def load_diffusers(folder: Path, args):
     return pipe
 
 
-def diffusers_case(folder: Path, family: str, device: torch.device, args, group: bool) -> dict:
+def pipeline_call(family: str, args) -> dict:
+    """The keywords of the peer's pipeline call for one request (the generator aside)."""
     import PIL.Image
 
+    size, guidance, negative = _request(family, args)
+    keyword = "true_cfg_scale" if family.startswith("qwen-image") else "guidance_scale"
+    call: dict = {"prompt": PROMPT, "width": size, "height": size, "num_inference_steps": args.steps}
+    call.update({"output_type": "pt", keyword: guidance})
+    if negative:
+        call["negative_prompt"] = negative
+    if family == "qwen-image-edit":
+        call["image"] = PIL.Image.open(io.BytesIO(edit_picture(size))).convert("RGB")
+    return call
+
+
+def diffusers_case(folder: Path, family: str, device: torch.device, args, group: bool) -> dict:
     pipe = load_diffusers(folder, args)
     pipe.set_progress_bar_config(disable=True)
     if group:
@@ -172,23 +185,10 @@ def diffusers_case(folder: Path, family: str, device: torch.device, args, group:
                 component.to(device)
     else:
         pipe.to(device)
-    size, guidance, negative = _request(family, args)
-    keyword = "true_cfg_scale" if family.startswith("qwen-image") else "guidance_scale"
-    extra: dict = {"negative_prompt": negative} if negative else {}
-    if family == "qwen-image-edit":
-        extra["image"] = PIL.Image.open(io.BytesIO(edit_picture(size))).convert("RGB")
+    call = pipeline_call(family, args)
 
     def run() -> bytes:
-        image = pipe(
-            prompt=PROMPT,
-            width=size,
-            height=size,
-            num_inference_steps=args.steps,
-            output_type="pt",
-            generator=torch.Generator().manual_seed(args.seed),
-            **{keyword: guidance},
-            **extra,
-        ).images[0]
+        image = pipe(**call, generator=torch.Generator().manual_seed(args.seed)).images[0]
         return encode_png(image.permute(1, 2, 0).float().cpu().numpy())
 
     png = run()

@@ -13,7 +13,6 @@ Run: python -m bench.investigations.resident_gap --family flux2-klein --model-di
 
 from __future__ import annotations
 
-import io
 import os
 import statistics
 import sys
@@ -57,27 +56,12 @@ def diffusers_parts(folder: Path, family: str, device: torch.device, args) -> di
     decode: list[float] = []
     pipe.encode_prompt = _timing(pipe.encode_prompt, device, encode)
     pipe.vae.decode = _timing(pipe.vae.decode, device, decode)
-    size, guidance, negative = families._request(family, args)
-    keyword = "true_cfg_scale" if family.startswith("qwen-image") else "guidance_scale"
-    extra: dict = {"negative_prompt": negative} if negative else {}
-    if family == "qwen-image-edit":
-        import PIL.Image
-
-        extra["image"] = PIL.Image.open(io.BytesIO(families.edit_picture(size))).convert("RGB")
+    call = families.pipeline_call(family, args)
     whole: list[float] = []
     png: list[float] = []
     for _ in range(args.warmup + args.repeats):
         started = time.perf_counter()
-        image = pipe(
-            prompt=families.PROMPT,
-            width=size,
-            height=size,
-            num_inference_steps=args.steps,
-            output_type="pt",
-            generator=torch.Generator().manual_seed(args.seed),
-            **{keyword: guidance},
-            **extra,
-        ).images[0]
+        image = pipe(**call, generator=torch.Generator().manual_seed(args.seed)).images[0]
         pixels = image.permute(1, 2, 0).float().cpu().numpy()
         encoded = time.perf_counter()
         encode_png(pixels)
