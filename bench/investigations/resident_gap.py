@@ -151,6 +151,8 @@ def build_parser():
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as the mesh's stages get (bench/families.py does the same)
     with tempfile.TemporaryDirectory(prefix="gap-") as tmp:
         work = Path(tmp)
         folder = (Path(args.model_dir) if args.model_dir else work) / args.family
