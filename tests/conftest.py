@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -8,6 +9,14 @@ import pytest
 from stagemesh.stage_service.models.config import PipelineConfig
 from stagemesh.stage_service.models.weights import ensure_model_dir
 from tests.support.meshproc import Mesh, segments_of, shm_entries, start_mesh, write_config
+
+# torch.compile on the CPU in this process and every process the tests start (inductor reads both
+# when first imported, after this). The vector-ISA check builds and loads a probe library per ISA
+# in every fresh compile cache, about 10 s of g++ on two shared cores each time: the CPU's own
+# flags are taken instead (an ISA the compiler cannot build then fails the compile, loudly). One
+# compile thread: a pool of compile workers, each importing torch, costs more than it saves here.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 # The files that take a minute or more of the suite (--durations on two shared cores), longest
 # first. scripts/test hands xdist the files in collection order (--no-loadscope-reorder), so these
