@@ -18,26 +18,26 @@ from tests.support.meshproc import Mesh, segments_of, shm_entries, start_mesh, w
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
-# The files that take a minute or more of the suite (--durations on two shared cores), longest
+# The files that take 40 s or more of the suite (--junitxml times on two shared cores), longest
 # first. scripts/test hands xdist the files in collection order (--no-loadscope-reorder), so these
 # start first and the short files fill in around them; a long file taken last would run alone
 # while the other worker idles. A file not listed keeps its place after them.
 LONG_FILES_FIRST = (
-    "tests/app/test_cold_start_bench.py",
-    "tests/app/test_bench_families.py",
+    "tests/e2e/test_acceleration_mesh.py",
     "tests/e2e/test_video.py",
     "tests/stage_service/test_image_parallel.py",
-    "tests/e2e/test_acceleration_mesh.py",
+    "tests/app/test_bench_families.py",
+    "tests/stage_service/models/test_qwen_image_edit.py",
     "tests/stage_service/models/test_diffusers_families.py",
     "tests/stage_service/models/test_diffusers_models.py",
-    "tests/app/test_cli_errors.py",
+    "tests/e2e/test_lifecycle.py",
     "tests/client/test_client_mesh.py",
+    "tests/app/test_cold_start_bench.py",
+    "tests/e2e/test_adapters_mesh.py",
     "tests/stage_service/test_tensor_parallel.py",
     "tests/stage_service/models/test_acceleration_flux.py",
     "tests/e2e/test_compiled_invariance.py",
-    "tests/e2e/test_sleep_wake.py",
-    "tests/stage_service/offload/test_offload_engine.py",
-    "tests/e2e/test_stalled_clients.py",
+    "tests/e2e/test_faults.py",
 )
 
 
