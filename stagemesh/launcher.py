@@ -110,6 +110,7 @@ def _children(
             f"stage-{s.stage_id}",
             _stage_argv(s, config, cache_address, level),
             port=s.port,
+            stop_group="stages",
         )
         for s in config.stages
     ]

@@ -1,5 +1,5 @@
 """Start child services in order, wait until each is SERVING, restart the ones that die (with
-backoff, bounded), and stop them all in reverse order."""
+backoff, bounded), and stop them all in reverse order (the children of one stop group at once)."""
 
 from __future__ import annotations
 
@@ -33,11 +33,14 @@ class StartFailed(RuntimeError):
 
 @dataclass(eq=False)
 class Child:
-    """One supervised service. `argv(port)` builds its command line for a given port."""
+    """One supervised service. `argv(port)` builds its command line for a given port. Children
+    next to one another in reverse start order with the same non-empty `stop_group` are stopped
+    at once (a mesh's stages: none needs another to stop)."""
 
     name: str
     argv: Callable[[int], list[str]]
     port: int = 0
+    stop_group: str = ""
     address: str = ""
     ready: dict = field(default_factory=dict)  # the ready file it last wrote (further addresses: "http")
     process: subprocess.Popen | None = None
@@ -151,22 +154,33 @@ class Supervisor:
         return True
 
     def stop_all(self) -> None:
-        """SIGTERM in reverse start order, SIGKILL what does not stop in time."""
-        for child in reversed(self._children):
-            proc = child.process
-            if proc is None or proc.poll() is not None:
-                continue
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(self._settings.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                log.warning("did not stop in time; killing", child=child.name)
-                proc.kill()
-                proc.wait()
-            log.info("stopped", child=child.name, exit_code=proc.returncode)
+        """SIGTERM in reverse start order, a stop group at once; SIGKILL what does not stop in time."""
+        for wave in self._stop_waves():
+            running = [(c, c.process) for c in wave if c.process is not None and c.process.poll() is None]
+            for _, proc in running:
+                proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self._settings.stop_timeout_s  # each child's own grace
+            for child, proc in running:
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("did not stop in time; killing", child=child.name)
+                    proc.kill()
+                    proc.wait()
+                log.info("stopped", child=child.name, exit_code=proc.returncode)
         for leftover in self._run_dir.glob("*"):
             leftover.unlink(missing_ok=True)
         self._run_dir.rmdir()
+
+    def _stop_waves(self) -> list[list[Child]]:
+        """The children in reverse start order, neighbours of one stop group in one wave."""
+        waves: list[list[Child]] = []
+        for child in reversed(self._children):
+            if waves and child.stop_group and waves[-1][-1].stop_group == child.stop_group:
+                waves[-1].append(child)
+            else:
+                waves.append([child])
+        return waves
 
 
 def service_argv(command: str, *flags: str) -> list[str]:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -9,26 +10,34 @@ from stagemesh.stage_service.models.config import PipelineConfig
 from stagemesh.stage_service.models.weights import ensure_model_dir
 from tests.support.meshproc import Mesh, segments_of, shm_entries, start_mesh, write_config
 
-# The files that take a minute or more of the suite (--durations on two shared cores), longest
+# torch.compile on the CPU in this process and every process the tests start (inductor reads both
+# when first imported, after this). The vector-ISA check builds and loads a probe library per ISA
+# in every fresh compile cache, about 10 s of g++ on two shared cores each time: the CPU's own
+# flags are taken instead (an ISA the compiler cannot build then fails the compile, loudly). One
+# compile thread: a pool of compile workers, each importing torch, costs more than it saves here.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+# The files that take 40 s or more of the suite (--junitxml times on two shared cores), longest
 # first. scripts/test hands xdist the files in collection order (--no-loadscope-reorder), so these
 # start first and the short files fill in around them; a long file taken last would run alone
 # while the other worker idles. A file not listed keeps its place after them.
 LONG_FILES_FIRST = (
-    "tests/app/test_cold_start_bench.py",
-    "tests/app/test_bench_families.py",
+    "tests/e2e/test_acceleration_mesh.py",
     "tests/e2e/test_video.py",
     "tests/stage_service/test_image_parallel.py",
-    "tests/e2e/test_acceleration_mesh.py",
+    "tests/app/test_bench_families.py",
+    "tests/stage_service/models/test_qwen_image_edit.py",
     "tests/stage_service/models/test_diffusers_families.py",
     "tests/stage_service/models/test_diffusers_models.py",
-    "tests/app/test_cli_errors.py",
+    "tests/e2e/test_lifecycle.py",
     "tests/client/test_client_mesh.py",
+    "tests/app/test_cold_start_bench.py",
+    "tests/e2e/test_adapters_mesh.py",
     "tests/stage_service/test_tensor_parallel.py",
     "tests/stage_service/models/test_acceleration_flux.py",
     "tests/e2e/test_compiled_invariance.py",
-    "tests/e2e/test_sleep_wake.py",
-    "tests/stage_service/offload/test_offload_engine.py",
-    "tests/e2e/test_stalled_clients.py",
+    "tests/e2e/test_faults.py",
 )
 
 

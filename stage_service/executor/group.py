@@ -46,6 +46,7 @@ class WorkerProcess:
     ready: protocol.Ready | None = None
     stats: protocol.WorkerStats | None = None  # from the worker's latest reply
     stopping: bool = False
+    shutdown_sent: bool = False  # a Shutdown is in its request queue
     group: int = 0  # index of its WorkerGroup
     last_heard: float = 0.0  # monotonic time of its latest message (heartbeats included)
     hung_for: float = 0.0  # seconds of silence after which it was killed as hung; 0: not hung

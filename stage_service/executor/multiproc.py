@@ -97,9 +97,12 @@ class Executor:
 
     def shutdown(self) -> None:
         self._closed = True
+        workers = [w for g in self.groups for w in g.workers]
+        for w in workers:
+            self._send_shutdown(w)  # every worker winds down at once, not one per join
+        for w in workers:
+            self._stop_worker(w, graceful=True)
         for g in self.groups:
-            for w in g.workers:
-                self._stop_worker(w, graceful=True)
             g.workers = []
         self.outputs.fail_all(errors.Unavailable(f"{self.stage_name}: executor shut down"))
         ipc.sweep(os.getpid())
@@ -376,13 +379,20 @@ class Executor:
         for p in pending.values():
             resolve_future(p.future, exc=exc)
 
+    def _send_shutdown(self, w: WorkerProcess) -> None:
+        w.stopping = True
+        if w.shutdown_sent or not w.process.is_alive():
+            return
+        w.shutdown_sent = True
+        try:
+            w.requests.put(protocol.Shutdown())
+        except (OSError, ValueError):
+            pass  # a broken queue: the join times out and the process is killed
+
     def _stop_worker(self, w: WorkerProcess, graceful: bool, reason: str = "executor shut down") -> None:
         w.stopping = True
         if graceful and w.process.is_alive():
-            try:
-                w.requests.put(protocol.Shutdown())
-            except (OSError, ValueError):
-                pass
+            self._send_shutdown(w)
             w.process.join(JOIN_TIMEOUT_S)
         if w.process.is_alive():
             w.process.kill()

@@ -104,9 +104,17 @@ def _pipeline(folder: Path):
     return diffusers.DiffusionPipeline.from_pretrained(folder, local_files_only=True)
 
 
+@functools.cache
 def reference(folder: Path, case, image: bytes | None = None) -> np.ndarray:
     """diffusers' own pipeline, loaded as a user would, one thread as the stages: float32
-    [frames, height, width, 3] in [0, 1]."""
+    [frames, height, width, 3] in [0, 1]. Computed once per arguments (several tests compare
+    against the same video); read-only, so that no test can change another's reference."""
+    frames = _reference(folder, case, image)
+    frames.setflags(write=False)
+    return frames
+
+
+def _reference(folder: Path, case, image: bytes | None) -> np.ndarray:
     width, height, frames, steps, guidance, seed, prompt, negative = case
     extra = {"image": Image.open(io.BytesIO(image))} if image is not None else {}
     threads = torch.get_num_threads()

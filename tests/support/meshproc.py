@@ -305,6 +305,8 @@ def parallel_meshes(
     try:
         if while_starting is not None:
             while_starting()
+    except BaseException as exc:  # noqa: BLE001 - re-raised below, once the meshes are stopped
+        errors.append(exc)
     finally:
         for t in threads:
             t.join()

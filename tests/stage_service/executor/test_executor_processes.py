@@ -183,6 +183,33 @@ def test_shutdown_closes_queues_and_fails_pending_even_when_the_request_queue_is
     assert isinstance(fut.exception(0), errors.Unavailable)
 
 
+def _stops_with_its_peer(up, requests, mine, peer) -> None:
+    """A stand-in worker: on Shutdown it exits 0, but only once its peer was told to stop too."""
+    up.set()
+    assert isinstance(requests.get(timeout=60), protocol.Shutdown)
+    mine.set()
+    os._exit(0 if peer.wait(30) else 3)
+
+
+def test_shutdown_tells_every_worker_before_joining_any(monkeypatch):
+    monkeypatch.setattr(executor_mod, "JOIN_TIMEOUT_S", 2.0)  # one at a time: the first is killed
+    ex = Executor(_settings(workers=2))
+    ctx = mp.get_context("spawn")
+    up, told = [ctx.Event(), ctx.Event()], [ctx.Event(), ctx.Event()]
+    workers = []
+    for i, g in enumerate(ex.groups):
+        requests = ctx.Queue()
+        proc = ctx.Process(target=_stops_with_its_peer, args=(up[i], requests, told[i], told[1 - i]), daemon=True)
+        proc.start()
+        receiver, sender = result_pipe(ctx)
+        sender.close()
+        g.workers = [WorkerProcess(g.specs[0], proc, requests, receiver, group=i)]
+        workers.append(g.workers[0])
+    assert all(event.wait(60) for event in up)
+    ex.shutdown()
+    assert [w.process.exitcode for w in workers] == [0, 0]
+
+
 # ---- points 8 and 9 with a real worker process on the real tiny model ---------------------------------
 
 

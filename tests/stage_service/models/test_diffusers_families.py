@@ -70,7 +70,9 @@ def meshes(folders, tmp_path_factory) -> dict[str, Mesh]:
         root = tmp_path_factory.mktemp(name)
         return start_mesh(_config(root / "mesh.toml", MESHES[name]), root / "mesh.log", ("--model", str(folders[name])))
 
-    with parallel_meshes({name: functools.partial(start, name) for name in MESHES}) as started:
+    # diffusers' own images are computed while the meshes load.
+    starters = {name: functools.partial(start, name) for name in MESHES}
+    with parallel_meshes(starters, while_starting=lambda: _reference(tuple(folders.items()))) as started:
         yield started
 
 
@@ -93,12 +95,17 @@ def _diffusers_call(pipe, family: str, case, **extra):
 
 @pytest.fixture(scope="module")
 def reference(folders) -> dict[tuple, torch.Tensor]:
+    return _reference(tuple(folders.items()))
+
+
+@functools.cache
+def _reference(folders: tuple[tuple[str, Path], ...]) -> dict[tuple, torch.Tensor]:
     """diffusers' own pipeline, loaded as any user would, one thread as the stages run."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     out = {}
     try:
-        for family, folder in folders.items():
+        for family, folder in folders:
             pipe = diffusers.DiffusionPipeline.from_pretrained(folder, local_files_only=True)
             for case in CASES[family]:
                 out[family, case] = _diffusers_call(pipe, family, case)[0].permute(1, 2, 0).float()

@@ -77,18 +77,25 @@ def meshes(folders, tmp_path_factory) -> dict[str, Mesh]:
         root = tmp_path_factory.mktemp(name)
         return start_mesh(_config(root / "mesh.toml", stages), root / "mesh.log", ("--model", str(folders[family])))
 
-    with parallel_meshes({name: functools.partial(start, name) for name in MESHES}) as started:
+    # diffusers' own images are computed while the meshes load.
+    starters = {name: functools.partial(start, name) for name in MESHES}
+    with parallel_meshes(starters, while_starting=lambda: _reference(tuple(folders.items()))) as started:
         yield started
 
 
 @pytest.fixture(scope="module")
 def reference(folders) -> dict[tuple, torch.Tensor]:
+    return _reference(tuple(folders.items()))
+
+
+@functools.cache
+def _reference(folders: tuple[tuple[str, Path], ...]) -> dict[tuple, torch.Tensor]:
     """diffusers' own pipeline, one process, loaded as any user would, one thread as the stages."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     out = {}
     try:
-        for family, folder in folders.items():
+        for family, folder in folders:
             pipe = diffusers.DiffusionPipeline.from_pretrained(folder, local_files_only=True)
             for case in CASES:
                 width, height, steps, guidance, seed, prompt = case
