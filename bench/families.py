@@ -196,10 +196,8 @@ def diffusers_case(folder: Path, family: str, device: torch.device, args, group:
     return {"latency_ms": common.summarize(times), "png": png}
 
 
-def mesh_case(folder: Path, family: str, device: torch.device, args, name: str, work: Path) -> dict:
-    dlo = name.startswith("mesh-dlo")
-    config = _mesh_config(work / f"{family}-{name}.toml", str(device), dlo, EIGHT_BIT.get(name, ""))
-    mesh = start_mesh(config, work / f"{family}-{name}.log", ("--model", str(folder)), timeout_s=1800)
+def mesh_request(family: str, args) -> gateway_pb2.GenerateUnaryRequest:
+    """The mesh's request for what pipeline_call asks of the peer."""
     size, guidance, negative = _request(family, args)
     params = generation_pb2.GenerationParams(
         prompt=PROMPT,
@@ -211,7 +209,14 @@ def mesh_case(folder: Path, family: str, device: torch.device, args, name: str, 
         seed=args.seed,
         init_image=edit_picture(size) if family == "qwen-image-edit" else b"",
     )
-    request = gateway_pb2.GenerateUnaryRequest(params=params)
+    return gateway_pb2.GenerateUnaryRequest(params=params)
+
+
+def mesh_case(folder: Path, family: str, device: torch.device, args, name: str, work: Path) -> dict:
+    dlo = name.startswith("mesh-dlo")
+    config = _mesh_config(work / f"{family}-{name}.toml", str(device), dlo, EIGHT_BIT.get(name, ""))
+    mesh = start_mesh(config, work / f"{family}-{name}.log", ("--model", str(folder)), timeout_s=1800)
+    request = mesh_request(family, args)
     try:
         with mesh.channel() as channel:
             stub = mesh.gateway(channel)

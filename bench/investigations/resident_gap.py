@@ -25,7 +25,6 @@ import torch
 
 from bench import common, families
 from stagemesh.gateway.images import encode_png
-from stagemesh.v1 import gateway_pb2, generation_pb2
 from tests.support.meshproc import start_mesh
 from tests.support.otlp_collector import Collector
 
@@ -90,18 +89,7 @@ def mesh_spans(folder: Path, family: str, device: torch.device, args, work: Path
     )
     config = families._mesh_config(work / "gap.toml", str(device), dlo=False)
     mesh = start_mesh(config, work / "gap.log", ("--model", str(folder)), timeout_s=1800, env=env)
-    size, guidance, negative = families._request(family, args)
-    params = generation_pb2.GenerationParams(
-        prompt=families.PROMPT,
-        negative_prompt=negative,
-        width=size,
-        height=size,
-        num_inference_steps=args.steps,
-        guidance_scale=guidance,
-        seed=args.seed,
-        init_image=families.edit_picture(size) if family == "qwen-image-edit" else b"",
-    )
-    request = gateway_pb2.GenerateUnaryRequest(params=params)
+    request = families.mesh_request(family, args)
     client: list[float] = []
     try:
         with mesh.channel() as channel:
