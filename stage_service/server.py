@@ -56,12 +56,11 @@ def _encode_outputs(
     outputs = tensors.encoded_form(outputs, output_format)  # the worker's already, where it ran
     messages: list[stage_pb2.StageOutputs] = []
     size = OUTPUT_MESSAGE_BYTES
-    least = shared_tensors.min_bytes() if shared_memory else 0
+    least = shared_tensors.min_bytes() if shared_memory else None
     try:
         for name, tensor in outputs.items():
-            pieces = None
-            if shared_memory and tensor.numel() and tensor.numel() * tensor.element_size() >= least:
-                pieces = _shared_piece(tensor)
+            nbytes = tensor.numel() * tensor.element_size()
+            pieces = _shared_piece(tensor) if least is not None and nbytes and nbytes >= least else None
             if pieces is None:
                 pieces = codec.split_rows(tensors.to_proto(tensor), OUTPUT_MESSAGE_BYTES)
             for piece in pieces:

@@ -13,7 +13,6 @@ processes' segments the next stage start on the host runs (transport/ipc.py, swe
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -22,35 +21,28 @@ from stagemesh.core import shared_tensors
 from stagemesh.v1 import stage_pb2
 
 UNREAD_AFTER_S = 120.0
+MAX_REMEMBERED = 4096  # past this many unread names the oldest go first (a bound on the deque)
 
 
 class SentSegments:
-    """Names of segments sent and maybe not read yet, oldest first."""
+    """Names of segments sent and maybe not read yet, oldest first (used on the event loop only)."""
 
     def __init__(self, unread_after_s: float = UNREAD_AFTER_S) -> None:
         self._unread_after_s = unread_after_s
         self._sent: deque[tuple[float, str]] = deque()
-        self._lock = threading.Lock()  # sent from encoding threads, dropped from the event loop
 
     def sent(self, names: Iterable[str]) -> None:
         now = time.monotonic()
-        with self._lock:
-            self._sent.extend((now, name) for name in names)
-            stale = []
-            while self._sent and (now - self._sent[0][0] > self._unread_after_s or len(self._sent) > 4096):
-                stale.append(self._sent.popleft()[1])
-        _unlink(stale)
+        self._sent.extend((now, name) for name in names)
+        stale = []
+        while self._sent and (now - self._sent[0][0] > self._unread_after_s or len(self._sent) > MAX_REMEMBERED):
+            stale.append(self._sent.popleft()[1])
+        shared_tensors.unlink(stale)
 
     def drop_all(self) -> None:
-        with self._lock:
-            names = [name for _, name in self._sent]
-            self._sent.clear()
-        _unlink(names)
-
-
-def _unlink(names: Iterable[str]) -> None:
-    for name in names:
-        (shared_tensors.SHM_DIR / name).unlink(missing_ok=True)
+        names = [name for _, name in self._sent]
+        self._sent.clear()
+        shared_tensors.unlink(names)
 
 
 def names_in(messages: Iterable[stage_pb2.StageOutputs]) -> list[str]:

@@ -120,6 +120,11 @@ def take(name: str, nbytes: int, field: str = "tensor") -> memoryview:
 def discard(messages: Iterable[tensor_pb2.Tensor]) -> None:
     """Unlink the segments of these messages that nobody read (a request that failed or was
     cancelled between two stages); those already read are gone, which is fine."""
-    for message in messages:
-        if message.shm_name and _NAME.fullmatch(message.shm_name):
-            (SHM_DIR / message.shm_name).unlink(missing_ok=True)
+    unlink(m.shm_name for m in messages if m.shm_name)
+
+
+def unlink(names: Iterable[str]) -> None:
+    """Unlink relay segments by name (gone already is fine; other names are left alone)."""
+    for name in names:
+        if _NAME.fullmatch(name):
+            (SHM_DIR / name).unlink(missing_ok=True)
